@@ -1,0 +1,169 @@
+"""What a hook does to the tensor at its site: capture it or change it.
+
+Each action is a small class with typed arguments. The same action works at a forward site
+(it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
+tensor that continues the computation; a capture returns its input unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from hookrun.errors import HookrunError
+
+__all__ = [
+    "SiteContext",
+    "Action",
+    "Capture",
+    "Scale",
+    "Add",
+    "Clamp",
+    "Zero",
+    "Noise",
+    "ACTIONS",
+    "build_action",
+]
+
+
+class SiteContext(Protocol):
+    """What an action may use at the moment it runs."""
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """Store `tensor` as this site's capture for the current batch."""
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A random generator seeded for this hook and batch (same seed → same numbers)."""
+
+
+class Action:
+    """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type]
+    captures: ClassVar[bool] = False
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """`clamp{min=0.0}`: how the plan prints this action."""
+        items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
+        return f"{self.name}{{{items}}}" if items else self.name
+
+
+@dataclass
+class NoArgs:
+    pass
+
+
+@dataclass
+class ScaleArgs:
+    factor: float = 1.0
+
+
+@dataclass
+class AddArgs:
+    value: float = 0.0
+
+
+@dataclass
+class ClampArgs:
+    min: float | None = None
+    max: float | None = None
+
+
+@dataclass
+class NoiseArgs:
+    std: float = 1.0
+
+
+class Capture(Action):
+    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it)."""
+
+    name, Args, captures = "capture", NoArgs, True
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        ctx.record(tensor)
+        return tensor
+
+
+class Scale(Action):
+    """Multiply by `factor` (the seeds' `2 * grad`)."""
+
+    name, Args = "scale", ScaleArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor * self.args.factor
+
+
+class Add(Action):
+    """Add `value` to every element (the seeds' `grad + 2`)."""
+
+    name, Args = "add", AddArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor + self.args.value
+
+
+class Clamp(Action):
+    """Clamp into [min, max]; `clamp {min: 0}` at a ReLU's grad_input is Guided Backprop."""
+
+    name, Args = "clamp", ClampArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor.clamp(min=self.args.min, max=self.args.max)
+
+
+class Zero(Action):
+    """Replace with zeros (ablation of an activation, or cutting a gradient path)."""
+
+    name, Args = "zero", NoArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return torch.zeros_like(tensor)
+
+
+class Noise(Action):
+    """Add Gaussian noise of `std`, drawn from the run's seeded generator."""
+
+    name, Args = "noise", NoiseArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        gen = ctx.generator(tensor.device)
+        noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype)
+        return tensor + self.args.std * noise
+
+
+ACTIONS: dict[str, type[Action]] = {
+    cls.name: cls for cls in (Capture, Scale, Add, Clamp, Zero, Noise)
+}
+
+
+def build_action(name: str, args: dict[str, Any], key: str) -> Action:
+    """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
+    from hookrun.config import parse_typed  # config imports nothing from here: no cycle
+
+    cls = ACTIONS.get(name)
+    if cls is None:
+        raise HookrunError(
+            f"{key}.action: {name!r} is not an action; valid: {', '.join(ACTIONS)}"
+        )
+    parsed = parse_typed(args, cls.Args, f"{key}.args")
+    for field_name, value in vars(parsed).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HookrunError(f"{key}.args.{field_name}: {value} is not a finite number")
+    if isinstance(parsed, ClampArgs):
+        if parsed.min is None and parsed.max is None:
+            raise HookrunError(f"{key}.args: clamp needs min, max or both")
+        if parsed.min is not None and parsed.max is not None and parsed.min > parsed.max:
+            raise HookrunError(f"{key}.args: clamp min {parsed.min} is above max {parsed.max}")
+    if isinstance(parsed, NoiseArgs) and parsed.std < 0:
+        raise HookrunError(f"{key}.args.std: {parsed.std} is negative; valid: std >= 0")
+    return cls(parsed)

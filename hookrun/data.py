@@ -1,0 +1,125 @@
+"""Dataset builders. Every dataset yields (tensor, label, index); rows keep dataset order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import datasets, transforms
+
+from hookrun.config import ConstantDatasetConfig, FakeDatasetConfig, ImageFolderDatasetConfig
+from hookrun.errors import HookrunError
+
+__all__ = ["NO_LABEL", "FakeImages", "ConstantData", "build_dataset", "make_loader", "has_labels"]
+
+# Label stored for datasets without labels (never written to /samples/label).
+NO_LABEL = -1
+
+
+class FakeImages(Dataset):
+    """Seeded random images made directly as tensors; sample i depends only on (seed, i)."""
+
+    has_labels = True
+
+    def __init__(self, cfg: FakeDatasetConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def __len__(self) -> int:
+        return self.cfg.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        c, s = self.cfg.channels, self.cfg.image_size
+        image = torch.randn((c, s, s), generator=gen)
+        label = int(torch.randint(self.cfg.num_classes, (1,), generator=gen))
+        return image, label, index
+
+
+class ConstantData(Dataset):
+    """`size` copies of one tensor filled with `value` (the seeds' `ones(1, 1, 4, 4)`)."""
+
+    has_labels = False
+
+    def __init__(self, cfg: ConstantDatasetConfig) -> None:
+        self.cfg = cfg
+
+    def __len__(self) -> int:
+        return self.cfg.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        return torch.full(tuple(self.cfg.shape), float(self.cfg.value)), NO_LABEL, index
+
+
+class _IndexedImageFolder(datasets.ImageFolder):
+    """ImageFolder that adds the index and names the file it cannot read."""
+
+    has_labels = True
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        path = self.samples[index][0]
+        try:
+            image, label = super().__getitem__(index)
+        except (OSError, ValueError) as err:
+            raise HookrunError(f"dataset.root: cannot read image {path} ({err})") from None
+        return image, label, index
+
+
+def _image_folder(cfg: ImageFolderDatasetConfig) -> Dataset:
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        raise HookrunError(
+            f"dataset.root: {cfg.root!r} is not a directory; valid: a folder with one "
+            "sub-folder of images per class"
+        )
+    if len(cfg.mean) != len(cfg.std):
+        raise HookrunError(f"dataset.std: {len(cfg.std)} values for {len(cfg.mean)} means")
+    if any(s <= 0 for s in cfg.std):
+        raise HookrunError(f"dataset.std: {cfg.std} has a value <= 0; valid: positive numbers")
+    transform = transforms.Compose(
+        [
+            transforms.Resize(cfg.resize),
+            transforms.CenterCrop(cfg.crop),
+            transforms.ToTensor(),
+            transforms.Normalize(cfg.mean, cfg.std),
+        ]
+    )
+    try:
+        return _IndexedImageFolder(str(root), transform=transform)
+    except (FileNotFoundError, OSError) as err:
+        raise HookrunError(f"dataset.root: {cfg.root}: {err}") from None
+
+
+def build_dataset(cfg: object, seed: int, limit: int | None) -> Dataset:
+    """The dataset `cfg` describes, cut to its first `limit` samples."""
+    if isinstance(cfg, FakeDatasetConfig):
+        data: Dataset = FakeImages(cfg, seed)
+    elif isinstance(cfg, ConstantDatasetConfig):
+        data = ConstantData(cfg)
+    elif isinstance(cfg, ImageFolderDatasetConfig):
+        data = _image_folder(cfg)
+    else:
+        raise TypeError(f"no builder for {type(cfg).__name__}")
+    if limit is not None and limit < len(data):
+        labelled = has_labels(data)
+        data = Subset(data, range(limit))
+        data.has_labels = labelled  # type: ignore[attr-defined]
+    return data
+
+
+def has_labels(data: Dataset) -> bool:
+    """Whether the dataset's labels mean something (and go to /samples/label)."""
+    return bool(getattr(data, "has_labels", False))
+
+
+def make_loader(data: Dataset, batch_size: int, num_workers: int, seed: int) -> DataLoader:
+    """Sequential batches (rows in dataset order); workers seeded from the run's seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        generator=gen,
+        persistent_workers=False,
+    )

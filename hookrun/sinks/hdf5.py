@@ -1,0 +1,199 @@
+"""Streaming writer for captures.h5: a bounded queue drained by one writer thread.
+
+h5py serialises every call behind one lock, so one writer thread is the useful maximum; the
+queue lets the next batch compute while the last one is written, and its bound (`queue_depth`
+batches) is what caps memory: the producer blocks when the writer falls behind.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from hookrun.errors import HookrunError
+
+__all__ = ["CHUNK_BYTES", "chunk_shape", "check_sink_path", "HDF5Sink"]
+
+# Chunks of about 1 MiB along the sample axis: large enough for fast appends, small
+# enough that reading a few rows does not pull in much more than asked.
+CHUNK_BYTES = 1 << 20
+
+_DONE = object()
+
+
+def chunk_shape(
+    row_shape: tuple[int, ...], itemsize: int, max_rows: int | None = None
+) -> tuple[int, ...]:
+    """A chunk of ~CHUNK_BYTES: whole rows when a row is smaller, else a slab of one row.
+
+    `max_rows` (the rows the run will write) keeps a small run from allocating a whole
+    1 MiB chunk per dataset.
+    """
+    row_bytes = max(1, math.prod(row_shape) * itemsize)
+    if row_bytes <= CHUNK_BYTES:
+        rows = max(1, CHUNK_BYTES // row_bytes)
+        return (min(rows, max_rows) if max_rows else rows, *row_shape)
+    chunk = [1, *row_shape]
+    # Split the leading axes of a large row until the chunk fits (e.g. (1, 8, 224, 224)).
+    for axis in range(1, len(chunk)):
+        inner = math.prod(chunk[axis + 1 :]) * itemsize
+        chunk[axis] = max(1, min(chunk[axis], CHUNK_BYTES // max(1, inner)))
+        if math.prod(chunk) * itemsize <= CHUNK_BYTES:
+            break
+    return tuple(chunk)
+
+
+def check_sink_path(path: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a path that exists (unless `overwrite`) or cannot be written."""
+    if path.is_dir():
+        raise HookrunError(f"sink.path: {path} is a directory; valid: a file path")
+    if path.exists() and not overwrite:
+        raise HookrunError(
+            f"sink.path: {path} already exists and is never overwritten silently; choose "
+            "another sink.path, or set sink.overwrite=true"
+        )
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HookrunError(f"sink.path: cannot create folder {parent} ({err.strerror})") from None
+    probe = parent / f".{path.name}.writable"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise HookrunError(f"sink.path: cannot write in {parent} ({err.strerror})") from None
+
+
+class HDF5Sink:
+    """Append batches of records to one HDF5 file from a background thread.
+
+    Use as a context manager. `write({"captures/fc1/output": array, ...})` queues one batch;
+    every batch must carry the same keys with the same row shape. Datasets are created from
+    the first batch; `expected_rows` (when known) bounds their chunks. Root attribute `completed` counts rows written and flushed; `status`
+    goes `running` → `complete` (or `failed` when the run raised).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        dtype: str = "float32",
+        compression: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        queue_depth: int = 4,
+        overwrite: bool = False,
+        expected_rows: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.compression = compression
+        self.attrs = dict(attrs or {})
+        self.overwrite = overwrite
+        self.expected_rows = expected_rows
+        self.rows = 0
+        self._keys: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._file: h5py.File | None = None
+
+    def __enter__(self) -> HDF5Sink:
+        # 'w-' refuses an existing file even if one appeared after check_sink_path.
+        self._file = h5py.File(self.path, "w" if self.overwrite else "w-")
+        for key, value in self.attrs.items():
+            self._file.attrs[key] = value
+        self._file.attrs["status"] = "running"
+        self._file.attrs["completed"] = 0
+        self._file.flush()
+        self._thread = threading.Thread(target=self._drain, name="hookrun-hdf5-writer", daemon=True)
+        self._thread.start()
+        return self
+
+    def write(self, records: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+        """Queue one batch; blocks while `queue_depth` batches are already waiting."""
+        self._raise_writer_error()
+        self._queue.put(dict(records))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is not None:
+            self._queue.put(_DONE)
+            self._thread.join()
+        assert self._file is not None
+        ok = exc is None and self._error is None
+        self._file.attrs["status"] = "complete" if ok else "failed"
+        if not ok:
+            err = exc or self._error
+            self._file.attrs["error"] = f"{type(err).__name__}: {err}"
+        self._file.close()
+        if exc is None:
+            self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
+
+    def _drain(self) -> None:
+        while (batch := self._queue.get()) is not _DONE:
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks forever
+            try:
+                self._append(batch)
+            except BaseException as err:  # handed to the producer thread, re-raised there
+                self._error = err
+
+    def _append(self, batch: dict[str, Any]) -> None:
+        assert self._file is not None
+        arrays = {
+            k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in batch.items()
+        }
+        if self.rows == 0:
+            for key, array in arrays.items():
+                self._create(key, array)
+        expected = self._keys
+        if set(arrays) != expected:
+            raise RuntimeError(
+                f"batch keys changed: missing {sorted(expected - set(arrays))}, "
+                f"new {sorted(set(arrays) - expected)}"
+            )
+        n = {len(a) for a in arrays.values()}
+        if len(n) != 1:
+            raise RuntimeError(f"records of one batch differ in length: {n}")
+        count = n.pop()
+        for key, array in arrays.items():
+            ds = self._file[key]
+            ds.resize(self.rows + count, axis=0)
+            ds[self.rows : self.rows + count] = array
+        self.rows += count
+        self._file.attrs["completed"] = self.rows
+        self._file.flush()
+
+    def _create(self, key: str, array: np.ndarray) -> None:
+        assert self._file is not None
+        dtype = self.dtype if np.issubdtype(array.dtype, np.floating) else array.dtype
+        row = tuple(array.shape[1:])
+        self._keys.add(key)
+        self._file.create_dataset(
+            key,
+            shape=(0, *row),
+            maxshape=(None, *row),
+            chunks=chunk_shape(row, dtype.itemsize, self.expected_rows),
+            dtype=dtype,
+            compression=self.compression,
+            track_times=False,  # same numbers → same bytes, whenever the run happened
+        )
+

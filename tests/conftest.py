@@ -1,0 +1,64 @@
+"""Shared helpers: compose the real config tree and run it in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hookrun.config import register_configs
+from hookrun.runner import RunResult, run
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+# The seed MLP on its one input [1, 1, 1] (../shared/seeds/README.md).
+SEED_MLP = ["model=seed_mlp", "dataset=constant", "dataset.shape=[3]", "dataset.size=1"]
+SEED_CONVNET = ["model=seed_convnet", "dataset=constant", "dataset.shape=[1,4,4]", "dataset.size=1"]
+
+
+def hook(name: str, select: str, at: str, action: str, **args: float) -> list[str]:
+    """Command-line overrides that add one hook (as a user would type them)."""
+    key = "name" if not select.startswith("type=") else "type"
+    value = select.removeprefix("type=")
+    out = [
+        f"++hooks.{name}.select.{key}={value}",
+        f"++hooks.{name}.at={at}",
+        f"++hooks.{name}.action={action}",
+    ]
+    out += [f"++hooks.{name}.args.{k}={v}" for k, v in args.items()]
+    return out
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def run_config(tmp_path: Path, overrides: list[str]) -> RunResult:
+    """Run like `python -m hookrun OVERRIDES`, with the file in `tmp_path`."""
+    cfg = compose_config([*overrides, "progress=false"])
+    return run(cfg, tmp_path)
+
+
+def read(path: Path) -> dict[str, np.ndarray]:
+    """Every dataset of an HDF5 file, by path."""
+    out: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
+@pytest.fixture
+def run_hookrun(tmp_path: Path):
+    """run_hookrun(overrides) → (RunResult, datasets of its captures.h5)."""
+    counter = iter(range(1000))
+
+    def _run(overrides: list[str]) -> tuple[RunResult, dict[str, np.ndarray]]:
+        result = run_config(tmp_path / f"run{next(counter)}", overrides)
+        return result, (read(result.path) if result.path else {})
+
+    return _run
