@@ -152,9 +152,7 @@ def build_action(name: str, args: dict[str, Any], key: str) -> Action:
 
     cls = ACTIONS.get(name)
     if cls is None:
-        raise HookrunError(
-            f"{key}.action: {name!r} is not an action; valid: {', '.join(ACTIONS)}"
-        )
+        raise HookrunError(f"{key}.action: {name!r} is not an action; valid: {', '.join(ACTIONS)}")
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     for field_name, value in vars(parsed).items():
         if isinstance(value, float) and not math.isfinite(value):

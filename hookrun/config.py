@@ -217,9 +217,7 @@ def parse_typed(node: Any, schema: type, key: str) -> Any:
     if node is None:
         node = {}
     if not isinstance(node, (dict, DictConfig)):
-        raise HookrunError(
-            f"{key}: expected a mapping with keys {_keys_of(schema)}, got {node!r}"
-        )
+        raise HookrunError(f"{key}: expected a mapping with keys {_keys_of(schema)}, got {node!r}")
     raw = OmegaConf.create(node) if isinstance(node, dict) else node
     valid = _keys_of(schema)
     for name in raw:

@@ -195,7 +195,9 @@ def prepare_input(plan: HookPlan, recorder: Recorder, batch: torch.Tensor) -> to
         batch = batch.detach().requires_grad_(True)
         on_grad = plan.at(INPUT_LAYER, Site.grad_output)
         if on_grad:
-            _hook_gradient(batch, on_grad, recorder, capture_key(INPUT_LAYER, Site.grad_output, 0, 0, 1))
+            _hook_gradient(
+                batch, on_grad, recorder, capture_key(INPUT_LAYER, Site.grad_output, 0, 0, 1)
+            )
     return batch
 
 

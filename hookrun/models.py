@@ -76,7 +76,9 @@ def _construct(cfg: ModelConfig) -> nn.Module:
         try:
             return cls(**cfg.kwargs)
         except TypeError as err:
-            raise HookrunError(f"model.kwargs: {cfg._target_}({cfg.kwargs}) failed: {err}") from None
+            raise HookrunError(
+                f"model.kwargs: {cfg._target_}({cfg.kwargs}) failed: {err}"
+            ) from None
     name = str(cfg.name)
     if name in SEED_MODELS:
         if cfg.kwargs:

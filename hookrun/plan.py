@@ -96,9 +96,7 @@ class HookPlan:
         """The hooks acting at (layer, site), in file order."""
         return [h for h in self.hooks if h.site == site and layer in h.layers]
 
-    def capture_shapes(
-        self, shapes: Mapping[str, list[CallShapes]]
-    ) -> dict[str, tuple[int, ...]]:
+    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
         """Per-sample shape of every capture dataset, from a probe's shapes."""
         out: dict[str, tuple[int, ...]] = {}
         for hook in self.hooks:

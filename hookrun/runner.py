@@ -142,9 +142,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     shapes, output_shape = probe_shapes(model, plan.layers, sample)
     check_target(r.target, output_shape, has_labels(data))
     dtype = _TORCH_DTYPES[r.sink.dtype]
-    plan_text = plan.describe(
-        shapes, output_shape, len(data), dtype.itemsize, r.target.kind.value
-    )
+    plan_text = plan.describe(shapes, output_shape, len(data), dtype.itemsize, r.target.kind.value)
     if r.dry_run:
         print(plan_text)
         return RunResult(None, 0, plan_text, time.perf_counter() - started)

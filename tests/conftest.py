@@ -48,7 +48,9 @@ def read(path: Path) -> dict[str, np.ndarray]:
     """Every dataset of an HDF5 file, by path."""
     out: dict[str, np.ndarray] = {}
     with h5py.File(path, "r") as f:
-        f.visititems(lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None)
+        f.visititems(
+            lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None
+        )
     return out
 
 

@@ -79,8 +79,9 @@ class HDF5Sink:
 
     Use as a context manager. `write({"captures/fc1/output": array, ...})` queues one batch;
     every batch must carry the same keys with the same row shape. Datasets are created from
-    the first batch; `expected_rows` (when known) bounds their chunks. Root attribute `completed` counts rows written and flushed; `status`
-    goes `running` → `complete` (or `failed` when the run raised).
+    the first batch; `expected_rows` (when known) bounds their chunks. Root attribute
+    `completed` counts rows written and flushed; `status` goes `running` → `complete`
+    (or `failed` when the run raised).
     """
 
     def __init__(
@@ -196,4 +197,3 @@ class HDF5Sink:
             compression=self.compression,
             track_times=False,  # same numbers → same bytes, whenever the run happened
         )
-
