@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 import torchvision
-from hydra.utils import get_class
 from torch import nn
 
 from hookrun.config import ModelConfig
 from hookrun.errors import HookrunError, nearest
+from hookrun.imports import import_class
 
 __all__ = ["SeedMLP", "SeedConvNet", "SEED_MODELS", "build_model", "model_label"]
 
@@ -67,12 +67,7 @@ def _torchvision_names() -> list[str]:
 
 def _construct(cfg: ModelConfig) -> nn.Module:
     if cfg._target_:
-        try:
-            cls = get_class(cfg._target_)
-        except Exception as err:  # hydra wraps import failures in several types
-            raise HookrunError(f"model._target_: cannot import {cfg._target_!r} ({err})") from None
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise HookrunError(f"model._target_: {cfg._target_!r} is not an nn.Module class")
+        cls = import_class(cfg._target_, "model._target_", nn.Module)
         try:
             return cls(**cfg.kwargs)
         except TypeError as err:

@@ -8,7 +8,6 @@ ever matched by that exact name.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import re
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ from torch import nn
 
 from hookrun.config import SelectConfig
 from hookrun.errors import HookrunError, nearest
+from hookrun.imports import import_class
 
 __all__ = ["INPUT_LAYER", "select_layers", "resolve_type"]
 
@@ -44,14 +44,7 @@ def resolve_type(name: str, key: str) -> type:
             f"{key}: {name!r} is not a torch.nn module class; did you mean: {hint} "
             "(or give a dotted path such as torchvision.ops.misc.Conv2dNormActivation)"
         )
-    module_name, _, attr = name.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise HookrunError(f"{key}: cannot import {name!r} ({err})") from None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise HookrunError(f"{key}: {name!r} is not an nn.Module subclass")
-    return cls
+    return import_class(name, key, nn.Module)
 
 
 def _glob(pattern: str, name: str) -> bool:
