@@ -130,8 +130,9 @@ class HookPlan:
                         key = capture_key(layer, hook.site, call, i, len(tensors))
                         size = math.prod(shape) * itemsize
                         where = f"/{key}" if hook.action.captures else "(not stored)"
+                        label = f"{layer} (call {call})" if call else layer
                         lines.append(
-                            f"    {layer:<32} {str(list(shape)):<20} "
+                            f"    {label:<32} {str(list(shape)):<20} "
                             f"{format_bytes(size):>11}/sample  {where}"
                         )
                 if not shapes.get(layer):

@@ -126,7 +126,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(run_hookrun, tmp_path, capsy
     assert result.path is None and not (tmp_path / "c.h5").exists()
     assert "guided_relu: clamp{min=0.0} at grad_input" in out
     # Every call of a twice-called ReLU is listed: conv1's relu, then 2 calls per block.
-    assert out.count("layer1.0.relu ") == 2
+    assert out.count("layer1.0.relu ") == 2 and "layer1.0.relu (call 1)" in out
     assert "/captures/input/grad_output" in out
     per_sample = 3 * 64 * 64 * 4  # the input gradient in float32
     assert "48.0 KiB/sample" in out and per_sample == 48 * 1024
