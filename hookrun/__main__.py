@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from hookrun.config import register_configs
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, one_line
 
 register_configs()
 
@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     except HookrunError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"hookrun: error: {err}", file=sys.stderr)
+        print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["HookrunError", "nearest"]
+__all__ = ["HookrunError", "nearest", "one_line"]
 
 
 class HookrunError(Exception):
@@ -23,3 +23,15 @@ def nearest(word: str, choices: Iterable[str], n: int = 5) -> list[str]:
         # Substring hits catch what edit distance misses, e.g. 'conv' -> 'features.0.conv'.
         close += [c for c in choices if word and word in c and c not in close][: n - len(close)]
     return close
+
+
+def one_line(err: HookrunError) -> str:
+    """The message of `err` as one line.
+
+    A HookrunError raised in a DataLoader worker comes back wrapped in the worker's
+    traceback text; the original message is its last line.
+    """
+    text = str(err).strip()
+    last = text.splitlines()[-1] if text else ""
+    prefix = f"{HookrunError.__module__}.{HookrunError.__name__}: "
+    return last.removeprefix(prefix)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 from conftest import SEED_MLP, hook, run_config
@@ -148,6 +149,29 @@ def test_unreadable_image_names_the_file(tmp_path):
     ]
     with pytest.raises(HookrunError, match=r"dataset.root: cannot read image .*b.png"):
         run_config(tmp_path / "run", overrides)
+
+
+def test_unreadable_image_in_a_worker_is_one_line_on_the_cli(tmp_path):
+    (tmp_path / "photos" / "cat").mkdir(parents=True)
+    Image.new("RGB", (40, 30)).save(tmp_path / "photos" / "cat" / "a.png")
+    (tmp_path / "photos" / "cat" / "b.png").write_bytes(b"\x89PNG but truncated")
+    args = [
+        "dataset=image_folder",
+        f"dataset.root={tmp_path / 'photos'}",
+        "dataset.resize=32",
+        "dataset.crop=32",
+        "batch_size=1",
+        "num_workers=1",
+        f"sink.path={tmp_path / 'c.h5'}",
+    ]
+    proc = _cli(args, tmp_path)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookrun: error: dataset.root: cannot read image") and "b.png" in last
+    assert "Traceback" not in proc.stderr
+    with h5py.File(tmp_path / "c.h5") as f:
+        assert f.attrs["status"] == "failed"  # one row was written; the file says it is not whole
+        assert f.attrs["completed"] == 1
 
 
 def test_existing_sink_file_is_never_overwritten(tmp_path):
