@@ -136,31 +136,30 @@ def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monke
     assert str(tmp_path / "torch_home" / "hub" / "checkpoints") in message
 
 
-def test_unreadable_image_names_the_file(tmp_path):
+def _folder_with_a_broken_image(tmp_path: Path) -> list[str]:
+    """A one-class image folder whose second file is a truncated PNG; overrides to read it."""
     (tmp_path / "photos" / "cat").mkdir(parents=True)
     Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "photos" / "cat" / "a.png")
     (tmp_path / "photos" / "cat" / "b.png").write_bytes(b"\x89PNG but truncated")
-    overrides = [
+    root = tmp_path / "photos"
+    return [
         "dataset=image_folder",
-        f"dataset.root={tmp_path / 'photos'}",
+        f"dataset.root={root}",
         "dataset.resize=32",
         "dataset.crop=32",
         "batch_size=1",
     ]
+
+
+def test_unreadable_image_names_the_file(tmp_path):
+    overrides = _folder_with_a_broken_image(tmp_path)
     with pytest.raises(HookrunError, match=r"dataset.root: cannot read image .*b.png"):
         run_config(tmp_path / "run", overrides)
 
 
 def test_unreadable_image_in_a_worker_is_one_line_on_the_cli(tmp_path):
-    (tmp_path / "photos" / "cat").mkdir(parents=True)
-    Image.new("RGB", (40, 30)).save(tmp_path / "photos" / "cat" / "a.png")
-    (tmp_path / "photos" / "cat" / "b.png").write_bytes(b"\x89PNG but truncated")
     args = [
-        "dataset=image_folder",
-        f"dataset.root={tmp_path / 'photos'}",
-        "dataset.resize=32",
-        "dataset.crop=32",
-        "batch_size=1",
+        *_folder_with_a_broken_image(tmp_path),
         "num_workers=1",
         f"sink.path={tmp_path / 'c.h5'}",
     ]
