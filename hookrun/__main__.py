@@ -22,7 +22,9 @@ def main(cfg: DictConfig) -> None:
     from hookrun.runner import run  # heavy imports (torch) only once Hydra has parsed the CLI
 
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        experiment = hydra_cfg.runtime.choices.get("experiment")
+        run(cfg, Path(hydra_cfg.runtime.output_dir), experiment)
     except HookrunError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

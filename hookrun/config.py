@@ -9,6 +9,7 @@ that name the key, the bad value and the valid choices.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -28,7 +29,10 @@ __all__ = [
     "ModelConfig",
     "FakeDatasetConfig",
     "ConstantDatasetConfig",
+    "PhotoTransformConfig",
     "ImageFolderDatasetConfig",
+    "SamplesDatasetConfig",
+    "DigitsDatasetConfig",
     "SelectConfig",
     "HookConfig",
     "TargetConfig",
@@ -87,6 +91,8 @@ class ModelConfig:
     weights: str | None = None
     # Keyword arguments for the model's constructor, e.g. {num_classes: 10}.
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The layer CAM / Grad-CAM read (the last feature maps); each preset names its own.
+    cam_layer: str | None = None
 
 
 @dataclass
@@ -109,20 +115,41 @@ class ConstantDatasetConfig:
 
 
 @dataclass
-class ImageFolderDatasetConfig:
-    kind: str = "image_folder"
-    # A folder with one sub-folder per class (torchvision.datasets.ImageFolder layout).
-    root: str = MISSING
+class PhotoTransformConfig:
+    # Resize the short side, centre-crop, normalize (ImageNet statistics by default).
     resize: int = 256
     crop: int = 224
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
 
 
+@dataclass
+class ImageFolderDatasetConfig(PhotoTransformConfig):
+    kind: str = "image_folder"
+    # A folder with one sub-folder per class (torchvision.datasets.ImageFolder layout).
+    root: str = MISSING
+
+
+@dataclass
+class SamplesDatasetConfig(PhotoTransformConfig):
+    kind: str = "samples"
+    # Photos bundled with scikit-image (skimage.data), by function name; see data.py.
+    names: list[str] = field(default_factory=lambda: ["chelsea", "coffee", "rocket"])
+
+
+@dataclass
+class DigitsDatasetConfig:
+    kind: str = "digits"
+    # scikit-learn's bundled 8x8 handwritten digits; every 5th image is the test split.
+    split: str = "test"
+
+
 DATASET_SCHEMAS: dict[str, type] = {
     "fake": FakeDatasetConfig,
     "constant": ConstantDatasetConfig,
     "image_folder": ImageFolderDatasetConfig,
+    "samples": SamplesDatasetConfig,
+    "digits": DigitsDatasetConfig,
 }
 
 
@@ -145,6 +172,10 @@ class HookConfig:
     at: Site = MISSING
     action: str = MISSING
     args: dict[str, Any] = field(default_factory=dict)
+    # The backward pass a gradient-site hook acts in. Passes share one forward pass and
+    # never see each other's changes: guided_grad_cam takes plain gradients at the CAM layer
+    # in pass `main` and Guided Backprop's clamped ones at the input in pass `guided`.
+    backward: str = "main"
 
 
 @dataclass
@@ -188,9 +219,20 @@ class RunConfig:
     resume: bool = False
     target: TargetConfig = field(default_factory=TargetConfig)
     hooks: dict[str, Any] = field(default_factory=dict)
+    # Results computed from captures per batch: method → {layer: ...} (hookrun/derive.py).
+    derive: dict[str, Any] = field(default_factory=dict)
     sink: SinkConfig = field(default_factory=SinkConfig)
+    # Folders searched, in order, for torchvision checkpoint files before the torch hub
+    # cache and a download; a file counts only if its SHA-256 matches its name's hash.
+    weights_path: list[str] = field(default_factory=list)
     # Show a tqdm progress bar.
     progress: bool = True
+    # Pictures from the finished captures.h5 into <run dir>/images/<experiment>/.
+    render: bool = True
+    # Pictures for at most this many samples (the first rows).
+    render_max: int = 16
+    # null, or tensorboard: the pictures and the plan also go to <run dir>/tensorboard.
+    logger: str | None = None
 
 
 @dataclass
@@ -203,9 +245,21 @@ class ValidConfig:
     run: RunConfig
 
 
+def _package_dir(name: str) -> str:
+    """`${pkg_dir:NAME}`: the folder of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return f"<package {name} is not installed>"
+    return str(list(spec.submodule_search_locations)[0])
+
+
 def register_configs() -> None:
-    """Store the top-level schema so conf/config.yaml can extend it."""
+    """Store the top-level schema so conf/config.yaml can extend it; register resolvers."""
     ConfigStore.instance().store(name="hookrun_schema", node=RunConfig)
+    OmegaConf.register_new_resolver("pkg_dir", _package_dir, replace=True)
 
 
 def _keys_of(schema: type) -> list[str]:
@@ -267,14 +321,30 @@ def validate(cfg: DictConfig) -> ValidConfig:
     if kind == "constant":
         for i, n in enumerate(dataset.shape):
             _check_range(f"dataset.shape[{i}]", n, 1)
-    if kind == "image_folder":
+    if isinstance(dataset, PhotoTransformConfig):
         _check_range("dataset.resize", dataset.resize, 1)
         _check_range("dataset.crop", dataset.crop, 1)
+        if len(dataset.mean) != len(dataset.std) or any(v <= 0 for v in dataset.std):
+            raise HookrunError(
+                f"dataset.std: {dataset.std} for mean {dataset.mean}; valid: one positive "
+                "number per channel"
+            )
+    if kind == "digits" and dataset.split not in ("train", "test", "all"):
+        raise HookrunError(f"dataset.split: {dataset.split!r}; valid: train, test, all")
 
     _check_range("batch_size", run.batch_size, 1)
     _check_range("limit", run.limit, 1, allow_none=True)
     _check_range("num_workers", run.num_workers, 0)
     _check_range("sink.queue_depth", run.sink.queue_depth, 1)
+    _check_range("render_max", run.render_max, 1)
+    if run.logger not in (None, "tensorboard"):
+        raise HookrunError(f"logger: {run.logger!r}; valid: null, tensorboard")
+    for method, spec in (run.derive or {}).items():
+        if not isinstance(spec, dict) or not spec.get("layer"):
+            raise HookrunError(
+                f"derive.{method}.layer: {spec!r} names no layer; set model.cam_layer=NAME "
+                "(the model presets set it) or derive.{method}.layer"
+            )
     if not _DEVICE.match(run.device.name):
         raise HookrunError(
             f"device.name: {run.device.name!r} is not a device; valid: cpu, cuda, cuda:N, auto"
@@ -285,6 +355,12 @@ def validate(cfg: DictConfig) -> ValidConfig:
         hooks[name] = parse_typed(node, HookConfig, f"hooks.{name}")
     if run.target.kind == TargetKind.index and run.target.index is None:
         raise HookrunError("target.index: null; target.kind=index needs target.index=K")
+    for name, spec in hooks.items():
+        if spec.backward != "main" and not spec.at.is_grad:
+            raise HookrunError(
+                f"hooks.{name}.backward: {spec.backward!r} on a forward site ({spec.at.value}); "
+                "only grad_input and grad_output hooks belong to a backward pass"
+            )
     if run.target.kind == TargetKind.none:
         grad = [n for n, h in hooks.items() if h.at.is_grad]
         if grad:

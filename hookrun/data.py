@@ -5,13 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 
-from hookrun.config import ConstantDatasetConfig, FakeDatasetConfig, ImageFolderDatasetConfig
+from hookrun.config import (
+    ConstantDatasetConfig,
+    DigitsDatasetConfig,
+    FakeDatasetConfig,
+    ImageFolderDatasetConfig,
+    PhotoTransformConfig,
+    SamplesDatasetConfig,
+)
 from hookrun.errors import HookrunError
 
-__all__ = ["NO_LABEL", "FakeImages", "ConstantData", "build_dataset", "make_loader", "has_labels"]
+__all__ = [
+    "NO_LABEL",
+    "SAMPLE_PHOTOS",
+    "FakeImages",
+    "ConstantData",
+    "SamplePhotos",
+    "Digits",
+    "digits_split",
+    "build_dataset",
+    "make_loader",
+    "has_labels",
+]
 
 # Label stored for datasets without labels (never written to /samples/label).
 NO_LABEL = -1
@@ -65,18 +84,8 @@ class _IndexedImageFolder(datasets.ImageFolder):
         return image, label, index
 
 
-def _image_folder(cfg: ImageFolderDatasetConfig) -> Dataset:
-    root = Path(cfg.root).expanduser()
-    if not root.is_dir():
-        raise HookrunError(
-            f"dataset.root: {cfg.root!r} is not a directory; valid: a folder with one "
-            "sub-folder of images per class"
-        )
-    if len(cfg.mean) != len(cfg.std):
-        raise HookrunError(f"dataset.std: {len(cfg.std)} values for {len(cfg.mean)} means")
-    if any(s <= 0 for s in cfg.std):
-        raise HookrunError(f"dataset.std: {cfg.std} has a value <= 0; valid: positive numbers")
-    transform = transforms.Compose(
+def _photo_transform(cfg: PhotoTransformConfig) -> transforms.Compose:
+    return transforms.Compose(
         [
             transforms.Resize(cfg.resize),
             transforms.CenterCrop(cfg.crop),
@@ -84,10 +93,79 @@ def _image_folder(cfg: ImageFolderDatasetConfig) -> Dataset:
             transforms.Normalize(cfg.mean, cfg.std),
         ]
     )
+
+
+def _image_folder(cfg: ImageFolderDatasetConfig) -> Dataset:
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        raise HookrunError(
+            f"dataset.root: {cfg.root!r} is not a directory; valid: a folder with one "
+            "sub-folder of images per class"
+        )
     try:
-        return _IndexedImageFolder(str(root), transform=transform)
+        return _IndexedImageFolder(str(root), transform=_photo_transform(cfg))
     except (FileNotFoundError, OSError) as err:
         raise HookrunError(f"dataset.root: {cfg.root}: {err}") from None
+
+
+# scikit-image's bundled photos that make sense to an ImageNet model (all CC0 or public
+# domain; see skimage.data's docstrings): a cat, as in the seed tutorial, a cup of
+# espresso, a Falcon 9 launch, and an astronaut portrait.
+SAMPLE_PHOTOS = ("chelsea", "coffee", "rocket", "astronaut")
+
+
+class SamplePhotos(Dataset):
+    """Real photos shipped by scikit-image, preprocessed like ImageNet; no labels."""
+
+    has_labels = False
+
+    def __init__(self, cfg: SamplesDatasetConfig) -> None:
+        import skimage.data  # only this dataset needs scikit-image
+
+        for name in cfg.names:
+            if name not in SAMPLE_PHOTOS:
+                raise HookrunError(
+                    f"dataset.names: {name!r} is not a bundled photo; valid: "
+                    f"{', '.join(SAMPLE_PHOTOS)}"
+                )
+        self.names = list(cfg.names)
+        self.photos = [getattr(skimage.data, n)() for n in self.names]
+        self.transform = _photo_transform(cfg)
+
+    def __len__(self) -> int:
+        return len(self.photos)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        image = Image.fromarray(self.photos[index]).convert("RGB")
+        return self.transform(image), NO_LABEL, index
+
+
+def digits_split(n: int, split: str) -> list[int]:
+    """Indices of a split of scikit-learn's digits: every 5th image is a test image."""
+    every = range(n)
+    if split == "all":
+        return list(every)
+    return [i for i in every if (i % 5 == 0) == (split == "test")]
+
+
+class Digits(Dataset):
+    """scikit-learn's 8x8 handwritten digits (1797 images, labels 0-9), scaled to [0, 1]."""
+
+    has_labels = True
+
+    def __init__(self, cfg: DigitsDatasetConfig) -> None:
+        from sklearn.datasets import load_digits  # only this dataset needs scikit-learn
+
+        bunch = load_digits()
+        keep = digits_split(len(bunch.images), cfg.split)
+        self.images = torch.tensor(bunch.images[keep], dtype=torch.float32).unsqueeze(1) / 16
+        self.labels = [int(t) for t in bunch.target[keep]]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        return self.images[index], self.labels[index], index
 
 
 def build_dataset(cfg: object, seed: int, limit: int | None) -> Dataset:
@@ -98,6 +176,10 @@ def build_dataset(cfg: object, seed: int, limit: int | None) -> Dataset:
         data = ConstantData(cfg)
     elif isinstance(cfg, ImageFolderDatasetConfig):
         data = _image_folder(cfg)
+    elif isinstance(cfg, SamplesDatasetConfig):
+        data = SamplePhotos(cfg)
+    elif isinstance(cfg, DigitsDatasetConfig):
+        data = Digits(cfg)
     else:
         raise TypeError(f"no builder for {type(cfg).__name__}")
     if limit is not None and limit < len(data):

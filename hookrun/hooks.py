@@ -68,8 +68,10 @@ class Recorder:
         self.batch_start = batch_start
         self.records: dict[str, torch.Tensor] = {}
         self.calls: defaultdict[str, int] = defaultdict(int)
-        # Where the backward pass must reach: one edge per hooked gradient tensor.
-        self.edges: list[GradientEdge] = []
+        # Where each backward pass must reach: one edge per hooked gradient tensor.
+        self.edges: defaultdict[str, list[GradientEdge]] = defaultdict(list)
+        # The backward pass the runner is running; hooks of other passes stand aside.
+        self.current_pass: str | None = None
 
     def record(self, key: str, tensor: torch.Tensor) -> None:
         """Keep a CPU copy of `tensor` (floats in the store dtype) under `key`."""
@@ -110,9 +112,18 @@ def _apply(
 def _hook_gradient(
     tensor: torch.Tensor, hooks: list[PlannedHook], recorder: Recorder, key: str
 ) -> None:
-    """Run `hooks` on the gradient w.r.t. `tensor`'s current value during backward."""
-    tensor.register_hook(lambda grad: _apply(hooks, grad, recorder, key))
-    recorder.edges.append(get_gradient_edge(tensor))
+    """Run `hooks` on the gradient w.r.t. `tensor`'s current value during backward; each
+    hook only in its own backward pass."""
+
+    def on_gradient(grad: torch.Tensor) -> torch.Tensor:
+        now = recorder.current_pass  # None: a plain .backward() outside the runner, all act
+        active = [h for h in hooks if now is None or h.backward == now]
+        return _apply(active, grad, recorder, key)
+
+    tensor.register_hook(on_gradient)
+    edge = get_gradient_edge(tensor)
+    for name in dict.fromkeys(h.backward for h in hooks):
+        recorder.edges[name].append(edge)
 
 
 def _forward_site(

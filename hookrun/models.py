@@ -3,9 +3,6 @@ class; then weights from a torchvision weights name, a state_dict file, or a see
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 import torchvision
 from torch import nn
@@ -13,8 +10,17 @@ from torch import nn
 from hookrun.config import ModelConfig
 from hookrun.errors import HookrunError, nearest
 from hookrun.imports import import_class
+from hookrun.weights import load_weights
 
-__all__ = ["SeedMLP", "SeedConvNet", "SEED_MODELS", "build_model", "model_label"]
+__all__ = [
+    "SeedMLP",
+    "SeedConvNet",
+    "DigitsCNN",
+    "SEED_MODELS",
+    "build_model",
+    "class_names",
+    "model_label",
+]
 
 
 class SeedMLP(nn.Module):
@@ -53,7 +59,46 @@ class SeedConvNet(nn.Module):
         return self.pool1(self.conv1(x))
 
 
-SEED_MODELS: dict[str, type[nn.Module]] = {"seed_mlp": SeedMLP, "seed_convnet": SeedConvNet}
+class DigitsCNN(nn.Module):
+    """A small CNN for scikit-learn's 8x8 digits; ends in global average pooling + one
+    linear layer, so CAM applies. Trained by scripts/train_digits.py."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(inplace=True),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
+SEED_MODELS: dict[str, type[nn.Module]] = {
+    "seed_mlp": SeedMLP,
+    "seed_convnet": SeedConvNet,
+    "digits_cnn": DigitsCNN,
+}
+
+
+def class_names(cfg: ModelConfig) -> list[str] | None:
+    """Names of the model's output classes, where known (ImageNet weights, digits)."""
+    if cfg.name == "digits_cnn":
+        return [str(d) for d in range(10)]
+    if cfg._target_ or cfg.name in SEED_MODELS or not cfg.weights:
+        return None
+    try:
+        enum = torchvision.models.get_model_weights(str(cfg.name))
+        weights = enum.DEFAULT if cfg.weights == "DEFAULT" else enum[cfg.weights]
+    except (KeyError, ValueError):
+        return None  # weights from a file: the classes are the user's
+    return list(weights.meta.get("categories") or []) or None
 
 
 def model_label(cfg: ModelConfig) -> str:
@@ -92,83 +137,11 @@ def _construct(cfg: ModelConfig) -> nn.Module:
         raise HookrunError(f"model.kwargs: {name}({cfg.kwargs}) failed: {err}") from None
 
 
-def _torchvision_state_dict(cfg: ModelConfig) -> dict | None:
-    """The state_dict for a torchvision weights name, or None when `weights` is no such name."""
-    if cfg._target_ or cfg.name in SEED_MODELS:
-        return None
-    enum = torchvision.models.get_model_weights(str(cfg.name))
-    names = [w.name for w in enum] + ["DEFAULT"]
-    if cfg.weights not in names:
-        return None
-    weights = enum[cfg.weights] if cfg.weights != "DEFAULT" else enum.DEFAULT
-    filename = os.path.basename(weights.url)
-    cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
-    try:
-        # torchvision's own loader: reads the hub cache, downloads only when it is missing.
-        return weights.get_state_dict(progress=False, check_hash=True)
-    except (OSError, RuntimeError) as err:
-        raise HookrunError(
-            f"model.weights: {cfg.weights} of {cfg.name} needs {filename}, which is not in "
-            f"{cached.parent} and could not be downloaded ({type(err).__name__}); put the file "
-            f"at {cached} (from {weights.url})"
-        ) from None
-
-
-def _file_state_dict(path: Path) -> dict:
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch.load raises many types for a bad file
-        raise HookrunError(
-            f"model.weights: {path} is not a readable state_dict file ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]})"
-        ) from None
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]  # a training checkpoint that wraps the weights
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise HookrunError(f"model.weights: {path} holds a {type(obj).__name__}, not a state_dict")
-    return obj
-
-
-def _load(model: nn.Module, state: dict, cfg: ModelConfig) -> None:
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    wrong = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)):
-            if items:
-                more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
-                parts.append(f"{label}: {', '.join(items[:3])}{more}")
-        raise HookrunError(
-            f"model.weights: {cfg.weights} does not fit {model_label(cfg)}; {'; '.join(parts)}"
-        )
-    model.load_state_dict(state, strict=True)
-
-
-def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+def build_model(cfg: ModelConfig, seed: int, weights_path: list[str] | None = None) -> nn.Module:
     """The model `cfg` names, with its weights loaded (or initialised from `seed`)."""
     torch.manual_seed(seed)  # random init is part of the run's reproducible state
     model = _construct(cfg)
-    if cfg.weights is None:
-        return model
-    state = _torchvision_state_dict(cfg)
-    if state is None:
-        path = Path(cfg.weights).expanduser()
-        if not path.is_file():
-            names = []
-            if not cfg._target_ and cfg.name not in SEED_MODELS:
-                names = [w.name for w in torchvision.models.get_model_weights(str(cfg.name))]
-            choices = ", ".join(names + ["DEFAULT"]) if names else "none for this model"
-            raise HookrunError(
-                f"model.weights: {cfg.weights!r} is neither a file nor a weights name of "
-                f"{model_label(cfg)}; valid: a path to a state_dict file, null, or a "
-                f"torchvision weights name ({choices})"
-            )
-        state = _file_state_dict(path)
-    _load(model, state, cfg)
+    if cfg.weights is not None:
+        tv_name = None if (cfg._target_ or cfg.name in SEED_MODELS) else str(cfg.name)
+        load_weights(model, cfg.weights, model_label(cfg), tv_name, weights_path or [])
     return model

@@ -39,6 +39,7 @@ class PlannedHook:
     site: Site
     action: Action
     layers: tuple[str, ...]
+    backward: str = "main"
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class HookPlan:
         return any(h.site.is_grad for h in self.hooks)
 
     @property
+    def backward_passes(self) -> list[str]:
+        """The backward passes gradient hooks asked for, in file order."""
+        return list(dict.fromkeys(h.backward for h in self.hooks if h.site.is_grad))
+
+    @property
     def layers(self) -> list[str]:
         """Every real module the plan touches (the input pseudo-layer excluded), once."""
         seen: dict[str, None] = {}
@@ -122,7 +128,10 @@ class HookPlan:
         lines = [f"HookPlan: {len(self.hooks)} hook(s); backward pass: {backward}"]
         stored = self.capture_shapes(shapes)
         for hook in self.hooks:
-            lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}")
+            in_pass = f" (backward pass {hook.backward})" if len(self.backward_passes) > 1 else ""
+            if not hook.site.is_grad:
+                in_pass = ""
+            lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}{in_pass}")
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     tensors = call_shapes.at(hook.site)
@@ -168,5 +177,5 @@ def compile_plan(hooks: Mapping[str, HookConfig], model: nn.Module) -> HookPlan:
                         f"{key}: captures {layer}/{spec.at.value}, which hooks.{other} "
                         "already captures; keep one of them"
                     )
-        plan.hooks.append(PlannedHook(name, spec.at, action, layers))
+        plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward))
     return plan

@@ -7,7 +7,6 @@ file is created only after that.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,13 @@ from tqdm import tqdm
 from hookrun import __version__
 from hookrun.config import DeviceConfig, StoreDtype, TargetConfig, validate
 from hookrun.data import build_dataset, has_labels, make_loader
+from hookrun.derive import derive, plan_derivations
 from hookrun.errors import HookrunError
 from hookrun.hooks import Recorder, attach, prepare_input, probe_shapes, run_mode
-from hookrun.models import build_model
-from hookrun.plan import HookPlan, compile_plan, format_bytes
+from hookrun.models import build_model, class_names
+from hookrun.plan import HookPlan, compile_plan
+from hookrun.render import render
+from hookrun.results import summary
 from hookrun.sinks.hdf5 import HDF5Sink, check_sink_path
 from hookrun.targets import backward_seed, check_target, choose_targets
 
@@ -37,12 +39,13 @@ _TORCH_DTYPES = {StoreDtype.float32: torch.float32, StoreDtype.float16: torch.fl
 
 @dataclass
 class RunResult:
-    """What a run produced: the file (None for a dry run), rows written, the plan text."""
+    """What a run produced: the file (None for a dry run), rows, the plan, the pictures."""
 
     path: Path | None
     rows: int
     plan_text: str
     seconds: float
+    images: Path | None = None
 
 
 def resolve_device(cfg: DeviceConfig) -> torch.device:
@@ -87,9 +90,18 @@ def step(
             output = _tensor_output(model(inputs))
             targets = choose_targets(output, target, labels)
             seed = backward_seed(output, targets, target.kind)
-            if recorder.edges:
-                # Only the subgraph between the target and the hooked tensors is computed.
-                torch.autograd.grad(seed, recorder.edges, allow_unused=True)
+            passes = plan.backward_passes
+            for i, name in enumerate(passes):
+                recorder.current_pass = name
+                if recorder.edges[name]:
+                    # Only the subgraph between the target and the hooked tensors is computed.
+                    torch.autograd.grad(
+                        seed,
+                        recorder.edges[name],
+                        allow_unused=True,
+                        retain_graph=i < len(passes) - 1,
+                    )
+            recorder.current_pass = None
     else:
         with torch.inference_mode():
             inputs = prepare_input(plan, recorder, inputs)
@@ -113,9 +125,10 @@ def _tensor_output(output: object) -> torch.Tensor:
     return output
 
 
-def _root_attrs(cfg: DictConfig, seed: int) -> dict[str, object]:
+def _root_attrs(cfg: DictConfig, seed: int, experiment: str | None) -> dict[str, object]:
     return {
         "config": OmegaConf.to_yaml(cfg, resolve=True),
+        "experiment": experiment or "",
         "hookrun_version": __version__,
         "torch_version": str(torch.__version__),
         "torchvision_version": str(torchvision.__version__),
@@ -124,8 +137,9 @@ def _root_attrs(cfg: DictConfig, seed: int) -> dict[str, object]:
     }
 
 
-def run(cfg: DictConfig, run_dir: Path) -> RunResult:
-    """Run the experiment `cfg` describes; captures go to `run_dir`/captures.h5 by default."""
+def run(cfg: DictConfig, run_dir: Path, experiment: str | None = None) -> RunResult:
+    """Run the experiment `cfg` describes; captures go to `run_dir`/captures.h5 by default,
+    pictures to `run_dir`/images/<experiment>/ unless render=false."""
     started = time.perf_counter()
     valid = validate(cfg)
     r = valid.run
@@ -133,7 +147,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     if not r.dry_run:
         check_sink_path(sink_path, r.sink.overwrite)
     device = resolve_device(r.device)
-    model = build_model(valid.model, r.seed)
+    model = build_model(valid.model, r.seed, r.weights_path)
     data = build_dataset(valid.dataset, r.seed, r.limit)
     plan = compile_plan(valid.hooks, model)
     model.to(device)
@@ -141,6 +155,10 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     sample = data[0][0].to(device)
     shapes, output_shape = probe_shapes(model, plan.layers, sample)
     check_target(r.target, output_shape, has_labels(data))
+    with run_mode(model):
+        derivations = plan_derivations(
+            r.derive, set(plan.capture_shapes(shapes)), model, sample, r.target.kind.value
+        )
     dtype = _TORCH_DTYPES[r.sink.dtype]
     plan_text = plan.describe(shapes, output_shape, len(data), dtype.itemsize, r.target.kind.value)
     if r.dry_run:
@@ -156,22 +174,21 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         sink_path,
         dtype=r.sink.dtype.value,
         compression=compression,
-        attrs=_root_attrs(cfg, r.seed),
+        attrs=_root_attrs(cfg, r.seed, experiment),
         queue_depth=r.sink.queue_depth,
         overwrite=r.sink.overwrite,
         expected_rows=len(data),
     )
     with sink, run_mode(model), attach(plan, model, recorder):
         for batch in tqdm(loader, desc="hookrun", unit="batch", disable=not r.progress):
-            sink.write(step(model, plan, recorder, r.target, batch, device, labelled))
+            records = step(model, plan, recorder, r.target, batch, device, labelled)
+            records.update(derive(derivations, records))
+            sink.write(records)
+    images = None
+    if r.render:
+        images = run_dir / "images" / (experiment or "run")
+        tensorboard = run_dir / "tensorboard" if r.logger == "tensorboard" else None
+        render(sink_path, images, r.render_max, tensorboard, plan_text)
     seconds = time.perf_counter() - started
-    size = sink_path.stat().st_size
-    log.info(
-        "wrote %d rows to %s (%s) in %.1f s (%.1f samples/s)",
-        sink.rows,
-        sink_path,
-        format_bytes(size),
-        seconds,
-        sink.rows / seconds if seconds > 0 else math.inf,
-    )
-    return RunResult(sink_path, sink.rows, plan_text, seconds)
+    log.info("\n%s", summary(sink_path, seconds, class_names(valid.model), images))
+    return RunResult(sink_path, sink.rows, plan_text, seconds, images)

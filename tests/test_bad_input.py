@@ -53,7 +53,10 @@ HOOKRUN_ERRORS = [
     (["device.name=gpu"], ["device.name", "gpu", "cpu, cuda, cuda:N, auto"]),
     (["target.kind=index", "target.index=1000"], ["target.index", "1000", "0..999"]),
     (["target.kind=index"], ["target.index", "target.kind=index"]),
-    (["target.kind=none", "experiment=guided_bp"], ["target.kind", "none", "predicted"]),
+    (
+        ["target.kind=none", "experiment=guided_bp", "dataset=fake", "model.weights=null"],
+        ["target.kind", "none", "predicted"],
+    ),
     ([*SEED_MLP, "target.kind=label"], ["target.kind", "label", "no labels"]),
     (["model.weights=/no/such/file.pt"], ["model.weights", "/no/such/file.pt", "IMAGENET1K_V1"]),
     (["model=custom", "model._target_=no.such.Net"], ["model._target_", "no.such.Net"]),

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import hook
 from torch import nn
 
 
@@ -57,7 +56,6 @@ def test_guided_bp_equals_reference(run_hookrun, tmp_path, arch, size):
         "dataset.size=3",
         f"dataset.image_size={size}",
         "batch_size=2",
-        *hook("x", "input", "output", "capture"),
     ]
     _, data = run_hookrun(overrides)
     x = torch.from_numpy(data["captures/input/output"])

@@ -12,6 +12,9 @@ from conftest import hook, read
 
 from hookrun.sinks.hdf5 import CHUNK_BYTES, HDF5Sink, chunk_shape
 
+# The experiments default to real MobileNetV2 weights on photos; these tests want speed.
+RANDOM_RESNET = ["model=resnet18", "model.weights=null", "dataset=fake"]
+
 
 def test_chunk_shape_targets_one_mib():
     assert chunk_shape((4,), 4) == (CHUNK_BYTES // 16, 4)
@@ -19,6 +22,9 @@ def test_chunk_shape_targets_one_mib():
     big = chunk_shape((64, 224, 224), 4)  # 12.8 MB per row: a slab of channels
     assert big[0] == 1 and big[2:] == (224, 224)
     assert np.prod(big) * 4 <= CHUNK_BYTES
+    padded = -(-64 // big[1]) * big[1]
+    assert padded - 64 < 0.05 * 64  # equal slabs: no half-empty last chunk
+    assert chunk_shape((32, 112, 112), 4) == (1, 16, 112, 112)
     assert chunk_shape((3, 224, 224), 2) == (3, 3, 224, 224)  # 294 KiB rows: 3 per chunk
 
 
@@ -72,6 +78,7 @@ def test_float16_and_compression(run_hookrun):
 def test_same_config_and_seed_give_identical_bytes(run_hookrun):
     overrides = [
         "experiment=guided_bp",
+        *RANDOM_RESNET,
         "dataset.size=3",
         "dataset.image_size=32",
         "batch_size=2",
@@ -116,6 +123,7 @@ def test_overwrite_true_replaces_the_file(run_hookrun, tmp_path):
 def test_dry_run_prints_the_plan_and_writes_nothing(run_hookrun, tmp_path, capsys):
     overrides = [
         "experiment=guided_bp",
+        *RANDOM_RESNET,
         "dataset.size=10",
         "dataset.image_size=64",
         f"sink.path={tmp_path / 'c.h5'}",

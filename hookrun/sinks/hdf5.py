@@ -43,10 +43,13 @@ def chunk_shape(
         rows = max(1, CHUNK_BYTES // row_bytes)
         return (min(rows, max_rows) if max_rows else rows, *row_shape)
     chunk = [1, *row_shape]
-    # Split the leading axes of a large row until the chunk fits (e.g. (1, 8, 224, 224)).
+    # Split the leading axes of a large row until the chunk fits (e.g. (1, 16, 112, 112)),
+    # into equal parts so the last chunk along an axis is not mostly padding.
     for axis in range(1, len(chunk)):
         inner = math.prod(chunk[axis + 1 :]) * itemsize
-        chunk[axis] = max(1, min(chunk[axis], CHUNK_BYTES // max(1, inner)))
+        fits = max(1, CHUNK_BYTES // max(1, inner))
+        parts = math.ceil(chunk[axis] / fits)
+        chunk[axis] = math.ceil(chunk[axis] / parts)
         if math.prod(chunk) * itemsize <= CHUNK_BYTES:
             break
     return tuple(chunk)
