@@ -37,6 +37,14 @@ __all__ = ["seed_normalize", "heat_overlay", "feature_grid", "render", "main"]
 # Pictures narrower than this are scaled up (nearest) so an 8x8 digit stays visible.
 MIN_SIDE = 128
 
+# What the input gradient is, by experiment (the column title on the contact sheet).
+_GRADIENT_TITLES = {
+    "guided_bp": "guided backprop",
+    "guided_grad_cam": "guided backprop",
+    "saliency": "saliency",
+    "grad_scale": "gradient, ReLUs scaled",
+}
+
 
 def seed_normalize(grad: np.ndarray) -> np.ndarray:
     """The seed tutorial's normalize: mean 0.5, std 0.1, clipped to [0, 1]."""
@@ -170,7 +178,8 @@ def render(
                 drawn.append(("input", "input", photo))
             if "captures/input/grad_output" in f:
                 grad = f["captures/input/grad_output"][row].astype(np.float32)
-                drawn.append((experiment.replace("_", " "), "gradient", seed_normalize(grad)))
+                kind = _GRADIENT_TITLES.get(experiment, "input gradient")
+                drawn.append((kind, "gradient", seed_normalize(grad)))
             for key, ds in derived.items():
                 value = ds[row].astype(np.float32)
                 if value.ndim == 2 and photo is not None:

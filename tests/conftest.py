@@ -38,10 +38,10 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def run_config(tmp_path: Path, overrides: list[str]) -> RunResult:
+def run_config(tmp_path: Path, overrides: list[str], experiment: str | None = None) -> RunResult:
     """Run like `python -m hookrun OVERRIDES`, with the file in `tmp_path`."""
     cfg = compose_config([*overrides, "progress=false"])
-    return run(cfg, tmp_path)
+    return run(cfg, tmp_path, experiment)
 
 
 def read(path: Path) -> dict[str, np.ndarray]:
