@@ -23,7 +23,7 @@ from hookrun.data import build_dataset, has_labels, make_loader
 from hookrun.derive import derive, plan_derivations
 from hookrun.errors import HookrunError
 from hookrun.hooks import Recorder, attach, prepare_input, probe_shapes, run_mode
-from hookrun.models import build_model, class_names
+from hookrun.models import SEED_MODELS, build_model, class_names, model_label
 from hookrun.plan import HookPlan, compile_plan
 from hookrun.render import render
 from hookrun.results import summary
@@ -148,6 +148,10 @@ def run(cfg: DictConfig, run_dir: Path, experiment: str | None = None) -> RunRes
         check_sink_path(sink_path, r.sink.overwrite)
     device = resolve_device(r.device)
     model = build_model(valid.model, r.seed, r.weights_path)
+    if valid.model.weights is None and valid.model.name not in SEED_MODELS:
+        log.warning(
+            "model.weights is null: %s has random (seeded) weights", model_label(valid.model)
+        )
     data = build_dataset(valid.dataset, r.seed, r.limit)
     plan = compile_plan(valid.hooks, model)
     model.to(device)

@@ -107,18 +107,21 @@ def close(got: np.ndarray, expected: np.ndarray, rtol: float = 1e-5) -> None:
 
 
 def test_every_experiment_file_is_tested():
-    assert sorted(
-        [
-            "cam",
-            "capture",
-            "feature_maps",
-            "grad_cam",
-            "grad_scale",
-            "guided_bp",
-            "guided_grad_cam",
-            "saliency",
-        ]
-    ) == EXPERIMENTS
+    assert (
+        sorted(
+            [
+                "cam",
+                "capture",
+                "feature_maps",
+                "grad_cam",
+                "grad_scale",
+                "guided_bp",
+                "guided_grad_cam",
+                "saliency",
+            ]
+        )
+        == EXPERIMENTS
+    )
 
 
 def test_guided_bp_predicts_the_cat_and_matches_a_guided_relu6(runs):
