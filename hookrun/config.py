@@ -211,6 +211,8 @@ class RunConfig:
     dataset: Any = MISSING
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
+    # Make PyTorch refuse nondeterministic kernels (torch.use_deterministic_algorithms).
+    deterministic: bool = False
     batch_size: int = 32
     # At most this many samples (the first ones, in dataset order); null = all.
     limit: int | None = None
@@ -368,6 +370,6 @@ def validate(cfg: DictConfig) -> ValidConfig:
                 f"target.kind: 'none' runs no backward pass, but hooks {grad} act at a gradient "
                 "site; valid: predicted, label, index, sum"
             )
-    if run.resume:
-        raise HookrunError("resume: true is not supported yet; valid: false")
+    if run.resume and run.sink.overwrite:
+        raise HookrunError("sink.overwrite: true with resume=true would lose the rows to resume")
     return ValidConfig(model=model, dataset=dataset, hooks=hooks, run=run)

@@ -18,6 +18,7 @@ from hookrun.config import (
     SamplesDatasetConfig,
 )
 from hookrun.errors import HookrunError
+from hookrun.provenance import worker_init
 
 __all__ = [
     "NO_LABEL",
@@ -203,5 +204,6 @@ def make_loader(data: Dataset, batch_size: int, num_workers: int, seed: int) -> 
         shuffle=False,
         num_workers=num_workers,
         generator=gen,
+        worker_init_fn=worker_init,
         persistent_workers=False,
     )

@@ -3,6 +3,8 @@ class; then weights from a torchvision weights name, a state_dict file, or a see
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torchvision
 from torch import nn
@@ -137,11 +139,14 @@ def _construct(cfg: ModelConfig) -> nn.Module:
         raise HookrunError(f"model.kwargs: {name}({cfg.kwargs}) failed: {err}") from None
 
 
-def build_model(cfg: ModelConfig, seed: int, weights_path: list[str] | None = None) -> nn.Module:
-    """The model `cfg` names, with its weights loaded (or initialised from `seed`)."""
+def build_model(
+    cfg: ModelConfig, seed: int, weights_path: list[str] | None = None
+) -> tuple[nn.Module, Path | None]:
+    """The model `cfg` names with its weights loaded (or initialised from `seed`), and the
+    file the weights came from (None for random init)."""
     torch.manual_seed(seed)  # random init is part of the run's reproducible state
     model = _construct(cfg)
-    if cfg.weights is not None:
-        tv_name = None if (cfg._target_ or cfg.name in SEED_MODELS) else str(cfg.name)
-        load_weights(model, cfg.weights, model_label(cfg), tv_name, weights_path or [])
-    return model
+    if cfg.weights is None:
+        return model, None
+    tv_name = None if (cfg._target_ or cfg.name in SEED_MODELS) else str(cfg.name)
+    return model, load_weights(model, cfg.weights, model_label(cfg), tv_name, weights_path or [])

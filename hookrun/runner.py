@@ -11,23 +11,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
 import torch
-import torchvision
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Subset
 from tqdm import tqdm
 
-from hookrun import __version__
-from hookrun.config import DeviceConfig, StoreDtype, TargetConfig, validate
+from hookrun import distributed
+from hookrun.config import DeviceConfig, StoreDtype, TargetConfig, ValidConfig, validate
 from hookrun.data import build_dataset, has_labels, make_loader
-from hookrun.derive import derive, plan_derivations
+from hookrun.derive import Derivation, derive, plan_derivations
+from hookrun.distributed import World, world_from_env
 from hookrun.errors import HookrunError
 from hookrun.hooks import Recorder, attach, prepare_input, probe_shapes, run_mode
 from hookrun.models import SEED_MODELS, build_model, class_names, model_label
 from hookrun.plan import HookPlan, compile_plan
+from hookrun.provenance import root_attrs, seed_everything
 from hookrun.render import render
 from hookrun.results import summary
-from hookrun.sinks.hdf5 import HDF5Sink, check_sink_path
+from hookrun.sinks.hdf5 import HDF5Sink, check_sink_path, resume_point
 from hookrun.targets import backward_seed, check_target, choose_targets
 
 __all__ = ["RunResult", "resolve_device", "run", "step"]
@@ -48,9 +49,13 @@ class RunResult:
     images: Path | None = None
 
 
-def resolve_device(cfg: DeviceConfig) -> torch.device:
-    """`cpu`, `cuda`, `cuda:N` or `auto`, checked against this machine."""
+def resolve_device(cfg: DeviceConfig, world: World | None = None) -> torch.device:
+    """`cpu`, `cuda`, `cuda:N` or `auto`, checked against this machine; under torchrun,
+    `cuda` is each rank's local GPU."""
     name = cfg.name
+    parallel = world is not None and world.parallel
+    if parallel and name in ("cuda", "auto") and torch.cuda.is_available():
+        name = f"cuda:{world.local_rank}"
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
@@ -125,29 +130,43 @@ def _tensor_output(output: object) -> torch.Tensor:
     return output
 
 
-def _root_attrs(cfg: DictConfig, seed: int, experiment: str | None) -> dict[str, object]:
-    return {
-        "config": OmegaConf.to_yaml(cfg, resolve=True),
-        "experiment": experiment or "",
-        "hookrun_version": __version__,
-        "torch_version": str(torch.__version__),
-        "torchvision_version": str(torchvision.__version__),
-        "h5py_version": h5py.__version__,
-        "seed": seed,
-    }
-
-
 def run(cfg: DictConfig, run_dir: Path, experiment: str | None = None) -> RunResult:
     """Run the experiment `cfg` describes; captures go to `run_dir`/captures.h5 by default,
-    pictures to `run_dir`/images/<experiment>/ unless render=false."""
+    pictures to `run_dir`/images/<experiment>/ unless render=false. Under torchrun every rank
+    runs its share of the batches and rank 0 joins the shards."""
     started = time.perf_counter()
     valid = validate(cfg)
     r = valid.run
-    sink_path = Path(r.sink.path).expanduser() if r.sink.path else run_dir / "captures.h5"
-    if not r.dry_run:
+    world = world_from_env()
+    device = resolve_device(r.device, world)
+    try:
+        if world.parallel:
+            run_dir = distributed.start(world, device, run_dir)
+        return _run(cfg, valid, run_dir, experiment, world, device, started)
+    finally:
+        distributed.stop()
+
+
+def _run(
+    cfg: DictConfig,
+    valid: ValidConfig,
+    run_dir: Path,
+    experiment: str | None,
+    world: World,
+    device: torch.device,
+    started: float,
+) -> RunResult:
+    r = valid.run
+    final_path = Path(r.sink.path).expanduser() if r.sink.path else run_dir / "captures.h5"
+    sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    done = 0
+    if r.resume:
+        done = resume_point(sink_path, config_yaml)
+    elif not r.dry_run:
         check_sink_path(sink_path, r.sink.overwrite)
-    device = resolve_device(r.device)
-    model = build_model(valid.model, r.seed, r.weights_path)
+    seed_everything(r.seed, r.deterministic)
+    model, weights_file = build_model(valid.model, r.seed, r.weights_path)
     if valid.model.weights is None and valid.model.name not in SEED_MODELS:
         log.warning(
             "model.weights is null: %s has random (seeded) weights", model_label(valid.model)
@@ -168,31 +187,62 @@ def run(cfg: DictConfig, run_dir: Path, experiment: str | None = None) -> RunRes
     if r.dry_run:
         print(plan_text)
         return RunResult(None, 0, plan_text, time.perf_counter() - started)
-    log.info("\n%s", plan_text)
+    if world.rank == 0:
+        log.info("\n%s", plan_text)
 
+    total = len(data)
+    mine = distributed.batch_shard(total, r.batch_size, world)
+    todo = Subset(data, range(mine.start + done, mine.stop))
+    attrs = root_attrs(cfg, r.seed, experiment, weights_file, device, world.size)
+    if len(mine):
+        _stream(valid, plan, derivations, model, todo, sink_path, attrs, len(mine), device)
+    if not world.parallel:
+        rows = total
+    else:
+        torch.distributed.barrier()  # every shard is complete before rank 0 reads them
+        if world.rank != 0:
+            return RunResult(sink_path, len(mine), plan_text, time.perf_counter() - started)
+        distributed.merge_shards(final_path, world, total, r.batch_size, attrs)
+        rows = total
+    images = None
+    if r.render:
+        images = run_dir / "images" / (experiment or "run")
+        tensorboard = run_dir / "tensorboard" if r.logger == "tensorboard" else None
+        render(final_path, images, r.render_max, tensorboard, plan_text)
+    seconds = time.perf_counter() - started
+    log.info("\n%s", summary(final_path, seconds, class_names(valid.model), images))
+    return RunResult(final_path, rows, plan_text, seconds, images)
+
+
+def _stream(
+    valid: ValidConfig,
+    plan: HookPlan,
+    derivations: list[Derivation],
+    model: torch.nn.Module,
+    data: Subset,
+    path: Path,
+    attrs: dict,
+    expected_rows: int,
+    device: torch.device,
+) -> None:
+    """The batches of `data` through the hooked model into the HDF5 file at `path`."""
+    r = valid.run
+    dtype = _TORCH_DTYPES[r.sink.dtype]
     recorder = Recorder(r.seed, dtype)
     loader = make_loader(data, r.batch_size, r.num_workers, r.seed)
-    labelled = has_labels(data)
-    compression = r.sink.compression.value if r.sink.compression else None
+    labelled = has_labels(data.dataset)
     sink = HDF5Sink(
-        sink_path,
+        path,
         dtype=r.sink.dtype.value,
-        compression=compression,
-        attrs=_root_attrs(cfg, r.seed, experiment),
+        compression=r.sink.compression.value if r.sink.compression else None,
+        attrs=attrs,
         queue_depth=r.sink.queue_depth,
         overwrite=r.sink.overwrite,
-        expected_rows=len(data),
+        expected_rows=expected_rows,
+        resume=r.resume,
     )
     with sink, run_mode(model), attach(plan, model, recorder):
         for batch in tqdm(loader, desc="hookrun", unit="batch", disable=not r.progress):
             records = step(model, plan, recorder, r.target, batch, device, labelled)
             records.update(derive(derivations, records))
             sink.write(records)
-    images = None
-    if r.render:
-        images = run_dir / "images" / (experiment or "run")
-        tensorboard = run_dir / "tensorboard" if r.logger == "tensorboard" else None
-        render(sink_path, images, r.render_max, tensorboard, plan_text)
-    seconds = time.perf_counter() - started
-    log.info("\n%s", summary(sink_path, seconds, class_names(valid.model), images))
-    return RunResult(sink_path, sink.rows, plan_text, seconds, images)

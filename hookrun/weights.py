@@ -14,13 +14,14 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 
-__all__ = ["find_checkpoint", "load_weights"]
+__all__ = ["find_checkpoint", "load_weights", "sha256_of"]
 
 # torchvision names checkpoints `<name>-<sha256 prefix>.pth` (torch.hub's convention).
 _HASH_IN_NAME = re.compile(r"-([a-f0-9]{6,})\.")
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file, hex."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -39,7 +40,7 @@ def find_checkpoint(filename: str, folders: list[str]) -> Path | None:
         path = Path(folder).expanduser() / filename
         if not path.is_file():
             continue
-        if match and not _sha256(path).startswith(match.group(1)):
+        if match and not sha256_of(path).startswith(match.group(1)):
             raise HookrunError(
                 f"weights_path: {path} does not have the SHA-256 prefix {match.group(1)} its "
                 "name promises (a partial or different file); replace or remove it"
@@ -48,17 +49,19 @@ def find_checkpoint(filename: str, folders: list[str]) -> Path | None:
     return None
 
 
-def _torchvision_state_dict(model_name: str, weights_name: str, folders: list[str]) -> dict:
+def _torchvision_state_dict(
+    model_name: str, weights_name: str, folders: list[str]
+) -> tuple[dict, Path]:
     enum = torchvision.models.get_model_weights(model_name)
     weights = enum.DEFAULT if weights_name == "DEFAULT" else enum[weights_name]
     filename = os.path.basename(weights.url)
     found = find_checkpoint(filename, folders)
     if found is not None:
-        return _file_state_dict(found, "model.weights")
+        return _file_state_dict(found, "model.weights"), found
     hub = Path(torch.hub.get_dir()) / "checkpoints"
     try:
         # torchvision's own loader: reads the hub cache, downloads only when it is missing.
-        return weights.get_state_dict(progress=False, check_hash=True)
+        return weights.get_state_dict(progress=False, check_hash=True), hub / filename
     except (OSError, RuntimeError) as err:
         first = Path(folders[0]).expanduser() if folders else hub
         searched = ", ".join([*folders, str(hub)])
@@ -105,14 +108,15 @@ def _load(model: nn.Module, state: dict, label: str, weights: str) -> None:
 
 def load_weights(
     model: nn.Module, weights: str, label: str, torchvision_name: str | None, folders: list[str]
-) -> None:
-    """Load `weights` (a torchvision weights name of `torchvision_name`, or a file path)."""
+) -> Path:
+    """Load `weights` (a torchvision weights name of `torchvision_name`, or a file path);
+    returns the file the weights came from."""
     names: list[str] = []
     if torchvision_name is not None:
         names = [w.name for w in torchvision.models.get_model_weights(torchvision_name)]
         names.append("DEFAULT")
     if weights in names:
-        state = _torchvision_state_dict(str(torchvision_name), weights, folders)
+        state, path = _torchvision_state_dict(str(torchvision_name), weights, folders)
     else:
         path = Path(weights).expanduser()
         if not path.is_file():
@@ -124,3 +128,4 @@ def load_weights(
             )
         state = _file_state_dict(path, "model.weights")
     _load(model, state, label, weights)
+    return path

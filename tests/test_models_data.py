@@ -27,9 +27,9 @@ def test_seed_models_have_the_seed_weights():
 
 
 def test_random_init_is_seeded():
-    a = build_model(ModelConfig(name="resnet18"), seed=5).fc.weight
-    b = build_model(ModelConfig(name="resnet18"), seed=5).fc.weight
-    c = build_model(ModelConfig(name="resnet18"), seed=6).fc.weight
+    a = build_model(ModelConfig(name="resnet18"), seed=5)[0].fc.weight
+    b = build_model(ModelConfig(name="resnet18"), seed=5)[0].fc.weight
+    c = build_model(ModelConfig(name="resnet18"), seed=6)[0].fc.weight
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

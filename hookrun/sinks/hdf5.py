@@ -3,6 +3,11 @@
 h5py serialises every call behind one lock, so one writer thread is the useful maximum; the
 queue lets the next batch compute while the last one is written, and its bound (`queue_depth`
 batches) is what caps memory: the producer blocks when the writer falls behind.
+
+Crash safety: the file is written in HDF5's SWMR mode (single writer, multiple readers) once
+its datasets exist, and flushed after every batch; a writer killed at any moment leaves a
+file that opens read-only with every row up to the root attribute `completed` intact.
+`resume_point()` checks such a file before a run continues it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,34 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
 
-__all__ = ["CHUNK_BYTES", "chunk_shape", "check_sink_path", "HDF5Sink"]
+__all__ = [
+    "CHUNK_BYTES",
+    "RESUME_IGNORES",
+    "chunk_shape",
+    "check_sink_path",
+    "resume_point",
+    "HDF5Sink",
+]
+
+# Config keys that do not change a single number in the file: a resumed run may differ there.
+RESUME_IGNORES = (
+    "resume",
+    "progress",
+    "render",
+    "render_max",
+    "logger",
+    "num_workers",
+    "dry_run",
+    "weights_path",
+    "profile",
+    "sink.overwrite",
+    "sink.queue_depth",
+    "sink.path",
+)
 
 # Chunks of about 1 MiB along the sample axis: large enough for fast appends, small
 # enough that reading a few rows does not pull in much more than asked.
@@ -77,6 +106,46 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
         raise HookrunError(f"sink.path: cannot write in {parent} ({err.strerror})") from None
 
 
+def _without(config: dict, keys: tuple[str, ...]) -> dict:
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for key in keys:
+        head, _, tail = key.partition(".")
+        if tail and isinstance(config.get(head), dict):
+            config[head].pop(tail, None)
+        elif not tail:
+            config.pop(head, None)
+    return config
+
+
+def resume_point(path: Path, config_yaml: str) -> int:
+    """Rows already complete in the captures.h5 a resumed run continues; HookrunError for a
+    missing, foreign, complete or differently configured file."""
+    if not path.is_file():
+        raise HookrunError(
+            f"resume: there is no {path} to resume; run without resume=true, or point "
+            "hydra.run.dir (or sink.path) at the interrupted run"
+        )
+    try:
+        with h5py.File(path, "r") as f:
+            stored = f.attrs.get("config")
+            status, completed = f.attrs.get("status"), int(f.attrs.get("completed", 0))
+    except OSError as err:
+        raise HookrunError(f"resume: {path} is not a readable HDF5 file ({err})") from None
+    if stored is None or status is None:
+        raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
+    if status == "complete":
+        raise HookrunError(f"resume: {path} is already complete ({completed} rows); nothing to do")
+    before = _without(OmegaConf.to_container(OmegaConf.create(str(stored))), RESUME_IGNORES)
+    now = _without(OmegaConf.to_container(OmegaConf.create(config_yaml)), RESUME_IGNORES)
+    if before != now:
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        raise HookrunError(
+            f"resume: the config differs from the one {path} was written with in "
+            f"{', '.join(changed)}; resume with the same config, or start a new run"
+        )
+    return completed
+
+
 class HDF5Sink:
     """Append batches of records to one HDF5 file from a background thread.
 
@@ -84,7 +153,8 @@ class HDF5Sink:
     every batch must carry the same keys with the same row shape. Datasets are created from
     the first batch; `expected_rows` (when known) bounds their chunks. Root attribute
     `completed` counts rows written and flushed; `status` goes `running` → `complete`
-    (or `failed` when the run raised).
+    (or `failed` when the run raised). `resume=True` opens an interrupted file instead,
+    drops any rows past `completed` and appends from there.
     """
 
     def __init__(
@@ -97,6 +167,7 @@ class HDF5Sink:
         queue_depth: int = 4,
         overwrite: bool = False,
         expected_rows: int | None = None,
+        resume: bool = False,
     ) -> None:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
@@ -104,6 +175,7 @@ class HDF5Sink:
         self.attrs = dict(attrs or {})
         self.overwrite = overwrite
         self.expected_rows = expected_rows
+        self.resume = resume
         self.rows = 0
         self._keys: set[str] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
@@ -112,16 +184,35 @@ class HDF5Sink:
         self._file: h5py.File | None = None
 
     def __enter__(self) -> HDF5Sink:
-        # 'w-' refuses an existing file even if one appeared after check_sink_path.
-        self._file = h5py.File(self.path, "w" if self.overwrite else "w-")
-        for key, value in self.attrs.items():
-            self._file.attrs[key] = value
-        self._file.attrs["status"] = "running"
-        self._file.attrs["completed"] = 0
-        self._file.flush()
+        if self.resume:
+            self._reopen()
+        else:
+            # 'w-' refuses an existing file even if one appeared after check_sink_path.
+            self._file = h5py.File(self.path, "w" if self.overwrite else "w-", libver="latest")
+            for key, value in self.attrs.items():
+                self._file.attrs[key] = value
+            # SWMR forbids new attributes later, so every attribute exists from the start.
+            self._file.attrs["error"] = ""
+            self._file.attrs["status"] = "running"
+            self._file.attrs["completed"] = 0
+            self._file.flush()
         self._thread = threading.Thread(target=self._drain, name="hookrun-hdf5-writer", daemon=True)
         self._thread.start()
         return self
+
+    def _reopen(self) -> None:
+        self._file = h5py.File(self.path, "r+", libver="latest")
+        self.rows = int(self._file.attrs["completed"])
+        self._file.visititems(
+            lambda name, obj: self._keys.add(name) if isinstance(obj, h5py.Dataset) else None
+        )
+        for key in self._keys:  # rows past `completed` may be half written: drop them
+            self._file[key].resize(self.rows, axis=0)
+        self._file.attrs["status"] = "running"
+        self._file.attrs["error"] = ""
+        self._file.flush()
+        if self._keys:
+            self._file.swmr_mode = True
 
     def write(self, records: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Queue one batch; blocks while `queue_depth` batches are already waiting."""
@@ -165,9 +256,10 @@ class HDF5Sink:
         arrays = {
             k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in batch.items()
         }
-        if self.rows == 0:
+        if not self._keys:
             for key, array in arrays.items():
                 self._create(key, array)
+            self._file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
         expected = self._keys
         if set(arrays) != expected:
             raise RuntimeError(

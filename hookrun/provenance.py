@@ -1,0 +1,91 @@
+"""Reproducibility: every seed a run depends on, and where its numbers came from.
+
+Same config + same seed → the same numbers in every dataset: torch, numpy and Python's
+`random` are seeded here, DataLoader workers from the loader's generator, and
+`deterministic=true` makes PyTorch refuse nondeterministic kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+import torchvision
+from omegaconf import DictConfig, OmegaConf
+
+from hookrun import __version__
+from hookrun.weights import sha256_of
+
+__all__ = ["seed_everything", "worker_init", "root_attrs"]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed torch, numpy and Python; with `deterministic`, forbid nondeterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; set before the first matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+
+
+def worker_init(worker_id: int) -> None:
+    """DataLoader worker: numpy and Python seeded from the worker's torch seed."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _git(root: Path, *args: str) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+    )
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _git_commit() -> str:
+    """The commit of the hookrun checkout this code runs from (+dirty with local changes)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return ""
+    try:
+        commit = _git(root, "rev-parse", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return commit + ("+dirty" if commit and dirty else "")
+
+
+def root_attrs(
+    cfg: DictConfig,
+    seed: int,
+    experiment: str | None,
+    weights_file: Path | None,
+    device: torch.device,
+    world_size: int,
+) -> dict[str, object]:
+    """The root attributes of captures.h5: config, versions and provenance."""
+    return {
+        "config": OmegaConf.to_yaml(cfg, resolve=True),
+        "experiment": experiment or "",
+        "hookrun_version": __version__,
+        "hookrun_git_commit": _git_commit(),
+        "torch_version": str(torch.__version__),
+        "torchvision_version": str(torchvision.__version__),
+        "h5py_version": h5py.__version__,
+        "seed": seed,
+        "weights_file": str(weights_file or ""),
+        "weights_sha256": sha256_of(weights_file) if weights_file else "",
+        "device": str(device),
+        "hostname": socket.gethostname(),
+        "world_size": world_size,
+    }
