@@ -29,6 +29,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.utils import make_grid
 
+from hookrun.sinks.hdf5 import open_readonly
+
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
@@ -156,7 +158,7 @@ def render(
     """Draw the pictures of one captures.h5; returns the files written, contact sheet last."""
     path = Path(path)
     pictures: list[_Picture] = []
-    with h5py.File(path, "r") as f:
+    with open_readonly(path) as f:
         config = OmegaConf.to_container(OmegaConf.create(str(f.attrs.get("config", "{}"))))
         experiment = str(f.attrs.get("experiment", "")) or "run"
         out_dir = Path(out_dir) if out_dir else path.parent / "images" / experiment

@@ -13,6 +13,8 @@ import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from hookrun.sinks.hdf5 import open_readonly
+
 __all__ = ["Results", "open_results", "summary"]
 
 
@@ -26,7 +28,7 @@ class Results:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.file = h5py.File(self.path, "r")
+        self.file = open_readonly(self.path)  # also a run killed mid-way
 
     def __enter__(self) -> Results:
         return self

@@ -7,6 +7,9 @@ batches) is what caps memory: the producer blocks when the writer falls behind.
 Crash safety: the file is written in HDF5's SWMR mode (single writer, multiple readers) once
 its datasets exist, and flushed after every batch; a writer killed at any moment leaves a
 file that opens read-only with every row up to the root attribute `completed` intact.
+HDF5 then still marks the file as open for writing, so it opens with `swmr=True` (what
+`open_readonly()` and `hookrun.open` do), and a resumed run first copies the rows up to
+`completed` into a fresh file that replaces it (HDF5 has no public call to clear that mark).
 `resume_point()` checks such a file before a run continues it.
 """
 
@@ -32,6 +35,7 @@ __all__ = [
     "RESUME_IGNORES",
     "chunk_shape",
     "check_sink_path",
+    "open_readonly",
     "resume_point",
     "HDF5Sink",
 ]
@@ -106,6 +110,42 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
         raise HookrunError(f"sink.path: cannot write in {parent} ({err.strerror})") from None
 
 
+def open_readonly(path: Path) -> h5py.File:
+    """Open a captures.h5 for reading, also one whose writer was killed mid-run."""
+    try:
+        return h5py.File(path, "r")
+    except OSError:
+        return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
+
+
+def _rewrite_rows(path: Path) -> None:
+    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
+    `completed`, keeping every dataset's dtype, chunks and compression."""
+    fresh = path.with_name(f".{path.name}.resume")
+    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
+        rows = int(src.attrs["completed"])
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        datasets: list[str] = []
+        src.visititems(lambda n, o: datasets.append(n) if isinstance(o, h5py.Dataset) else None)
+        for key in datasets:
+            ds = src[key]
+            out = dst.create_dataset(
+                key,
+                shape=(rows, *ds.shape[1:]),
+                maxshape=ds.maxshape,
+                chunks=ds.chunks,
+                dtype=ds.dtype,
+                compression=ds.compression,
+                compression_opts=ds.compression_opts,
+                track_times=False,
+            )
+            step = max(1, ds.chunks[0])
+            for start in range(0, rows, step):
+                out[start : start + step] = ds[start : min(rows, start + step)]
+    fresh.replace(path)  # atomic: the old file stays whole until the copy is
+
+
 def _without(config: dict, keys: tuple[str, ...]) -> dict:
     config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for key in keys:
@@ -126,7 +166,7 @@ def resume_point(path: Path, config_yaml: str) -> int:
             "hydra.run.dir (or sink.path) at the interrupted run"
         )
     try:
-        with h5py.File(path, "r") as f:
+        with open_readonly(path) as f:
             stored = f.attrs.get("config")
             status, completed = f.attrs.get("status"), int(f.attrs.get("completed", 0))
     except OSError as err:
@@ -201,7 +241,11 @@ class HDF5Sink:
         return self
 
     def _reopen(self) -> None:
-        self._file = h5py.File(self.path, "r+", libver="latest")
+        try:
+            self._file = h5py.File(self.path, "r+", libver="latest")
+        except OSError:  # the writer was killed: HDF5 still marks the file open for writing
+            _rewrite_rows(self.path)
+            self._file = h5py.File(self.path, "r+", libver="latest")
         self.rows = int(self._file.attrs["completed"])
         self._file.visititems(
             lambda name, obj: self._keys.add(name) if isinstance(obj, h5py.Dataset) else None
