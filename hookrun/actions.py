@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from hookrun.errors import HookrunError
 
@@ -64,6 +65,13 @@ class NoArgs:
 
 
 @dataclass
+class CaptureArgs:
+    # Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size.
+    pool: str | None = None
+    size: int = 1
+
+
+@dataclass
 class ScaleArgs:
     factor: float = 1.0
 
@@ -85,13 +93,35 @@ class NoiseArgs:
 
 
 class Capture(Action):
-    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it)."""
+    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it);
+    with `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
+    `size` per spatial axis — what extraction jobs that want pooled features store."""
 
-    name, Args, captures = "capture", NoArgs, True
+    name, Args, captures = "capture", CaptureArgs, True
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
-        ctx.record(tensor)
+        ctx.record(self._pooled(tensor) if self.args.pool else tensor)
         return tensor
+
+    def _pooled(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = tensor.detach()
+            if value.dim() == 4:
+                pool = F.adaptive_avg_pool2d if self.args.pool == "avg" else F.adaptive_max_pool2d
+            else:
+                pool = F.adaptive_avg_pool1d if self.args.pool == "avg" else F.adaptive_max_pool1d
+            return pool(value, self.args.size)
+
+    def stored_shape(self, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
+        """The per-sample shape stored for a tensor of per-sample `shape`."""
+        if not self.args.pool:
+            return shape
+        if len(shape) not in (2, 3):
+            raise HookrunError(
+                f"{key}.args.pool: {key.split('.')[-1]} captures a tensor of per-sample shape "
+                f"{list(shape)}; pooling needs feature maps (C, H, W) or sequences (C, L)"
+            )
+        return (shape[0], *([self.args.size] * (len(shape) - 1)))
 
 
 class Scale(Action):
@@ -162,6 +192,11 @@ def build_action(name: str, args: dict[str, Any], key: str) -> Action:
             raise HookrunError(f"{key}.args: clamp needs min, max or both")
         if parsed.min is not None and parsed.max is not None and parsed.min > parsed.max:
             raise HookrunError(f"{key}.args: clamp min {parsed.min} is above max {parsed.max}")
+    if isinstance(parsed, CaptureArgs) and parsed.pool is not None:
+        if parsed.pool not in ("avg", "max"):
+            raise HookrunError(f"{key}.args.pool: {parsed.pool!r}; valid: avg, max, null")
+        if parsed.size < 1:
+            raise HookrunError(f"{key}.args.size: {parsed.size} is out of range; valid: >= 1")
     if isinstance(parsed, NoiseArgs) and parsed.std < 0:
         raise HookrunError(f"{key}.args.std: {parsed.std} is negative; valid: std >= 0")
     return cls(parsed)

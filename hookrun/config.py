@@ -229,6 +229,8 @@ class RunConfig:
     weights_path: list[str] = field(default_factory=list)
     # Show a tqdm progress bar.
     progress: bool = True
+    # Time every stage (data, forward, backward, copy, write, queue wait) and print it.
+    profile: bool = False
     # Pictures from the finished captures.h5 into <run dir>/images/<experiment>/.
     render: bool = True
     # Pictures for at most this many samples (the first rows).

@@ -195,14 +195,18 @@ def has_labels(data: Dataset) -> bool:
     return bool(getattr(data, "has_labels", False))
 
 
-def make_loader(data: Dataset, batch_size: int, num_workers: int, seed: int) -> DataLoader:
-    """Sequential batches (rows in dataset order); workers seeded from the run's seed."""
+def make_loader(
+    data: Dataset, batch_size: int, num_workers: int, seed: int, device: torch.device
+) -> DataLoader:
+    """Sequential batches (rows in dataset order); workers seeded from the run's seed;
+    pinned batches on CUDA so the host → device copy can run asynchronously."""
     gen = torch.Generator().manual_seed(seed)
     return DataLoader(
         data,
         batch_size=batch_size,
         shuffle=False,
         num_workers=num_workers,
+        pin_memory=device.type == "cuda",
         generator=gen,
         worker_init_fn=worker_init,
         persistent_workers=False,

@@ -30,7 +30,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hookrun.config import Site
 from hookrun.plan import CallShapes, HookPlan, PlannedHook, capture_key
+from hookrun.profile import StageTimer
 from hookrun.selectors import INPUT_LAYER
+from hookrun.transfer import HostCopier
 
 __all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes", "float_tensors"]
 
@@ -58,9 +60,17 @@ def _replace_floats(value: Any, new: list[torch.Tensor]) -> Any:
 class Recorder:
     """Per-batch state the hooks write into: captured tensors, call counts, gradient edges."""
 
-    def __init__(self, seed: int, store_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        seed: int,
+        store_dtype: torch.dtype,
+        copier: HostCopier | None = None,
+        timer: StageTimer | None = None,
+    ) -> None:
         self.seed = seed
         self.store_dtype = store_dtype
+        self.copier = copier or HostCopier()
+        self.timer = timer or StageTimer(enabled=False)
         self.begin(0)
 
     def begin(self, batch_start: int) -> None:
@@ -72,13 +82,18 @@ class Recorder:
         self.edges: defaultdict[str, list[GradientEdge]] = defaultdict(list)
         # The backward pass the runner is running; hooks of other passes stand aside.
         self.current_pass: str | None = None
+        # Events of device → host copies still in flight (CUDA only).
+        self.events: list = []
 
     def record(self, key: str, tensor: torch.Tensor) -> None:
         """Keep a CPU copy of `tensor` (floats in the store dtype) under `key`."""
         if key in self.records:
             raise RuntimeError(f"{key} captured twice in one batch")
         dtype = self.store_dtype if tensor.is_floating_point() else tensor.dtype
-        self.records[key] = tensor.detach().to("cpu", dtype=dtype, copy=True)
+        with self.timer.stage("copy"):
+            self.records[key], event = self.copier.copy(tensor, dtype)
+        if event is not None:
+            self.events.append(event)
 
     def generator(self, hook: str, key: str, device: torch.device) -> torch.Generator:
         """A generator seeded by (run seed, hook, tensor, first row of the batch)."""

@@ -112,7 +112,8 @@ class HookPlan:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     tensors = call_shapes.at(hook.site)
                     for i, shape in enumerate(tensors):
-                        out[capture_key(layer, hook.site, call, i, len(tensors))] = shape
+                        key = capture_key(layer, hook.site, call, i, len(tensors))
+                        out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
         return out
 
     def describe(
@@ -137,6 +138,8 @@ class HookPlan:
                     tensors = call_shapes.at(hook.site)
                     for i, shape in enumerate(tensors):
                         key = capture_key(layer, hook.site, call, i, len(tensors))
+                        if hook.action.captures:
+                            shape = stored[key]
                         size = math.prod(shape) * itemsize
                         where = f"/{key}" if hook.action.captures else "(not stored)"
                         label = f"{layer} (call {call})" if call else layer

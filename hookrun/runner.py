@@ -25,11 +25,13 @@ from hookrun.errors import HookrunError
 from hookrun.hooks import Recorder, attach, prepare_input, probe_shapes, run_mode
 from hookrun.models import SEED_MODELS, build_model, class_names, model_label
 from hookrun.plan import HookPlan, compile_plan
+from hookrun.profile import StageTimer
 from hookrun.provenance import root_attrs, seed_everything
 from hookrun.render import render
 from hookrun.results import summary
 from hookrun.sinks.hdf5 import HDF5Sink, check_sink_path, resume_point
 from hookrun.targets import backward_seed, check_target, choose_targets
+from hookrun.transfer import HostCopier
 
 __all__ = ["RunResult", "resolve_device", "run", "step"]
 
@@ -47,6 +49,7 @@ class RunResult:
     plan_text: str
     seconds: float
     images: Path | None = None
+    profile: dict[str, float] | None = None  # seconds per stage, with profile=true
 
 
 def resolve_device(cfg: DeviceConfig, world: World | None = None) -> torch.device:
@@ -85,30 +88,34 @@ def step(
     device: torch.device,
     labelled: bool,
 ) -> dict[str, torch.Tensor]:
-    """Forward (and backward where a hook needs it) for one batch; the batch's records."""
+    """One forward pass (and the backward passes gradient hooks need) for one batch; the
+    batch's records. The target class comes from this same forward pass."""
     inputs, labels, index = batch
     recorder.begin(int(index[0]))
+    timer = recorder.timer
     inputs = inputs.to(device, non_blocking=True)
     if plan.needs_backward:
         with torch.enable_grad():
-            inputs = prepare_input(plan, recorder, inputs)
-            output = _tensor_output(model(inputs))
-            targets = choose_targets(output, target, labels)
-            seed = backward_seed(output, targets, target.kind)
+            with timer.stage("forward"):
+                inputs = prepare_input(plan, recorder, inputs)
+                output = _tensor_output(model(inputs))
+                targets = choose_targets(output, target, labels)
+                seed = backward_seed(output, targets, target.kind)
             passes = plan.backward_passes
-            for i, name in enumerate(passes):
-                recorder.current_pass = name
-                if recorder.edges[name]:
-                    # Only the subgraph between the target and the hooked tensors is computed.
-                    torch.autograd.grad(
-                        seed,
-                        recorder.edges[name],
-                        allow_unused=True,
-                        retain_graph=i < len(passes) - 1,
-                    )
+            with timer.stage("backward"):
+                for i, name in enumerate(passes):
+                    recorder.current_pass = name
+                    if recorder.edges[name]:
+                        # Only the subgraph between the target and the hooked tensors runs.
+                        torch.autograd.grad(
+                            seed,
+                            recorder.edges[name],
+                            allow_unused=True,
+                            retain_graph=i < len(passes) - 1,
+                        )
             recorder.current_pass = None
     else:
-        with torch.inference_mode():
+        with torch.inference_mode(), timer.stage("forward"):
             inputs = prepare_input(plan, recorder, inputs)
             output = _tensor_output(model(inputs))
             targets = choose_targets(output, target, labels)
@@ -194,8 +201,9 @@ def _run(
     mine = distributed.batch_shard(total, r.batch_size, world)
     todo = Subset(data, range(mine.start + done, mine.stop))
     attrs = root_attrs(cfg, r.seed, experiment, weights_file, device, world.size)
+    timer = StageTimer(r.profile, device)
     if len(mine):
-        _stream(valid, plan, derivations, model, todo, sink_path, attrs, len(mine), device)
+        _stream(valid, plan, derivations, model, todo, sink_path, attrs, len(mine), device, timer)
     if not world.parallel:
         rows = total
     else:
@@ -210,8 +218,11 @@ def _run(
         tensorboard = run_dir / "tensorboard" if r.logger == "tensorboard" else None
         render(final_path, images, r.render_max, tensorboard, plan_text)
     seconds = time.perf_counter() - started
-    log.info("\n%s", summary(final_path, seconds, class_names(valid.model), images))
-    return RunResult(final_path, rows, plan_text, seconds, images)
+    text = summary(final_path, seconds, class_names(valid.model), images)
+    if r.profile:
+        text += "\n" + timer.report(seconds)
+    log.info("\n%s", text)
+    return RunResult(final_path, rows, plan_text, seconds, images, dict(timer.seconds))
 
 
 def _stream(
@@ -224,12 +235,14 @@ def _stream(
     attrs: dict,
     expected_rows: int,
     device: torch.device,
+    timer: StageTimer,
 ) -> None:
     """The batches of `data` through the hooked model into the HDF5 file at `path`."""
     r = valid.run
     dtype = _TORCH_DTYPES[r.sink.dtype]
-    recorder = Recorder(r.seed, dtype)
-    loader = make_loader(data, r.batch_size, r.num_workers, r.seed)
+    copier = HostCopier()
+    recorder = Recorder(r.seed, dtype, copier, timer)
+    loader = make_loader(data, r.batch_size, r.num_workers, r.seed, device)
     labelled = has_labels(data.dataset)
     sink = HDF5Sink(
         path,
@@ -240,9 +253,19 @@ def _stream(
         overwrite=r.sink.overwrite,
         expected_rows=expected_rows,
         resume=r.resume,
+        timer=timer,
     )
+    batches = iter(tqdm(loader, desc="hookrun", unit="batch", disable=not r.progress))
     with sink, run_mode(model), attach(plan, model, recorder):
-        for batch in tqdm(loader, desc="hookrun", unit="batch", disable=not r.progress):
+        while True:
+            with timer.stage("data"):
+                batch = next(batches, None)
+            if batch is None:
+                break
             records = step(model, plan, recorder, r.target, batch, device, labelled)
-            records.update(derive(derivations, records))
-            sink.write(records)
+            if derivations:
+                for event in recorder.events:
+                    event.synchronize()  # derived results read the host copies now
+                with timer.stage("derive"):
+                    records.update(derive(derivations, records))
+            sink.write(records, recorder.events, copier.give_back)

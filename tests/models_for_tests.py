@@ -52,3 +52,25 @@ class ExplodingNet(TwiceNet):
         if self.calls == 3:  # the probe is call 1, the first batch call 2
             raise RuntimeError("boom in batch 2")
         return super().forward(x)
+
+
+class WatchedConvNet(nn.Module):
+    """A small conv net (ends in global average pooling + one linear layer) that records,
+    on every forward pass, whether any parameter required grad at that moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+        )
+        self.fc = nn.Linear(8, 4)
+        self.forwards: list[bool] = []
+        BUILT.append(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards.append(any(p.requires_grad for p in self.parameters()))
+        return self.fc(self.features(x).mean(dim=(2, 3)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,6 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
+from hookrun.profile import StageTimer
 
 __all__ = [
     "CHUNK_BYTES",
@@ -208,6 +209,7 @@ class HDF5Sink:
         overwrite: bool = False,
         expected_rows: int | None = None,
         resume: bool = False,
+        timer: StageTimer | None = None,
     ) -> None:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
@@ -216,6 +218,7 @@ class HDF5Sink:
         self.overwrite = overwrite
         self.expected_rows = expected_rows
         self.resume = resume
+        self.timer = timer or StageTimer(enabled=False)
         self.rows = 0
         self._keys: set[str] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
@@ -258,10 +261,20 @@ class HDF5Sink:
         if self._keys:
             self._file.swmr_mode = True
 
-    def write(self, records: Mapping[str, torch.Tensor | np.ndarray]) -> None:
-        """Queue one batch; blocks while `queue_depth` batches are already waiting."""
+    def write(
+        self,
+        records: Mapping[str, torch.Tensor | np.ndarray],
+        ready: list | None = None,
+        on_written: Callable[[list], None] | None = None,
+    ) -> None:
+        """Queue one batch; blocks while `queue_depth` batches are already waiting.
+
+        `ready`: events (CUDA copies) the writer waits for before reading the batch;
+        `on_written`: called by the writer with the batch's tensors once they are on disk.
+        """
         self._raise_writer_error()
-        self._queue.put(dict(records))
+        with self.timer.stage("queue wait"):
+            self._queue.put((dict(records), list(ready or []), on_written))
 
     def __exit__(
         self,
@@ -287,11 +300,17 @@ class HDF5Sink:
             raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
 
     def _drain(self) -> None:
-        while (batch := self._queue.get()) is not _DONE:
+        while (item := self._queue.get()) is not _DONE:
             if self._error is not None:
                 continue  # keep draining so the producer never blocks forever
+            batch, ready, on_written = item
             try:
-                self._append(batch)
+                for event in ready:
+                    event.synchronize()  # the device → host copy has landed
+                with self.timer.stage("write"):
+                    self._append(batch)
+                if on_written is not None:
+                    on_written(list(batch.values()))
             except BaseException as err:  # handed to the producer thread, re-raised there
                 self._error = err
 
