@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -31,6 +34,21 @@ def hook(name: str, select: str, at: str, action: str, **args: float) -> list[st
     ]
     out += [f"++hooks.{name}.args.{k}={v}" for k, v in args.items()]
     return out
+
+
+def hookrun_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m hookrun ARGS` in a subprocess, as a user runs it (tests/ importable for
+    `model._target_=models_for_tests...`, no HYDRA_FULL_ERROR)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
+    return subprocess.run(
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def compose_config(overrides: list[str]):

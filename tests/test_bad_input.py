@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import pytest
 import torch
-from conftest import SEED_MLP, hook, run_config
+from conftest import SEED_MLP, hook, hookrun_cli, run_config
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from PIL import Image
@@ -166,7 +164,7 @@ def test_unreadable_image_in_a_worker_is_one_line_on_the_cli(tmp_path):
         "num_workers=1",
         f"sink.path={tmp_path / 'c.h5'}",
     ]
-    proc = _cli(args, tmp_path)
+    proc = hookrun_cli(args, tmp_path)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hookrun: error: dataset.root: cannot read image") and "b.png" in last
@@ -198,19 +196,6 @@ def test_sink_path_under_a_file_is_refused(tmp_path):
         run_config(tmp_path, [f"sink.path={tmp_path / 'afile' / 'c.h5'}", *SMALL])
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = str(ROOT / "tests")
-    return subprocess.run(
-        [sys.executable, "-m", "hookrun", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -220,7 +205,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_bad_input_exits_nonzero_without_traceback(tmp_path, args, words):
-    proc = _cli([*args, *SMALL, f"sink.path={tmp_path / 'c.h5'}"], tmp_path)
+    proc = hookrun_cli([*args, *SMALL, f"sink.path={tmp_path / 'c.h5'}"], tmp_path)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr + proc.stdout
     for word in words:

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, read, run_config
+from conftest import hook, hookrun_cli, read, run_config
 
 from hookrun.errors import HookrunError
 from hookrun.launchers import with_resume
@@ -29,16 +29,6 @@ SEED_MLP_SCALED = [
     *hook("x", "input", "grad_output", "capture"),
     "progress=false",
 ]
-
-
-def hookrun_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hookrun", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def sweep_rows(cwd: Path) -> list[dict]:
