@@ -162,7 +162,6 @@ def render(
         config = OmegaConf.to_container(OmegaConf.create(str(f.attrs.get("config", "{}"))))
         experiment = str(f.attrs.get("experiment", "")) or "run"
         out_dir = Path(out_dir) if out_dir else path.parent / "images" / experiment
-        out_dir.mkdir(parents=True, exist_ok=True)
         rows = min(int(f.attrs.get("completed", len(f["samples/index"]))), max_samples)
         derived = {
             f"{m}/{layer}": f[f"derived/{m}/{layer}"]
@@ -205,9 +204,12 @@ def render(
                 drawn.append((layer, f"features_{layer}", feature_grid(maps)))
             for kind, stem, image in drawn:
                 target = out_dir / f"{index:05d}_{stem}.png"
+                out_dir.mkdir(parents=True, exist_ok=True)
                 pixels = _to_uint8(image)
                 Image.fromarray(pixels).save(target)
                 pictures.append(_Picture(kind, row, target, pixels))
+    if not pictures:  # nothing drawable: no input, gradient, map or feature maps
+        return []
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
     if tensorboard_dir is not None:
         _to_tensorboard(pictures, tensorboard_dir, plan_text)

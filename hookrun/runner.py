@@ -216,7 +216,8 @@ def _run(
     if r.render:
         images = run_dir / "images" / (experiment or "run")
         tensorboard = run_dir / "tensorboard" if r.logger == "tensorboard" else None
-        render(final_path, images, r.render_max, tensorboard, plan_text)
+        if not render(final_path, images, r.render_max, tensorboard, plan_text):
+            images = None
     seconds = time.perf_counter() - started
     text = summary(final_path, seconds, class_names(valid.model), images)
     if r.profile:

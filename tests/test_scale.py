@@ -221,3 +221,24 @@ def test_provenance_attributes(tmp_path):
     ):
         assert key in attrs
     assert attrs["device"] == "cpu" and attrs["world_size"] == 1 and attrs["hostname"]
+
+
+@pytest.mark.parametrize("samples,batch,world", [(10, 3, 2), (7, 2, 4), (5, 4, 3), (100, 8, 3)])
+def test_batch_shards_cover_every_sample_once(samples, batch, world):
+    from hookrun.distributed import World, batch_shard
+
+    shards = [batch_shard(samples, batch, World(r, world)) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(samples))  # in order, no padding
+    assert all(s.start % batch == 0 for s in shards if len(s))  # whole batches only
+
+
+def test_merge_names_a_missing_shard(tmp_path):
+    from hookrun.distributed import World, merge_shards, shard_path
+    from hookrun.sinks.hdf5 import HDF5Sink
+
+    final = tmp_path / "captures.h5"
+    with HDF5Sink(shard_path(final, World(0, 2))) as sink:
+        sink.write({"samples/index": torch.arange(2)})
+    with pytest.raises(HookrunError, match=r"merge: the shard .*captures.rank1-of-2.h5 of rank 1"):
+        merge_shards(final, World(0, 2), samples=4, batch_size=2, attrs={})
+    assert not final.exists()
