@@ -71,8 +71,11 @@ def shard_path(path: Path, world: World) -> Path:
     return path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
 
 
-def merge_shards(path: Path, world: World, samples: int, batch_size: int, attrs: dict) -> None:
-    """Rank 0: write `path` as virtual datasets over every rank's shard, in index order."""
+def merge_shards(
+    path: Path, world: World, samples: int, batch_size: int, attrs: dict, replace: bool = False
+) -> None:
+    """Rank 0: write `path` as virtual datasets over every rank's shard, in index order;
+    an existing `path` only with `replace`."""
     shards = []
     for rank in range(world.size):
         rank_world = World(rank, world.size)
@@ -89,7 +92,7 @@ def merge_shards(path: Path, world: World, samples: int, batch_size: int, attrs:
                 raise HookrunError(f"merge: the shard {shard} is not complete")
         keys: list[str] = []
         opened[0].visititems(lambda n, o: keys.append(n) if isinstance(o, h5py.Dataset) else None)
-        with h5py.File(path, "w", libver="latest") as out:
+        with h5py.File(path, "w" if replace else "w-", libver="latest") as out:
             for key, value in attrs.items():
                 out.attrs[key] = value
             for key in keys:

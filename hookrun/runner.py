@@ -172,6 +172,8 @@ def _run(
         done = resume_point(sink_path, config_yaml)
     elif not r.dry_run:
         check_sink_path(sink_path, r.sink.overwrite)
+        if world.parallel and world.rank == 0:
+            check_sink_path(final_path, r.sink.overwrite)  # the file the shards will join in
     seed_everything(r.seed, r.deterministic)
     model, weights_file = build_model(valid.model, r.seed, r.weights_path)
     if valid.model.weights is None and valid.model.name not in SEED_MODELS:
@@ -210,7 +212,8 @@ def _run(
         torch.distributed.barrier()  # every shard is complete before rank 0 reads them
         if world.rank != 0:
             return RunResult(sink_path, len(mine), plan_text, time.perf_counter() - started)
-        distributed.merge_shards(final_path, world, total, r.batch_size, attrs)
+        replace = r.sink.overwrite or r.resume  # a resumed run may redo an interrupted merge
+        distributed.merge_shards(final_path, world, total, r.batch_size, attrs, replace)
         rows = total
     images = None
     if r.render:
