@@ -178,7 +178,7 @@ ACTIONS: dict[str, type[Action]] = {
 
 def build_action(name: str, args: dict[str, Any], key: str) -> Action:
     """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
-    from hookrun.config import parse_typed  # config imports nothing from here: no cycle
+    from hookrun.config import parse_typed  # here, not on top: config imports this module
 
     cls = ACTIONS.get(name)
     if cls is None:

@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hookrun.actions import build_action
 from hookrun.errors import HookrunError, nearest
 
 __all__ = [
@@ -357,6 +358,8 @@ def validate(cfg: DictConfig) -> ValidConfig:
     hooks: dict[str, HookConfig] = {}
     for name, node in (run.hooks or {}).items():
         hooks[name] = parse_typed(node, HookConfig, f"hooks.{name}")
+        # The action and its args are checked here, before any model or data is loaded.
+        build_action(hooks[name].action, hooks[name].args, f"hooks.{name}")
     if run.target.kind == TargetKind.index and run.target.index is None:
         raise HookrunError("target.index: null; target.kind=index needs target.index=K")
     for name, spec in hooks.items():

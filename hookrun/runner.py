@@ -175,12 +175,12 @@ def _run(
         if world.parallel and world.rank == 0:
             check_sink_path(final_path, r.sink.overwrite)  # the file the shards will join in
     seed_everything(r.seed, r.deterministic)
+    data = build_dataset(valid.dataset, r.seed, r.limit)  # cheap checks before the weights
     model, weights_file = build_model(valid.model, r.seed, r.weights_path)
     if valid.model.weights is None and valid.model.name not in SEED_MODELS:
         log.warning(
             "model.weights is null: %s has random (seeded) weights", model_label(valid.model)
         )
-    data = build_dataset(valid.dataset, r.seed, r.limit)
     plan = compile_plan(valid.hooks, model)
     model.to(device)
 

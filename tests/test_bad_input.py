@@ -211,3 +211,10 @@ def test_cli_bad_input_exits_nonzero_without_traceback(tmp_path, args, words):
     for word in words:
         assert word in proc.stderr
     assert not (tmp_path / "c.h5").exists()
+
+
+def test_bad_action_is_caught_before_the_model_is_loaded(tmp_path):
+    # The weights path is bad too; the action's message comes first: nothing was loaded.
+    overrides = ["model.weights=/no/such/file.pt", *hook("a", "layer1", "output", "scale", fact=2)]
+    with pytest.raises(HookrunError, match=r"hooks.a.args.fact: unknown key"):
+        run_config(tmp_path, [*overrides, *SMALL])
