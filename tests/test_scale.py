@@ -242,3 +242,17 @@ def test_merge_names_a_missing_shard(tmp_path):
     with pytest.raises(HookrunError, match=r"merge: the shard .*captures.rank1-of-2.h5 of rank 1"):
         merge_shards(final, World(0, 2), samples=4, batch_size=2, attrs={})
     assert not final.exists()
+
+
+def test_slurm_preset_builds_the_resuming_launcher():
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from hookrun.launchers import ResumingSlurmLauncher
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.array_parallelism == 16 and launcher.gpus_per_node == 1
+    assert isinstance(instantiate(launcher), ResumingSlurmLauncher)
