@@ -11,6 +11,8 @@ import os
 import random
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
@@ -22,20 +24,33 @@ from omegaconf import DictConfig, OmegaConf
 from hookrun import __version__
 from hookrun.weights import sha256_of
 
-__all__ = ["seed_everything", "worker_init", "root_attrs"]
+__all__ = ["reproducible", "worker_init", "root_attrs"]
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed torch, numpy and Python; with `deterministic`, forbid nondeterministic kernels."""
+@contextmanager
+def reproducible(seed: int, deterministic: bool) -> Iterator[None]:
+    """Seed torch, numpy and Python; with `deterministic`, forbid nondeterministic kernels
+    for the run, and put PyTorch's determinism switches back as they were afterwards."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
     if deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; set before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:]
 
 
 def worker_init(worker_id: int) -> None:

@@ -26,7 +26,7 @@ from hookrun.hooks import Recorder, attach, prepare_input, probe_shapes, run_mod
 from hookrun.models import SEED_MODELS, build_model, class_names, model_label
 from hookrun.plan import HookPlan, compile_plan
 from hookrun.profile import StageTimer
-from hookrun.provenance import root_attrs, seed_everything
+from hookrun.provenance import reproducible, root_attrs
 from hookrun.render import render
 from hookrun.results import summary
 from hookrun.sinks.hdf5 import HDF5Sink, check_sink_path, resume_point
@@ -149,7 +149,8 @@ def run(cfg: DictConfig, run_dir: Path, experiment: str | None = None) -> RunRes
     try:
         if world.parallel:
             run_dir = distributed.start(world, device, run_dir)
-        return _run(cfg, valid, run_dir, experiment, world, device, started)
+        with reproducible(r.seed, r.deterministic):
+            return _run(cfg, valid, run_dir, experiment, world, device, started)
     finally:
         distributed.stop()
 
@@ -174,7 +175,6 @@ def _run(
         check_sink_path(sink_path, r.sink.overwrite)
         if world.parallel and world.rank == 0:
             check_sink_path(final_path, r.sink.overwrite)  # the file the shards will join in
-    seed_everything(r.seed, r.deterministic)
     data = build_dataset(valid.dataset, r.seed, r.limit)  # cheap checks before the weights
     model, weights_file = build_model(valid.model, r.seed, r.weights_path)
     if valid.model.weights is None and valid.model.name not in SEED_MODELS:
@@ -206,15 +206,12 @@ def _run(
     timer = StageTimer(r.profile, device)
     if len(mine):
         _stream(valid, plan, derivations, model, todo, sink_path, attrs, len(mine), device, timer)
-    if not world.parallel:
-        rows = total
-    else:
+    if world.parallel:
         torch.distributed.barrier()  # every shard is complete before rank 0 reads them
         if world.rank != 0:
             return RunResult(sink_path, len(mine), plan_text, time.perf_counter() - started)
         replace = r.sink.overwrite or r.resume  # a resumed run may redo an interrupted merge
         distributed.merge_shards(final_path, world, total, r.batch_size, attrs, replace)
-        rows = total
     images = None
     if r.render:
         images = run_dir / "images" / (experiment or "run")
@@ -226,7 +223,7 @@ def _run(
     if r.profile:
         text += "\n" + timer.report(seconds)
     log.info("\n%s", text)
-    return RunResult(final_path, rows, plan_text, seconds, images, dict(timer.seconds))
+    return RunResult(final_path, total, plan_text, seconds, images, dict(timer.seconds))
 
 
 def _stream(

@@ -69,8 +69,10 @@ class WatchedConvNet(nn.Module):
         )
         self.fc = nn.Linear(8, 4)
         self.forwards: list[bool] = []
+        self.deterministic: list[bool] = []  # torch's determinism switch at each forward
         BUILT.append(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.forwards.append(any(p.requires_grad for p in self.parameters()))
+        self.deterministic.append(torch.are_deterministic_algorithms_enabled())
         return self.fc(self.features(x).mean(dim=(2, 3)))

@@ -60,6 +60,17 @@ HOOKRUN_ERRORS = [
     (["model=custom", "model._target_=no.such.Net"], ["model._target_", "no.such.Net"]),
     (["dataset=image_folder", "dataset.root=/no/such/dir"], ["dataset.root", "/no/such/dir"]),
     (["+model.kwargs.colour=1"], ["model.kwargs", "colour"]),
+    (
+        [*hook("a", "layer1", "output", "capture"), "++hooks.a.backward=guided"],
+        ["hooks.a.backward", "guided", "grad_input and grad_output"],
+    ),
+    (["++derive.gradcam.layer=layer4"], ["derive.gradcam", "grad_cam, cam, guided_grad_cam"]),
+    (["++derive.grad_cam.layer=layer4"], ["derive.grad_cam", "/captures/layer4/output"]),
+    (["++derive.grad_cam={}"], ["derive.grad_cam.layer", "model.cam_layer"]),
+    (["logger=wandb"], ["logger", "wandb", "tensorboard"]),
+    (["render_max=0"], ["render_max", "0", ">= 1"]),
+    (["resume=true", "sink.overwrite=true"], ["sink.overwrite", "resume=true"]),
+    ([*hook("p", "layer1", "output", "capture", pool="mean")], ["hooks.p.args.pool", "avg, max"]),
 ]
 
 
@@ -99,6 +110,18 @@ def test_bad_input_rejected_by_schema(tmp_path, overrides, words):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["dataset=digits", "dataset.split=val"], r"dataset.split: 'val'; valid: train, test, all"),
+        (["dataset=samples", "dataset.names=[cat]"], r"dataset.names: 'cat' .* chelsea, coffee"),
+    ],
+)
+def test_bad_dataset_choice(tmp_path, overrides, match):
+    with pytest.raises(HookrunError, match=match):
+        run_config(tmp_path, overrides)
+
+
 def test_cuda_asked_for_but_absent(tmp_path):
     with pytest.raises(HookrunError, match=r"device.name: 'cuda' but CUDA is not available"):
         run_config(tmp_path, ["device=cuda", *SMALL])

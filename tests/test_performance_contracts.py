@@ -182,3 +182,12 @@ def test_writer_thread_overlaps_compute(tmp_path):
         producer.join(timeout=30)
         assert not producer.is_alive() and not gate.is_set()
         gate.set()
+
+
+def test_deterministic_true_holds_for_the_run_only(run_hookrun):
+    assert not torch.are_deterministic_algorithms_enabled()
+    run_hookrun([*WATCHED, "deterministic=true"])
+    assert all(m.BUILT[-1].deterministic)
+    assert not torch.are_deterministic_algorithms_enabled()  # given back as it was
+    run_hookrun(WATCHED)
+    assert not any(m.BUILT[-1].deterministic)

@@ -102,6 +102,8 @@ def test_cam_on_digits_draws_small_images_large(run_hookrun):
 
     size = Image.open(result.images / "00000_cam_features.png").size
     assert min(size) >= 128  # 8x8 scaled up to be seen
+    drawn = {p.name.split("_")[0] for p in result.images.glob("0*.png")}
+    assert drawn == {"00000", "00001"}  # render_max=2 of the 4 samples
 
 
 def test_open_lists_layers_and_reads_lazily(run_hookrun):
