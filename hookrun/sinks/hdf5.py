@@ -323,11 +323,10 @@ class HDF5Sink:
             for key, array in arrays.items():
                 self._create(key, array)
             self._file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
-        expected = self._keys
-        if set(arrays) != expected:
+        if set(arrays) != self._keys:
             raise RuntimeError(
-                f"batch keys changed: missing {sorted(expected - set(arrays))}, "
-                f"new {sorted(set(arrays) - expected)}"
+                f"batch keys changed: missing {sorted(self._keys - set(arrays))}, "
+                f"new {sorted(set(arrays) - self._keys)}"
             )
         n = {len(a) for a in arrays.values()}
         if len(n) != 1:
