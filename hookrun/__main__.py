@@ -12,26 +12,29 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hookrun.config import register_configs
+from hookrun.api import conf_dir
 from hookrun.errors import HookrunError, one_line
+from hookrun.spec.schema import register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     """Run one job. Bad input ends a single run with a one-line message and exit status 2;
     in a sweep (-m) a failing job is logged and recorded, and the other jobs go on."""
-    from hookrun.runner import run  # heavy imports (torch) only once Hydra has parsed the CLI
-    from hookrun.sweeps import write_job_summary
+    from hookrun.engine.runner import execute
+    from hookrun.scale.sweeps import write_job_summary
+    from hookrun.spec.build import build_spec
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        result = run(cfg, run_dir, hydra_cfg.runtime.choices.get("experiment"))
+        spec = build_spec(cfg, hydra_cfg.runtime.choices.get("experiment"))
+        result = execute(spec, run_dir)
     except Exception as err:
         if sweeping:
             log.exception("job %s failed", hydra_cfg.job.num)  # the traceback, in its own log

@@ -1,6 +1,6 @@
 """Train hookrun's `digits_cnn` preset on scikit-learn's digits (train split) in seconds.
 
-    python scripts/train_digits.py [--out hookrun/weights/digits_cnn.pt]
+    python scripts/train_digits.py [--out hookrun/models/checkpoints/digits_cnn.pt]
 
 Deterministic (fixed seed, CPU, one thread); prints the test accuracy, which the test
 suite requires to be at least 95%.
@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hookrun.config import DigitsDatasetConfig
-from hookrun.data import Digits
-from hookrun.models import DigitsCNN
+from hookrun.data.kinds import Digits, DigitsDatasetConfig
+from hookrun.models.seeds import DigitsCNN
 
-OUT = Path(__file__).resolve().parents[1] / "hookrun" / "weights" / "digits_cnn.pt"
+OUT = Path(__file__).resolve().parents[1] / "hookrun" / "models" / "checkpoints" / "digits_cnn.pt"
 
 
 def accuracy(model: nn.Module, data: Digits) -> float:

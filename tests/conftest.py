@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hookrun.config import register_configs
-from hookrun.runner import RunResult, run
+from hookrun.engine.finish import Result
+from hookrun.engine.runner import execute
+from hookrun.spec.build import HookSpec, build_spec
+from hookrun.spec.schema import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
-# The seed MLP on its one input [1, 1, 1] (../shared/seeds/README.md).
+# The seed MLP on its one input [1, 1, 1] (tests/seeds/README.md).
 SEED_MLP = ["model=seed_mlp", "dataset=constant", "dataset.shape=[3]", "dataset.size=1"]
 SEED_CONVNET = ["model=seed_convnet", "dataset=constant", "dataset.shape=[1,4,4]", "dataset.size=1"]
 
@@ -56,10 +58,15 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def run_config(tmp_path: Path, overrides: list[str], experiment: str | None = None) -> RunResult:
+def run_config(tmp_path: Path, overrides: list[str], experiment: str | None = None) -> Result:
     """Run like `python -m hookrun OVERRIDES`, with the file in `tmp_path`."""
     cfg = compose_config([*overrides, "progress=false"])
-    return run(cfg, tmp_path, experiment)
+    return execute(build_spec(cfg, experiment), tmp_path)
+
+
+def specs(hooks: dict) -> tuple[HookSpec, ...]:
+    """{name: HookConfig} → the HookSpecs a plan is compiled from."""
+    return tuple(HookSpec.from_config(name, cfg) for name, cfg in hooks.items())
 
 
 def read(path: Path) -> dict[str, np.ndarray]:
@@ -74,10 +81,10 @@ def read(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def run_hookrun(tmp_path: Path):
-    """run_hookrun(overrides) → (RunResult, datasets of its captures.h5)."""
+    """run_hookrun(overrides) → (Result, datasets of its captures.h5)."""
     counter = iter(range(1000))
 
-    def _run(overrides: list[str]) -> tuple[RunResult, dict[str, np.ndarray]]:
+    def _run(overrides: list[str]) -> tuple[Result, dict[str, np.ndarray]]:
         result = run_config(tmp_path / f"run{next(counter)}", overrides)
         return result, (read(result.path) if result.path else {})
 

@@ -28,13 +28,14 @@ import torch
 import torchvision
 from captum.attr import GuidedBackprop, LayerGradCam
 
-from hookrun.config import HookConfig, SelectConfig, Site, TargetConfig, TargetKind
-from hookrun.derive import Derivation, derive
-from hookrun.hooks import Recorder, attach, run_mode
-from hookrun.plan import compile_plan
-from hookrun.runner import step
-from hookrun.sinks.hdf5 import HDF5Sink
-from hookrun.transfer import HostCopier
+from hookrun.engine.hooks import Recorder, attach, run_mode
+from hookrun.engine.plan import compile_plan
+from hookrun.engine.stream import BatchStep
+from hookrun.engine.transfer import HostCopier
+from hookrun.io.sink import HDF5Sink, SinkOptions
+from hookrun.methods.derive import METHODS, Derivation, LayerArgs, derive
+from hookrun.spec.build import HookSpec
+from hookrun.spec.schema import HookConfig, SelectConfig, Site, TargetConfig, TargetKind
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,11 +61,12 @@ def compare(variants: dict[str, Callable[[], object]], reps: int, device: torch.
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def hooks_of(**specs: tuple) -> dict[str, HookConfig]:
-    out = {}
+def hooks_of(**specs: tuple) -> tuple[HookSpec, ...]:
+    out = []
     for name, (select, at, action, args) in specs.items():
-        out[name] = HookConfig(select=SelectConfig(**select), at=Site(at), action=action, args=args)
-    return out
+        cfg = HookConfig(select=SelectConfig(**select), at=Site(at), action=action, args=args)
+        out.append(HookSpec.from_config(name, cfg))
+    return tuple(out)
 
 
 def hookrun_loop(model, hooks, batches, device, target_kind, folder, derivations=()):
@@ -77,14 +79,15 @@ def hookrun_loop(model, hooks, batches, device, target_kind, folder, derivations
         path = folder / f"h{next(counter)}.h5"
         copier = HostCopier()
         recorder = Recorder(0, torch.float32, copier)
+        step = BatchStep(model, plan, recorder, target, device, False)
         rows = sum(len(b[0]) for b in batches)
         with (
-            HDF5Sink(path, expected_rows=rows) as sink,
+            HDF5Sink(path, SinkOptions(expected_rows=rows)) as sink,
             run_mode(model),
             attach(plan, model, recorder),
         ):
             for batch in batches:
-                records = step(model, plan, recorder, target, batch, device, False)
+                records = step(batch)
                 if derivations:
                     records.update(derive(list(derivations), records))
                 sink.write(records, recorder.events, copier.give_back)
@@ -160,7 +163,7 @@ def sink_vs_tofile(folder: Path, mib: int, reps: int) -> tuple[float, float]:
         path.unlink()
 
     def sink_run() -> None:
-        with HDF5Sink(folder / "s.h5", expected_rows=16 * count) as sink:
+        with HDF5Sink(folder / "s.h5", SinkOptions(expected_rows=16 * count)) as sink:
             for _ in range(count):
                 sink.write({"x": batch})
         on_disk(folder / "s.h5")
@@ -286,7 +289,7 @@ def main() -> None:
                 device,
                 TargetKind.predicted,
                 folder,
-                [Derivation("grad_cam", "layer4")],
+                [Derivation(METHODS.get("grad_cam", "derive"), LayerArgs(layer="layer4"))],
             ),
             "captum": captum_loop(model, LayerGradCam(model, model.layer4), batches, device),
         },

@@ -1,0 +1,102 @@
+"""hookrun from Python: `hookrun.run(...)` and `hookrun.compose(...)`.
+
+Both compose the same conf/ tree the CLI does (Hydra's compose API, no global state left
+behind, no chdir, no logging set up), so `hookrun.run(["experiment=guided_bp"])` writes the
+same datasets as `python -m hookrun experiment=guided_bp`. A caller's own model or dataset
+replaces the config's; the model leaves the run exactly as it came in.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from hookrun.engine.finish import Result
+from hookrun.engine.prepare import CallerObjects
+from hookrun.engine.runner import execute
+from hookrun.errors import HookrunError
+from hookrun.spec.build import RunSpec, build_spec
+from hookrun.spec.schema import ModelConfig, register_configs
+from hookrun.typed import freeze
+
+__all__ = ["conf_dir", "compose", "run"]
+
+
+def conf_dir() -> Path:
+    """The config tree: conf/ inside the installed package, else the checkout's conf/."""
+    packaged = Path(str(importlib.resources.files("hookrun"))) / "conf"
+    if (packaged / "config.yaml").is_file():
+        return packaged
+    return Path(__file__).resolve().parents[1] / "conf"
+
+
+def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, Path]:
+    """The composed config (without its `hydra` node), the experiment and the default run dir."""
+    register_configs()
+    try:
+        with initialize_config_dir(
+            config_dir=str(conf_dir()), version_base="1.3", job_name="hookrun"
+        ):
+            cfg = hydra_compose("config", overrides=list(overrides or []), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise HookrunError("; ".join(str(err).split("\n"))) from None
+    experiment = cfg.hydra.runtime.choices.get("experiment")
+    run_dir = Path(str(cfg.hydra.run.dir)).absolute()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, experiment, run_dir
+
+
+def compose(overrides: Sequence[str] | None = None) -> RunSpec:
+    """The validated, frozen RunSpec `python -m hookrun OVERRIDES` would run."""
+    cfg, experiment, _ = _compose(overrides)
+    return build_spec(cfg, experiment)
+
+
+def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> RunSpec:
+    """The spec, with the config's model / dataset replaced by what the caller handed in,
+    so the file's `config` attribute says where the numbers came from."""
+    tree = OmegaConf.create(spec.config_yaml)
+    new_model = spec.model
+    if model is not None:
+        name = f"{type(model).__module__}.{type(model).__qualname__}"
+        new_model = freeze(ModelConfig(source="python", name=name, cam_layer=spec.model.cam_layer))
+        tree.model = {"source": "python", "name": name, "cam_layer": spec.model.cam_layer}
+    if dataset is not None:
+        kind = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+        tree.dataset = {"kind": "python", "type": kind}
+    return replace(spec, model=new_model, config_yaml=OmegaConf.to_yaml(tree))
+
+
+def run(
+    overrides: Sequence[str] | None = None,
+    *,
+    model: nn.Module | None = None,
+    dataset: Any = None,
+    run_dir: str | Path | None = None,
+) -> Result:
+    """Run an experiment as `python -m hookrun OVERRIDES` would.
+
+    `model`: any nn.Module to run instead of the config's (the selectors apply to it);
+    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs instead
+    of the config's; `run_dir`: where captures.h5 and the pictures go (default: the CLI's
+    outputs/<date>/<time>/, relative to the current directory).
+    """
+    if model is not None and not isinstance(model, nn.Module):
+        raise HookrunError(f"model: a {type(model).__name__} is not a torch.nn.Module")
+    cfg, experiment, default_dir = _compose(overrides)
+    spec = build_spec(cfg, experiment)
+    if model is not None or dataset is not None:
+        spec = _describe_objects(spec, model, dataset)
+    folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
+    return execute(spec, folder, CallerObjects(model, dataset))

@@ -1,0 +1,120 @@
+"""From a dataset config (or the caller's own dataset) to sequential batches of
+(tensor, label, index): the first `limit` samples, rows always in dataset order."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from hookrun.data.kinds import DATASETS, NO_LABEL
+from hookrun.errors import HookrunError
+
+__all__ = ["build_dataset", "wrap_dataset", "has_labels", "make_loader", "worker_init"]
+
+
+def build_dataset(cfg: Any, seed: int, limit: int | None) -> Dataset:
+    """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples."""
+    return _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+
+
+def _limited(data: Dataset, limit: int | None) -> Dataset:
+    if limit is None or limit >= len(data):  # type: ignore[arg-type]
+        return data
+    labelled = has_labels(data)
+    cut = Subset(data, range(limit))
+    cut.has_labels = labelled  # type: ignore[attr-defined]
+    return cut
+
+
+class _CallerData(Dataset):
+    """The caller's dataset (`hookrun.run(dataset=...)`): items that are a tensor or an
+    (input, label) pair become (tensor, label, index)."""
+
+    def __init__(self, items: Any, labelled: bool) -> None:
+        self.items = items
+        self.has_labels = labelled
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        tensor, label = _split_item(self.items[index], index)
+        return tensor, label, index
+
+
+def _split_item(item: Any, index: int) -> tuple[torch.Tensor, int]:
+    label: Any = NO_LABEL
+    if isinstance(item, (tuple, list)) and len(item) >= 2:
+        item, label = item[0], item[1]
+    if isinstance(item, np.ndarray):
+        item = torch.from_numpy(item)
+    if not isinstance(item, torch.Tensor):
+        raise HookrunError(
+            f"dataset: item {index} is a {type(item).__name__}; valid: a tensor, or an "
+            "(input tensor, label) pair (give an image dataset a transform such as ToTensor)"
+        )
+    if isinstance(label, torch.Tensor) and label.numel() == 1:
+        label = label.item()
+    if isinstance(label, bool) or not isinstance(label, (int, np.integer)):
+        raise HookrunError(f"dataset: item {index} has label {label!r}; valid: an integer class")
+    return item, int(label)
+
+
+def wrap_dataset(data: Any, limit: int | None) -> Dataset:
+    """The caller's map-style dataset or iterable as a hookrun dataset, first `limit` items.
+
+    A map-style dataset is read lazily; any other iterable is read (up to `limit`) into a
+    list first, since the run needs its length before the first batch.
+    """
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        if not isinstance(data, Iterable):
+            raise HookrunError(
+                f"dataset: a {type(data).__name__} is neither a map-style dataset nor an "
+                "iterable; valid: a torch Dataset, a list, or any iterable of tensors or "
+                "(tensor, label) pairs"
+            )
+        data = list(itertools.islice(data, limit))
+    if len(data) == 0:
+        raise HookrunError("dataset: the dataset given to hookrun.run is empty")
+    first = data[0]
+    labelled = isinstance(first, (tuple, list)) and len(first) >= 2
+    _split_item(first, 0)  # refuse a wrong item type before any work
+    return _limited(_CallerData(data, labelled), limit)
+
+
+def has_labels(data: Dataset) -> bool:
+    """Whether the dataset's labels mean something (and go to /samples/label)."""
+    if isinstance(data, Subset) and not hasattr(data, "has_labels"):
+        return has_labels(data.dataset)
+    return bool(getattr(data, "has_labels", False))
+
+
+def worker_init(worker_id: int) -> None:
+    """DataLoader worker: numpy and Python seeded from the worker's torch seed."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def make_loader(
+    data: Dataset, batch_size: int, num_workers: int, seed: int, device: torch.device
+) -> DataLoader:
+    """Sequential batches (rows in dataset order); workers seeded from the run's seed;
+    pinned batches on CUDA so the host → device copy can run asynchronously."""
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        generator=gen,
+        worker_init_fn=worker_init,
+        persistent_workers=False,
+    )

@@ -1,0 +1,228 @@
+"""What a hook does to the tensor at its site: capture it or change it.
+
+Each action is a small class with typed arguments. The same action works at a forward site
+(it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
+tensor that continues the computation; a capture returns its input unchanged.
+
+A new action is one class here, registered with `@_action(name)`; its `Args`
+dataclass is what `args:` accepts, and `check()` what it refuses before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hookrun.errors import HookrunError
+from hookrun.registry import Registry
+from hookrun.typed import check_finite, parse_typed
+
+__all__ = [
+    "SiteContext",
+    "Action",
+    "Capture",
+    "Scale",
+    "Add",
+    "Clamp",
+    "Zero",
+    "Noise",
+    "ACTIONS",
+    "build_action",
+]
+
+
+class SiteContext(Protocol):
+    """What an action may use at the moment it runs."""
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """Store `tensor` as this site's capture for the current batch."""
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A random generator seeded for this hook and batch (same seed → same numbers)."""
+
+
+class Action:
+    """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type]
+    captures: ClassVar[bool] = False
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+
+    @classmethod
+    def check(cls, args: Any, key: str) -> None:
+        """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """`clamp{min=0.0}`: how the plan prints this action."""
+        items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
+        return f"{self.name}{{{items}}}" if items else self.name
+
+
+@dataclass
+class NoArgs:
+    pass
+
+
+@dataclass
+class CaptureArgs:
+    # Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size.
+    pool: str | None = None
+    size: int = 1
+
+
+@dataclass
+class ScaleArgs:
+    factor: float = 1.0
+
+
+@dataclass
+class AddArgs:
+    value: float = 0.0
+
+
+@dataclass
+class ClampArgs:
+    min: float | None = None
+    max: float | None = None
+
+
+@dataclass
+class NoiseArgs:
+    std: float = 1.0
+
+
+ACTIONS: Registry[type[Action]] = Registry("an action")
+
+
+def _action(name: str):
+    """Register an Action class under its config word."""
+
+    def add(cls: type[Action]) -> type[Action]:
+        cls.name = name
+        return ACTIONS.register(name)(cls)
+
+    return add
+
+
+@_action("capture")
+class Capture(Action):
+    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it);
+    with `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
+    `size` per spatial axis — what extraction jobs that want pooled features store."""
+
+    Args, captures = CaptureArgs, True
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        ctx.record(self._pooled(tensor) if self.args.pool else tensor)
+        return tensor
+
+    def _pooled(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = tensor.detach()
+            if value.dim() == 4:
+                pool = F.adaptive_avg_pool2d if self.args.pool == "avg" else F.adaptive_max_pool2d
+            else:
+                pool = F.adaptive_avg_pool1d if self.args.pool == "avg" else F.adaptive_max_pool1d
+            return pool(value, self.args.size)
+
+    def stored_shape(self, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
+        """The per-sample shape stored for a tensor of per-sample `shape`."""
+        if not self.args.pool:
+            return shape
+        if len(shape) not in (2, 3):
+            raise HookrunError(
+                f"{key}.args.pool: {key.split('.')[-1]} captures a tensor of per-sample shape "
+                f"{list(shape)}; pooling needs feature maps (C, H, W) or sequences (C, L)"
+            )
+        return (shape[0], *([self.args.size] * (len(shape) - 1)))
+
+    @classmethod
+    def check(cls, args: CaptureArgs, key: str) -> None:
+        if args.pool is None:
+            return
+        if args.pool not in ("avg", "max"):
+            raise HookrunError(f"{key}.args.pool: {args.pool!r}; valid: avg, max, null")
+        if args.size < 1:
+            raise HookrunError(f"{key}.args.size: {args.size} is out of range; valid: >= 1")
+
+
+@_action("scale")
+class Scale(Action):
+    """Multiply by `factor` (the seeds' `2 * grad`)."""
+
+    Args = ScaleArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor * self.args.factor
+
+
+@_action("add")
+class Add(Action):
+    """Add `value` to every element (the seeds' `grad + 2`)."""
+
+    Args = AddArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor + self.args.value
+
+
+@_action("clamp")
+class Clamp(Action):
+    """Clamp into [min, max]; `clamp {min: 0}` at a ReLU's grad_input is Guided Backprop."""
+
+    Args = ClampArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor.clamp(min=self.args.min, max=self.args.max)
+
+    @classmethod
+    def check(cls, args: ClampArgs, key: str) -> None:
+        if args.min is None and args.max is None:
+            raise HookrunError(f"{key}.args: clamp needs min, max or both")
+        if args.min is not None and args.max is not None and args.min > args.max:
+            raise HookrunError(f"{key}.args: clamp min {args.min} is above max {args.max}")
+
+
+@_action("zero")
+class Zero(Action):
+    """Replace with zeros (ablation of an activation, or cutting a gradient path)."""
+
+    Args = NoArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return torch.zeros_like(tensor)
+
+
+@_action("noise")
+class Noise(Action):
+    """Add Gaussian noise of `std`, drawn from the run's seeded generator."""
+
+    Args = NoiseArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        gen = ctx.generator(tensor.device)
+        noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype)
+        return tensor + self.args.std * noise
+
+    @classmethod
+    def check(cls, args: NoiseArgs, key: str) -> None:
+        if args.std < 0:
+            raise HookrunError(f"{key}.args.std: {args.std} is negative; valid: std >= 0")
+
+
+def build_action(name: str, args: dict[str, Any], key: str) -> Action:
+    """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
+    cls = ACTIONS.get(name, f"{key}.action")
+    parsed = parse_typed(args, cls.Args, f"{key}.args")
+    check_finite(f"{key}.args", parsed)
+    cls.check(parsed, key)
+    return cls(parsed)

@@ -1,0 +1,283 @@
+"""attach(plan, model): the plan's hooks registered on the model, and removed again.
+
+How each site is hooked, and why:
+- `input` / `output`: a forward pre-hook / forward hook that runs the actions and returns
+  the changed tensors.
+- `grad_output`: in the forward hook, a tensor hook on each output tensor. A tensor hook
+  registered before a later in-place op (ReLU(inplace=True) after a conv) still receives
+  the gradient w.r.t. the value the module produced (pytorch/pytorch#61519 is why
+  `register_full_backward_hook` cannot be used here: it breaks next to in-place ops).
+- `grad_input`: in the forward pre-hook, each input is replaced by a clone that only this
+  module consumes, and the tensor hook goes on the clone. It therefore sees the gradient
+  through this module alone (not through a residual branch that shares the input), and an
+  in-place module modifies the clone, never the caller's tensor.
+Each call of a module gets its own call index, so a module called twice per forward (the
+ReLU of a torchvision BasicBlock) has its own gradient for each call.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
+
+from hookrun.engine.plan import CallShapes, HookPlan, PlannedHook
+from hookrun.engine.profile import StageTimer
+from hookrun.engine.selectors import INPUT_LAYER
+from hookrun.engine.transfer import HostCopier
+from hookrun.io.layout import INPUT_GRAD, capture_key
+from hookrun.spec.schema import Site
+
+__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes", "float_tensors"]
+
+
+def float_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a module's args or output, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for t in value if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return []
+
+
+def _replace_floats(value: Any, new: list[torch.Tensor]) -> Any:
+    """`value` with its floating-point tensors replaced, in order, by `new`."""
+    if isinstance(value, torch.Tensor):
+        return new[0]
+    it = iter(new)
+    items = [
+        next(it) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in value
+    ]
+    return type(value)(items) if isinstance(value, tuple) else items
+
+
+class Recorder:
+    """Per-batch state the hooks write into: captured tensors, call counts, gradient edges."""
+
+    def __init__(
+        self,
+        seed: int,
+        store_dtype: torch.dtype,
+        copier: HostCopier | None = None,
+        timer: StageTimer | None = None,
+    ) -> None:
+        self.seed = seed
+        self.store_dtype = store_dtype
+        self.copier = copier or HostCopier()
+        self.timer = timer or StageTimer(enabled=False)
+        self.begin(0)
+
+    def begin(self, batch_start: int) -> None:
+        """Start a batch whose first row is dataset position `batch_start`."""
+        self.batch_start = batch_start
+        self.records: dict[str, torch.Tensor] = {}
+        self.calls: defaultdict[str, int] = defaultdict(int)
+        # Where each backward pass must reach: one edge per hooked gradient tensor.
+        self.edges: defaultdict[str, list[GradientEdge]] = defaultdict(list)
+        # The backward pass the runner is running; hooks of other passes stand aside.
+        self.current_pass: str | None = None
+        # Events of device → host copies still in flight (CUDA only).
+        self.events: list = []
+
+    def record(self, key: str, tensor: torch.Tensor) -> None:
+        """Keep a CPU copy of `tensor` (floats in the store dtype) under `key`."""
+        if key in self.records:
+            raise RuntimeError(f"{key} captured twice in one batch")
+        dtype = self.store_dtype if tensor.is_floating_point() else tensor.dtype
+        with self.timer.stage("copy"):
+            self.records[key], event = self.copier.copy(tensor, dtype)
+        if event is not None:
+            self.events.append(event)
+
+    def generator(self, hook: str, key: str, device: torch.device) -> torch.Generator:
+        """A generator seeded by (run seed, hook, tensor, first row of the batch)."""
+        salt = zlib.crc32(f"{hook}|{key}|{self.batch_start}".encode())
+        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + salt)
+
+
+class _Context:
+    """The SiteContext one action sees: where its captures go, which generator it draws."""
+
+    __slots__ = ("recorder", "hook", "key")
+
+    def __init__(self, recorder: Recorder, hook: str, key: str) -> None:
+        self.recorder, self.hook, self.key = recorder, hook, key
+
+    def record(self, tensor: torch.Tensor) -> None:
+        self.recorder.record(self.key, tensor)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        return self.recorder.generator(self.hook, self.key, device)
+
+
+def _apply(
+    hooks: list[PlannedHook], tensor: torch.Tensor, recorder: Recorder, key: str
+) -> torch.Tensor:
+    for hook in hooks:
+        tensor = hook.action.apply(tensor, _Context(recorder, hook.name, key))
+    return tensor
+
+
+def _hook_gradient(
+    tensor: torch.Tensor, hooks: list[PlannedHook], recorder: Recorder, key: str
+) -> None:
+    """Run `hooks` on the gradient w.r.t. `tensor`'s current value during backward; each
+    hook only in its own backward pass."""
+
+    def on_gradient(grad: torch.Tensor) -> torch.Tensor:
+        now = recorder.current_pass  # None: a plain .backward() outside the runner, all act
+        active = [h for h in hooks if now is None or h.backward == now]
+        return _apply(active, grad, recorder, key)
+
+    tensor.register_hook(on_gradient)
+    edge = get_gradient_edge(tensor)
+    for name in dict.fromkeys(h.backward for h in hooks):
+        recorder.edges[name].append(edge)
+
+
+def _forward_site(
+    layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
+) -> Any:
+    tensors = float_tensors(value)
+    new = [
+        _apply(hooks, t, recorder, capture_key(layer, site, call, i, len(tensors)))
+        for i, t in enumerate(tensors)
+    ]
+    return _replace_floats(value, new) if tensors else value
+
+
+def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
+    on_input, on_grad = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
+
+    def hook(module: nn.Module, args: tuple) -> tuple | None:
+        call = recorder.calls[layer]
+        recorder.calls[layer] += 1
+        if on_input:
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
+        if on_grad and torch.is_grad_enabled():
+            tensors = float_tensors(args)
+            clones = []
+            for i, t in enumerate(tensors):
+                if t.requires_grad:
+                    t = t.clone()
+                    key = capture_key(layer, Site.grad_input, call, i, len(tensors))
+                    _hook_gradient(t, on_grad, recorder, key)
+                clones.append(t)
+            args = _replace_floats(args, clones)
+        return args if (on_input or on_grad) else None
+
+    return hook
+
+
+def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
+    on_output, on_grad = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        call = recorder.calls[layer] - 1
+        if on_output:
+            output = _forward_site(layer, Site.output, on_output, recorder, output, call)
+        if on_grad and torch.is_grad_enabled():
+            tensors = float_tensors(output)
+            for i, t in enumerate(tensors):
+                if t.requires_grad:
+                    key = capture_key(layer, Site.grad_output, call, i, len(tensors))
+                    _hook_gradient(t, on_grad, recorder, key)
+        return output if on_output else None
+
+    return hook
+
+
+@contextmanager
+def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+    """Register the plan's hooks on `model`; every handle is removed on exit, error or not."""
+    handles: list[RemovableHandle] = []
+    modules = dict(model.named_modules())
+    try:
+        for layer in plan.layers:
+            module = modules[layer]
+            handles.append(module.register_forward_pre_hook(_pre_hook(layer, plan, recorder)))
+            if plan.at(layer, Site.output) or plan.at(layer, Site.grad_output):
+                handles.append(module.register_forward_hook(_post_hook(layer, plan, recorder)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+
+
+def prepare_input(plan: HookPlan, recorder: Recorder, batch: torch.Tensor) -> torch.Tensor:
+    """The model-input pseudo-layer: its `output` actions, and its gradient hook."""
+    batch = _forward_site(
+        INPUT_LAYER, Site.output, plan.at(INPUT_LAYER, Site.output), recorder, batch, 0
+    )
+    if plan.needs_backward:
+        # Parameters are frozen for the run, so the input is what makes a graph exist.
+        batch = batch.detach().requires_grad_(True)
+        on_grad = plan.at(INPUT_LAYER, Site.grad_output)
+        if on_grad:
+            _hook_gradient(batch, on_grad, recorder, INPUT_GRAD)
+    return batch
+
+
+@contextmanager
+def run_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode with frozen parameters for the run; each module's and parameter's flag
+    is put back on exit exactly as it was."""
+    training = {name: m.training for name, m in model.named_modules()}
+    grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    try:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)  # backward then computes no parameter gradients
+        yield
+    finally:
+        for name, m in model.named_modules():
+            m.training = training[name]
+        for name, p in model.named_parameters():
+            p.requires_grad_(grads[name])
+
+
+def probe_shapes(
+    model: nn.Module, layers: list[str], sample: torch.Tensor
+) -> tuple[dict[str, list[CallShapes]], tuple[int, ...]]:
+    """Run one sample (no batch axis) through the model; per-sample shapes of every call
+    of `layers`, and of the model's output."""
+    shapes: dict[str, list[CallShapes]] = defaultdict(list)
+    pending: dict[str, list[tuple]] = defaultdict(list)
+    modules = dict(model.named_modules())
+    handles: list[RemovableHandle] = []
+
+    def per_sample(value: Any) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.shape[1:]) for t in float_tensors(value))
+
+    def pre(layer: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            pending[layer].append(per_sample(args))
+
+        return hook
+
+    def post(layer: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            shapes[layer].append(CallShapes(pending[layer].pop(), per_sample(output)))
+
+        return hook
+
+    try:
+        for layer in layers:
+            handles.append(modules[layer].register_forward_pre_hook(pre(layer)))
+            handles.append(modules[layer].register_forward_hook(post(layer)))
+        with run_mode(model), torch.no_grad():
+            output = model(sample.unsqueeze(0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    shapes[INPUT_LAYER] = [CallShapes((), (tuple(sample.shape),))]
+    out_shape = tuple(output.shape[1:]) if isinstance(output, torch.Tensor) else ()
+    return dict(shapes), out_shape

@@ -1,0 +1,130 @@
+"""Stage 1 of a run — prepare: sink path and resume checks, data, model, plan, probe pass.
+
+Everything that can be wrong with the input is found here, before the first batch and
+before the captures file is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from hookrun.data.loader import build_dataset, has_labels, wrap_dataset
+from hookrun.engine.hooks import probe_shapes, run_mode
+from hookrun.engine.plan import HookPlan, compile_plan
+from hookrun.engine.profile import StageTimer
+from hookrun.engine.targets import check_target
+from hookrun.io.layout import Provenance
+from hookrun.io.resume import resume_point
+from hookrun.io.sink import check_sink_path
+from hookrun.methods.derive import Derivation, plan_derivations
+from hookrun.models.sources import build_model, model_label
+from hookrun.scale import distributed
+from hookrun.scale.distributed import World
+from hookrun.scale.provenance import provenance
+from hookrun.spec.build import RunSpec
+
+__all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
+
+log = logging.getLogger("hookrun")
+
+STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CallerObjects:
+    """What a Python caller handed to `hookrun.run` instead of the config's model / dataset."""
+
+    model: nn.Module | None = None
+    dataset: Any = None
+
+
+@dataclass
+class Prepared:
+    """A run ready to stream: everything checked, the model built and probed."""
+
+    spec: RunSpec
+    run_dir: Path
+    world: World
+    device: torch.device
+    model: nn.Module
+    data: Dataset  # every row of the run (after `limit`)
+    plan: HookPlan
+    derivations: list[Derivation]
+    plan_text: str
+    final_path: Path  # the captures.h5 users read
+    sink_path: Path  # the file this process writes (a shard under torchrun)
+    done: int  # rows already complete (resume)
+    header: Provenance
+    timer: StageTimer
+    started: float
+
+
+def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> int:
+    """Rows already done (resume), after refusing paths that exist or cannot be written."""
+    if spec.resume:
+        return resume_point(sink_path, spec.config_yaml)
+    if not spec.dry_run:
+        check_sink_path(sink_path, spec.sink.overwrite)
+        if world.parallel and world.rank == 0:
+            check_sink_path(final_path, spec.sink.overwrite)  # the file the shards will join in
+    return 0
+
+
+def prepare(
+    spec: RunSpec, run_dir: Path, world: World, device: torch.device, caller: CallerObjects
+) -> Prepared:
+    """Check, build and probe everything a run needs; HookrunError before any work."""
+    started = time.perf_counter()
+    final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
+    sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
+    done = _check_paths(spec, final_path, sink_path, world)
+    # The data first: its checks are cheap, the weights may be large.
+    if caller.dataset is not None:
+        data = wrap_dataset(caller.dataset, spec.limit)
+    else:
+        data = build_dataset(spec.dataset, spec.seed, spec.limit)
+    if caller.model is not None:
+        model, weights_file = caller.model, None
+    else:
+        built = build_model(spec.model, spec.seed, spec.weights_path)
+        model, weights_file = built.module, built.weights_file
+        if built.random_warning:
+            log.warning(
+                "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
+            )
+    plan = compile_plan(spec.hooks, model)
+    model.to(device)
+
+    sample = data[0][0].to(device)
+    shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    check_target(spec.target, output_shape, has_labels(data))
+    with run_mode(model):
+        derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
+    itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
+    kind = spec.target.kind.value
+    plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind)
+    return Prepared(
+        spec=spec,
+        run_dir=run_dir,
+        world=world,
+        device=device,
+        model=model,
+        data=data,
+        plan=plan,
+        derivations=derivations,
+        plan_text=plan_text,
+        final_path=final_path,
+        sink_path=sink_path,
+        done=done,
+        header=provenance(spec, weights_file, device, world.size),
+        timer=StageTimer(spec.profile, device),
+        started=started,
+    )

@@ -1,0 +1,41 @@
+"""One run, in three stages: prepare → stream → finish (the CLI and `hookrun.run` both
+end here). Under torchrun every rank runs its share of the batches and rank 0 joins them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hookrun.engine.device import devices_kept, resolve_device
+from hookrun.engine.finish import Result, dry_result, finish
+from hookrun.engine.prepare import CallerObjects, prepare
+from hookrun.engine.stream import stream
+from hookrun.scale import distributed
+from hookrun.scale.distributed import world_from_env
+from hookrun.scale.provenance import reproducible
+from hookrun.spec.build import RunSpec
+
+__all__ = ["execute"]
+
+log = logging.getLogger("hookrun")
+
+
+def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -> Result:
+    """Run `spec`; captures go to `run_dir`/captures.h5 unless `sink.path` says otherwise.
+    A caller's model leaves exactly as it came (hooks, flags, devices)."""
+    caller = caller or CallerObjects()
+    world = world_from_env()
+    device = resolve_device(spec.device, world)
+    try:
+        if world.parallel:
+            run_dir = distributed.start(world, device, run_dir)
+        with reproducible(spec.seed, spec.deterministic), devices_kept(caller.model):
+            run = prepare(spec, run_dir, world, device, caller)
+            if spec.dry_run:
+                return dry_result(run)
+            if world.rank == 0:
+                log.info("\n%s", run.plan_text)
+            rows_here = stream(run)
+            return finish(run, rows_here)
+    finally:
+        distributed.stop()

@@ -1,0 +1,130 @@
+"""Stage 2 of a run — stream: hooks attached, batches forward (and backward where a gradient
+site is hooked), derived results per batch, records queued to the writer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Subset
+from tqdm import tqdm
+
+from hookrun.data.loader import has_labels, make_loader
+from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
+from hookrun.engine.plan import HookPlan
+from hookrun.engine.prepare import STORE_DTYPES, Prepared
+from hookrun.engine.targets import backward_seed, choose_targets
+from hookrun.engine.transfer import HostCopier
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.io.sink import HDF5Sink, SinkOptions
+from hookrun.methods.derive import derive
+from hookrun.scale import distributed
+from hookrun.spec.schema import TargetConfig
+
+__all__ = ["BatchStep", "stream"]
+
+
+class BatchStep:
+    """One batch through the hooked model: a forward pass, the backward passes gradient
+    hooks need, and the batch's records keyed by their captures.h5 paths."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: HookPlan,
+        recorder: Recorder,
+        target: TargetConfig,
+        device: torch.device,
+        labelled: bool,
+    ) -> None:
+        self.model, self.plan, self.recorder = model, plan, recorder
+        self.target, self.device, self.labelled = target, device, labelled
+
+    def __call__(
+        self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The batch's records; the target class comes from this same forward pass."""
+        inputs, labels, index = batch
+        recorder, plan = self.recorder, self.plan
+        recorder.begin(int(index[0]))
+        timer = recorder.timer
+        inputs = inputs.to(self.device, non_blocking=True)
+        if plan.needs_backward:
+            with torch.enable_grad():
+                with timer.stage("forward"):
+                    inputs = prepare_input(plan, recorder, inputs)
+                    output = _tensor_output(self.model(inputs))
+                    targets = choose_targets(output, self.target, labels)
+                    seed = backward_seed(output, targets, self.target.kind)
+                with timer.stage("backward"):
+                    self._backward(seed)
+        else:
+            with torch.inference_mode(), timer.stage("forward"):
+                inputs = prepare_input(plan, recorder, inputs)
+                output = _tensor_output(self.model(inputs))
+                targets = choose_targets(output, self.target, labels)
+        recorder.record(layout.MODEL_OUTPUT, output)
+        records = dict(recorder.records)
+        records[layout.SAMPLES_INDEX] = index.to(torch.int64)
+        records[layout.SAMPLES_TARGET] = targets
+        if self.labelled:
+            records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
+        return records
+
+    def _backward(self, seed: torch.Tensor) -> None:
+        passes = self.plan.backward_passes
+        recorder = self.recorder
+        for i, name in enumerate(passes):
+            recorder.current_pass = name
+            if recorder.edges[name]:
+                # Only the subgraph between the target and the hooked tensors runs.
+                torch.autograd.grad(
+                    seed, recorder.edges[name], allow_unused=True, retain_graph=i < len(passes) - 1
+                )
+        recorder.current_pass = None
+
+
+def _tensor_output(output: object) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise HookrunError(
+            f"model: the model returned a {type(output).__name__}; hookrun needs a tensor "
+            "output (N, ...)"
+        )
+    return output
+
+
+def stream(run: Prepared) -> int:
+    """The run's batches (this rank's share, from the resume point) into its file; the
+    number of rows this process computed."""
+    spec, timer = run.spec, run.timer
+    mine = distributed.batch_shard(len(run.data), spec.batch_size, run.world)
+    if not len(mine):
+        return 0
+    todo = Subset(run.data, range(mine.start + run.done, mine.stop))
+    copier = HostCopier()
+    recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer)
+    step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, has_labels(run.data))
+    loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
+    options = SinkOptions(
+        dtype=spec.sink.dtype.value,
+        compression=spec.sink.compression.value if spec.sink.compression else None,
+        queue_depth=spec.sink.queue_depth,
+        overwrite=spec.sink.overwrite,
+        expected_rows=len(mine),
+    )
+    sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
+    batches = iter(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
+    with sink, run_mode(run.model), attach(run.plan, run.model, recorder):
+        while True:
+            with timer.stage("data"):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            records = step(batch)
+            if run.derivations:
+                for event in recorder.events:
+                    event.synchronize()  # derived results read the host copies now
+                with timer.stage("derive"):
+                    records.update(derive(run.derivations, records))
+            sink.write(records, recorder.events, copier.give_back)
+    return len(todo)

@@ -1,0 +1,67 @@
+"""What the backward pass starts from: one class per sample, or the sum of all outputs.
+
+The model's output is read as (N, K) — any trailing axes are flattened — so `target.index`
+and labels are positions in that flattened output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hookrun.errors import HookrunError
+from hookrun.spec.schema import TargetConfig, TargetKind
+
+__all__ = ["NO_TARGET", "check_target", "choose_targets", "backward_seed"]
+
+# Stored in /samples/target when the backward pass starts from no single class (sum, none).
+NO_TARGET = -1
+
+
+def check_target(target: TargetConfig, output_shape: tuple[int, ...], has_labels: bool) -> None:
+    """Reject a target the model's output or the dataset cannot serve, before any work."""
+    classes = math.prod(output_shape)
+    if target.kind == TargetKind.index and not 0 <= (target.index or 0) < classes:
+        raise HookrunError(
+            f"target.index: {target.index} is out of range for a model output of {classes} "
+            f"value(s) per sample; valid: 0..{classes - 1}"
+        )
+    if target.kind == TargetKind.label and not has_labels:
+        raise HookrunError(
+            "target.kind: 'label' but this dataset has no labels; valid here: predicted, "
+            "index, sum, none"
+        )
+
+
+def choose_targets(
+    output: torch.Tensor, target: TargetConfig, labels: torch.Tensor
+) -> torch.Tensor:
+    """The class index each sample's backward pass starts from, as int64 (N,)."""
+    flat = output.detach().reshape(output.shape[0], -1)
+    n, classes = flat.shape
+    if target.kind == TargetKind.predicted:
+        return flat.argmax(dim=1).cpu()
+    if target.kind == TargetKind.index:
+        return torch.full((n,), int(target.index), dtype=torch.int64)
+    if target.kind == TargetKind.label:
+        bad = (labels < 0) | (labels >= classes)
+        if bool(bad.any()):
+            raise HookrunError(
+                f"target.kind: 'label', but a sample has label {int(labels[bad][0])} and the "
+                f"model has {classes} outputs; valid labels: 0..{classes - 1}"
+            )
+        return labels.to(torch.int64).cpu()
+    return torch.full((n,), NO_TARGET, dtype=torch.int64)
+
+
+def backward_seed(output: torch.Tensor, targets: torch.Tensor, kind: TargetKind) -> torch.Tensor:
+    """The scalar whose gradient the backward pass computes.
+
+    Samples do not interact in eval mode, so the sum over the batch gives each sample the
+    gradient of its own target logit.
+    """
+    flat = output.reshape(output.shape[0], -1)
+    if kind == TargetKind.sum:
+        return flat.sum()
+    return flat.gather(1, targets.to(flat.device).unsqueeze(1)).sum()

@@ -1,0 +1,124 @@
+"""Reading a captures.h5: `hookrun.open(path)`, and the end-of-run summary.
+
+The file stays plain HDF5 — everything here is a convenience over h5py, never a
+requirement for reading it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+
+import h5py
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from hookrun.io import layout
+
+__all__ = ["Results", "open_results", "summary"]
+
+
+class Results:
+    """A finished (or interrupted) run's captures.h5, opened read-only.
+
+    `results.layers` lists `{layer: {site: shape}}`; `results[path]` (a path such as
+    captures/layer4/output, or `results.capture("layer4", "output")`) is an h5py dataset,
+    read lazily by slicing;
+    `results.config` is the resolved run config.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.file = layout.open_readonly(self.path)  # also a run killed mid-way
+
+    def __enter__(self) -> Results:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __getitem__(self, key: str) -> h5py.Dataset:
+        return self.file[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file
+
+    def capture(self, layer: str, site: str) -> h5py.Dataset:
+        """The dataset of one capture, e.g. capture('layer4', 'grad_output')."""
+        return self.file[layout.capture_key(layer, site)]
+
+    @property
+    def layers(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Every captured layer → its sites → dataset shape (N, ...)."""
+        captured = layout.captures_of(self.file)
+        return {layer: {site: ds.shape for site, ds in g.items()} for layer, g in captured.items()}
+
+    @property
+    def derived(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Every derived method → its layers → dataset shape."""
+        derived = layout.derived_of(self.file)
+        return {m: {layer: ds.shape for layer, ds in g.items()} for m, g in derived.items()}
+
+    @property
+    def config(self) -> DictConfig:
+        """The resolved config the run was made with."""
+        return OmegaConf.create(layout.read_state(self.file).config or "{}")
+
+    @property
+    def status(self) -> str:
+        return layout.read_state(self.file).status or "unknown"
+
+    @property
+    def completed(self) -> int:
+        """Rows written and flushed."""
+        return layout.read_state(self.file).completed
+
+    def __repr__(self) -> str:
+        lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]
+        for layer, sites in {**self.layers, **self.derived}.items():
+            for site, shape in sites.items():
+                lines.append(f"  {layer}/{site}: {shape}")
+        return "\n".join(lines)
+
+
+def open_results(path: str | Path) -> Results:
+    """Open a captures.h5 for reading (also available as `hookrun.open`)."""
+    return Results(path)
+
+
+def summary(
+    path: Path, seconds: float, class_names: list[str] | None, images: Path | None, show: int = 8
+) -> str:
+    """The end-of-run text: where things are, rows, top-1 classes, time and throughput."""
+    with Results(path) as res:
+        rows = res.completed
+        lines = [
+            f"captures: {path} ({rows} rows, {path.stat().st_size / 2**20:.1f} MiB, {res.status})"
+        ]
+        if images is not None:
+            count = len(list(images.glob("*.png"))) if images.is_dir() else 0
+            lines.append(f"pictures: {images} ({count} files)")
+        if layout.MODEL_OUTPUT in res and rows:
+            logits = res[layout.MODEL_OUTPUT][: min(rows, show)].reshape(min(rows, show), -1)
+            index = res[layout.SAMPLES_INDEX][: len(logits)]
+            for i, row in zip(index, logits.astype(np.float64), strict=True):
+                prob = np.exp(row - row.max())
+                prob /= prob.sum()
+                top = int(row.argmax())
+                name = (
+                    class_names[top] if class_names and top < len(class_names) else f"class {top}"
+                )
+                lines.append(f"  sample {int(i)}: top-1 {name} (p={prob[top]:.2f})")
+            if rows > show:
+                lines.append(f"  ... {rows - show} more")
+    rate = rows / seconds if seconds > 0 else float("inf")
+    lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Streaming writer for captures.h5: a bounded queue drained by one writer thread.
+
+h5py serialises every call behind one lock, so one writer thread is the useful maximum; the
+queue lets the next batch compute while the last one is written, and its bound (`queue_depth`
+batches) is what caps memory: the producer blocks when the writer falls behind. What is
+written where is io/layout.py's business; this module only moves batches to it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookrun.engine.profile import StageTimer
+from hookrun.errors import HookrunError
+from hookrun.io.layout import CapturesFile, FileOptions, Provenance
+
+__all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """How the sink stores (dtype, compression, expected rows) and buffers (queue depth)."""
+
+    dtype: str = "float32"
+    compression: str | None = None
+    queue_depth: int = 4
+    overwrite: bool = False
+    expected_rows: int | None = None
+
+    @property
+    def file_options(self) -> FileOptions:
+        return FileOptions(self.dtype, self.compression, self.expected_rows)
+
+
+def check_sink_path(path: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a path that exists (unless `overwrite`) or cannot be written."""
+    if path.is_dir():
+        raise HookrunError(f"sink.path: {path} is a directory; valid: a file path")
+    if path.exists() and not overwrite:
+        raise HookrunError(
+            f"sink.path: {path} already exists and is never overwritten silently; choose "
+            "another sink.path, or set sink.overwrite=true"
+        )
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HookrunError(f"sink.path: cannot create folder {parent} ({err.strerror})") from None
+    probe = parent / f".{path.name}.writable"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise HookrunError(f"sink.path: cannot write in {parent} ({err.strerror})") from None
+
+
+class HDF5Sink:
+    """Append batches of records to one captures.h5 from a background thread.
+
+    Use as a context manager. `write({path: array, ...})` queues one batch (paths from
+    io/layout.py); every batch must carry the same keys with the same row shape. With
+    `header` the file is created (status `running` → `complete`, or `failed` when the run
+    raised); with `resume=True` an interrupted file is continued from `completed` instead.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        options: SinkOptions | None = None,
+        *,
+        header: Provenance | None = None,
+        resume: bool = False,
+        timer: StageTimer | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.options = options or SinkOptions()
+        self.header = header
+        self.resume = resume
+        self.timer = timer or StageTimer(enabled=False)
+        self._queue: queue.Queue = queue.Queue(maxsize=self.options.queue_depth)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._file: CapturesFile | None = None
+
+    @property
+    def rows(self) -> int:
+        return self._file.rows if self._file is not None else 0
+
+    def __enter__(self) -> HDF5Sink:
+        options = self.options.file_options
+        if self.resume:
+            self._file = CapturesFile.reopen(self.path, options)
+        else:
+            header = self.header or {}  # files written outside a run (tests, benchmarks)
+            self._file = CapturesFile.create(self.path, header, options, self.options.overwrite)
+        self._thread = threading.Thread(target=self._drain, name="hookrun-hdf5-writer", daemon=True)
+        self._thread.start()
+        return self
+
+    def write(
+        self,
+        records: Mapping[str, torch.Tensor | np.ndarray],
+        ready: list | None = None,
+        on_written: Callable[[list], None] | None = None,
+    ) -> None:
+        """Queue one batch; blocks while `queue_depth` batches are already waiting.
+
+        `ready`: events (CUDA copies) the writer waits for before reading the batch;
+        `on_written`: called by the writer with the batch's tensors once they are on disk.
+        """
+        self._raise_writer_error()
+        with self.timer.stage("queue wait"):
+            self._queue.put((dict(records), list(ready or []), on_written))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is not None:
+            self._queue.put(_DONE)
+            self._thread.join()
+        assert self._file is not None
+        self._file.close(exc or self._error)
+        if exc is None:
+            self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not _DONE:
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks forever
+            batch, ready, on_written = item
+            try:
+                for event in ready:
+                    event.synchronize()  # the device → host copy has landed
+                with self.timer.stage("write"):
+                    self._append(batch)
+                if on_written is not None:
+                    on_written(list(batch.values()))
+            except BaseException as err:  # handed to the producer thread, re-raised there
+                self._error = err
+
+    def _append(self, batch: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.append(
+            {
+                k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+                for k, v in batch.items()
+            }
+        )

@@ -1,0 +1,1 @@
+"""Derived methods: results computed per batch from captured tensors (a registry)."""

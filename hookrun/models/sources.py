@@ -1,0 +1,202 @@
+"""Model sources: where `model:` gets its nn.Module — torchvision by name, the seed models,
+or the user's own class. One registration each (`@_source(name)`); `model.source` picks one
+(null: `custom` when `_target_` is set, `seed` for a seed model's name, else `torchvision`).
+Weights then come from a torchvision weights name, a state_dict file, or a seeded init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from hookrun.errors import HookrunError, nearest
+from hookrun.models.seeds import SEED_MODELS
+from hookrun.models.weights import load_weights
+from hookrun.registry import Registry
+from hookrun.spec.schema import ModelConfig
+from hookrun.typed import import_class
+
+__all__ = [
+    "ModelSource",
+    "MODEL_SOURCES",
+    "source_of",
+    "check_model",
+    "build_model",
+    "class_names",
+    "model_label",
+]
+
+
+class ModelSource:
+    """How one source checks, builds and names its models."""
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuse a config this source cannot build, before anything loads."""
+
+    def construct(self, cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def weights_names(self, cfg: ModelConfig) -> list[str]:
+        """Weights names (besides files) `model.weights` may take for this model."""
+        return []
+
+    def class_names(self, cfg: ModelConfig) -> list[str] | None:
+        """Names of the output classes, where known."""
+        return None
+
+    def warns_random(self, cfg: ModelConfig) -> bool:
+        """Whether random init is worth a warning (real architectures, not hand-set ones)."""
+        return True
+
+
+MODEL_SOURCES: Registry[ModelSource] = Registry("a model source")
+
+
+def _source(name: str):
+    def add(cls: type[ModelSource]) -> type[ModelSource]:
+        MODEL_SOURCES.register(name)(cls())
+        return cls
+
+    return add
+
+
+@_source("torchvision")
+class _Torchvision(ModelSource):
+    def check(self, cfg: ModelConfig) -> None:
+        known = sorted(torchvision.models.list_models(module=torchvision.models))
+        if not cfg.name or cfg.name not in known:
+            hint = ", ".join(nearest(str(cfg.name), known + list(SEED_MODELS)))
+            raise HookrunError(
+                f"model.name: {cfg.name!r} is not a torchvision classification model or seed "
+                f"model; nearest: {hint or ', '.join(SEED_MODELS)} (all: "
+                "torchvision.models.list_models())"
+            )
+
+    def construct(self, cfg: ModelConfig) -> nn.Module:
+        try:
+            return torchvision.models.get_model(str(cfg.name), weights=None, **cfg.kwargs)
+        except (TypeError, ValueError) as err:
+            raise HookrunError(
+                f"model.kwargs: {cfg.name}({dict(cfg.kwargs)}) failed: {err}"
+            ) from None
+
+    def weights_names(self, cfg: ModelConfig) -> list[str]:
+        enum = torchvision.models.get_model_weights(str(cfg.name))
+        return [w.name for w in enum] + ["DEFAULT"]
+
+    def class_names(self, cfg: ModelConfig) -> list[str] | None:
+        if not cfg.weights:
+            return None
+        try:
+            enum = torchvision.models.get_model_weights(str(cfg.name))
+            weights = enum.DEFAULT if cfg.weights == "DEFAULT" else enum[cfg.weights]
+        except (KeyError, ValueError):
+            return None  # weights from a file: the classes are the user's
+        return list(weights.meta.get("categories") or []) or None
+
+
+@_source("seed")
+class _Seed(ModelSource):
+    def check(self, cfg: ModelConfig) -> None:
+        if cfg.name not in SEED_MODELS:
+            raise HookrunError(
+                f"model.name: {cfg.name!r} is not a seed model; valid: {', '.join(SEED_MODELS)}"
+            )
+        if cfg.kwargs:
+            raise HookrunError(
+                f"model.kwargs: {cfg.name} takes no arguments, got {dict(cfg.kwargs)}"
+            )
+
+    def construct(self, cfg: ModelConfig) -> nn.Module:
+        return SEED_MODELS[str(cfg.name)]()
+
+    def class_names(self, cfg: ModelConfig) -> list[str] | None:
+        return [str(d) for d in range(10)] if cfg.name == "digits_cnn" else None
+
+    def warns_random(self, cfg: ModelConfig) -> bool:
+        return False  # hand-set weights
+
+
+@_source("custom")
+class _Custom(ModelSource):
+    def check(self, cfg: ModelConfig) -> None:
+        if not cfg._target_:
+            raise HookrunError(
+                "model._target_: null; model.source=custom needs a dotted class path"
+            )
+        import_class(cfg._target_, "model._target_", nn.Module)
+
+    def construct(self, cfg: ModelConfig) -> nn.Module:
+        cls = import_class(str(cfg._target_), "model._target_", nn.Module)
+        try:
+            return cls(**cfg.kwargs)
+        except TypeError as err:
+            raise HookrunError(
+                f"model.kwargs: {cfg._target_}({dict(cfg.kwargs)}) failed: {err}"
+            ) from None
+
+
+def source_of(cfg: ModelConfig) -> ModelSource:
+    """The source `cfg` names, or the one its other keys imply."""
+    if cfg.source is not None:
+        return MODEL_SOURCES.get(cfg.source, "model.source")
+    if cfg._target_:
+        return MODEL_SOURCES.get("custom", "model.source")
+    if cfg.name in SEED_MODELS:
+        return MODEL_SOURCES.get("seed", "model.source")
+    return MODEL_SOURCES.get("torchvision", "model.source")
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Everything about `model:` that can be checked before building it."""
+    if not cfg.name and not cfg._target_:
+        raise HookrunError("model: set model.name (e.g. model=resnet18) or model._target_")
+    source_of(cfg).check(cfg)
+
+
+def class_names(cfg: ModelConfig) -> list[str] | None:
+    """Names of the model's output classes, where known (ImageNet weights, digits)."""
+    return source_of(cfg).class_names(cfg)
+
+
+def model_label(cfg: ModelConfig) -> str:
+    """How messages name the model."""
+    return cfg._target_ or cfg.name or "?"
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model with its weights, the file they came from (None for random init), and
+    whether random init deserves a warning."""
+
+    module: nn.Module
+    weights_file: Path | None
+    random_warning: bool
+
+
+def build_model(cfg: ModelConfig, seed: int, weights_path: tuple[str, ...] = ()) -> BuiltModel:
+    """The model `cfg` names with its weights loaded (or initialised from `seed`)."""
+    source = source_of(cfg)
+    torch.manual_seed(seed)  # random init is part of the run's reproducible state
+    model = source.construct(cfg)
+    if cfg.weights is None:
+        return BuiltModel(model, None, source.warns_random(cfg))
+    names = source.weights_names(cfg)
+    tv_name = str(cfg.name) if names else None
+    path = load_weights(model, cfg.weights, model_label(cfg), tv_name, list(weights_path))
+    return BuiltModel(model, path, False)
+
+
+@_source("python")
+class _Caller(ModelSource):
+    """A model object handed to `hookrun.run(model=...)`; recorded, never built from config."""
+
+    def check(self, cfg: ModelConfig) -> None:
+        raise HookrunError(
+            "model.source: 'python' names a model object given to hookrun.run(model=...); "
+            f"valid in a config: {', '.join(n for n in MODEL_SOURCES if n != 'python')}"
+        )

@@ -1,0 +1,35 @@
+"""`python -m hookrun.render captures.h5 [--out DIR] [--max N]`: re-draw an earlier run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hookrun.render.draw import render
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hookrun.render captures.h5`: re-draw the pictures of an earlier run."""
+    parser = argparse.ArgumentParser(prog="python -m hookrun.render", description=main.__doc__)
+    parser.add_argument("path", type=Path, help="a captures.h5 written by hookrun")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the pictures (default: <run dir>/images/<experiment>)",
+    )
+    parser.add_argument("--max", type=int, default=16, help="samples to draw (first rows)")
+    args = parser.parse_args(argv)
+    if not args.path.is_file():
+        parser.error(f"{args.path}: no such file")
+    written = render(args.path, args.out, args.max)
+    if not written:
+        print(f"nothing to draw in {args.path}")
+        return
+    print(f"{len(written)} pictures in {written[-1].parent}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Pictures from a finished captures.h5 — never from the run's memory.
+
+    python -m hookrun.render outputs/<date>/<time>/captures.h5 [--out DIR] [--max N]
+
+What is drawn follows what the file holds, for the first `max_samples` rows:
+- `/captures/input/grad_output` (Guided Backprop, saliency, scaled gradients): the seed's
+  normalize, (g - mean) / std * 0.1 + 0.5 clipped to [0, 1];
+- `/derived/<method>/<layer>` maps (Grad-CAM, CAM): upsampled to the photo and overlaid on it
+  as a heat map; (C, H, W) results (Guided Grad-CAM) like gradients;
+- other (C, H, W) `output` captures (feature maps): one make_grid per layer and sample
+  (normalize=True, scale_each=True, nrow=ceil(sqrt(C)));
+and one contact sheet per run with a row per sample.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import matplotlib
+import numpy as np
+from omegaconf import OmegaConf
+from PIL import Image
+
+from hookrun.io import layout
+from hookrun.render.pictures import feature_grid, heat_overlay, seed_normalize, to_uint8
+
+matplotlib.use("Agg")  # files only; no display on clusters
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+__all__ = ["render"]
+
+# What the input gradient is, by experiment (the column title on the contact sheet).
+_GRADIENT_TITLES = {
+    "guided_bp": "guided backprop",
+    "guided_grad_cam": "guided backprop",
+    "saliency": "saliency",
+    "grad_scale": "gradient, ReLUs scaled",
+}
+
+
+@dataclass
+class _Picture:
+    kind: str  # the contact sheet's column title
+    row: int
+    path: Path
+    image: np.ndarray = field(repr=False)  # (H, W, 3) uint8
+
+
+def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
+    if layout.INPUT_PHOTO not in f:
+        return None
+    x = f[layout.INPUT_PHOTO][row].astype(np.float32)
+    dataset = config.get("dataset", {})
+    mean, std = dataset.get("mean"), dataset.get("std")
+    if x.ndim == 3 and mean and std and len(mean) == x.shape[0]:
+        x = x * np.asarray(std)[:, None, None] + np.asarray(mean)[:, None, None]
+    elif x.max() > x.min():
+        x = (x - x.min()) / (x.max() - x.min())
+    return np.clip(x, 0, 1)
+
+
+def _class_names(config: dict) -> list[str] | None:
+    from hookrun.models.sources import class_names
+    from hookrun.spec.schema import ModelConfig
+    from hookrun.typed import parse_typed
+
+    try:
+        return class_names(parse_typed(config.get("model", {}), ModelConfig, "model"))
+    except Exception:  # an old or foreign file: draw without names rather than fail
+        return None
+
+
+def _row_label(f: h5py.File, row: int, names: list[str] | None) -> str:
+    index = int(f[layout.SAMPLES_INDEX][row])
+    label = f"#{index}"
+    if layout.MODEL_OUTPUT in f:
+        logits = f[layout.MODEL_OUTPUT][row].reshape(-1).astype(np.float64)
+        top = int(logits.argmax())
+        name = names[top] if names and top < len(names) else str(top)
+        label += f"\n{name}"
+    return label
+
+
+def _natural(name: str) -> list:
+    """Sort key that puts features.2 before features.10 (the model's order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _feature_layers(f: h5py.File, derived_layers: set[str]) -> dict[str, h5py.Dataset]:
+    """Layers whose (C, H, W) outputs are drawn as feature-map grids, in the model's order."""
+    captured = layout.captures_of(f)
+    out = {}
+    for layer in sorted(captured, key=_natural):
+        ds = captured[layer].get("output")
+        if layer != "input" and layer not in derived_layers and ds is not None and ds.ndim == 4:
+            out[layer] = ds
+    return out
+
+
+def render(
+    path: Path,
+    out_dir: Path | None = None,
+    max_samples: int = 16,
+    tensorboard_dir: Path | None = None,
+    plan_text: str | None = None,
+) -> list[Path]:
+    """Draw the pictures of one captures.h5; returns the files written, contact sheet last."""
+    path = Path(path)
+    pictures: list[_Picture] = []
+    with layout.open_readonly(path) as f:
+        state = layout.read_state(f)
+        config = OmegaConf.to_container(OmegaConf.create(state.config or "{}"))
+        experiment = state.experiment or "run"
+        out_dir = Path(out_dir) if out_dir else path.parent / "images" / experiment
+        rows = min(state.completed, max_samples)
+        derived = {
+            f"{m}/{layer}": ds
+            for m, group in layout.derived_of(f).items()
+            for layer, ds in group.items()
+        }
+        features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
+        names = _class_names(config)
+        labels = [_row_label(f, row, names) for row in range(rows)]
+        for row in range(rows):
+            index = int(f[layout.SAMPLES_INDEX][row])
+            photo = _photo(f, config, row)
+            drawn: list[tuple[str, str, np.ndarray]] = []
+            if photo is not None:
+                drawn.append(("input", "input", photo))
+            if layout.INPUT_GRAD in f:
+                grad = f[layout.INPUT_GRAD][row].astype(np.float32)
+                kind = _GRADIENT_TITLES.get(experiment, "input gradient")
+                drawn.append((kind, "gradient", seed_normalize(grad)))
+            for key, ds in derived.items():
+                value = ds[row].astype(np.float32)
+                if value.ndim == 2 and photo is not None:
+                    drawn.append(
+                        (key.replace("/", " @ "), key.replace("/", "_"), heat_overlay(photo, value))
+                    )
+                elif value.ndim == 2:
+                    drawn.append(
+                        (
+                            key,
+                            key.replace("/", "_"),
+                            heat_overlay(np.zeros((3,) + value.shape), value),
+                        )
+                    )
+                else:
+                    drawn.append(
+                        (key.replace("/", " @ "), key.replace("/", "_"), seed_normalize(value))
+                    )
+            for layer, ds in features.items():
+                maps = ds[row].astype(np.float32)
+                drawn.append((layer, f"features_{layer}", feature_grid(maps)))
+            for kind, stem, image in drawn:
+                target = out_dir / f"{index:05d}_{stem}.png"
+                out_dir.mkdir(parents=True, exist_ok=True)
+                pixels = to_uint8(image)
+                Image.fromarray(pixels).save(target)
+                pictures.append(_Picture(kind, row, target, pixels))
+    if not pictures:  # nothing drawable: no input, gradient, map or feature maps
+        return []
+    sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
+    if tensorboard_dir is not None:
+        _to_tensorboard(pictures, tensorboard_dir, plan_text)
+    return [p.path for p in pictures] + [sheet]
+
+
+def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, title: str) -> Path:
+    """One figure: a row per sample, a column per picture kind (at most 6 columns)."""
+    kinds = list(dict.fromkeys(p.kind for p in pictures))
+    if len(kinds) > 6:  # many feature layers: the photo, then 5 layers spread over the net
+        picks = np.linspace(1, len(kinds) - 1, 5).round().astype(int)
+        kinds = [kinds[0], *[kinds[i] for i in picks]]
+    rows = max(1, len(labels))
+    fig, axes = plt.subplots(
+        rows, max(1, len(kinds)), figsize=(2.6 * max(1, len(kinds)), 2.8 * rows), squeeze=False
+    )
+    by_cell = {(p.row, p.kind): p for p in pictures}
+    for r in range(rows):
+        for c, kind in enumerate(kinds):
+            ax = axes[r][c]
+            ax.axis("off")
+            pic = by_cell.get((r, kind))
+            if pic is not None:
+                ax.imshow(pic.image)
+            if r == 0:
+                ax.set_title(kind, fontsize=9)
+            if c == 0 and r < len(labels):
+                ax.text(
+                    -0.05,
+                    0.5,
+                    labels[r],
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="center",
+                    fontsize=8,
+                )
+    fig.suptitle(title.replace("_", " "))
+    fig.tight_layout()
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target
+
+
+def _to_tensorboard(pictures: list[_Picture], log_dir: Path, plan_text: str | None) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(log_dir)) as writer:
+        if plan_text:
+            writer.add_text("plan", f"```\n{plan_text}\n```")
+        for pic in pictures:
+            writer.add_image(f"{pic.kind}/{pic.path.stem}", pic.image, dataformats="HWC")

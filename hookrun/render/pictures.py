@@ -1,0 +1,58 @@
+"""Image operations of the pictures: the seed tutorial's gradient normalize, heat-map
+overlays and feature-map grids, and arrays → uint8 RGB."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchvision.utils import make_grid
+
+__all__ = ["MIN_SIDE", "seed_normalize", "heat_overlay", "feature_grid", "to_uint8"]
+
+# Pictures narrower than this are scaled up (nearest) so an 8x8 digit stays visible.
+MIN_SIDE = 128
+
+
+def seed_normalize(grad: np.ndarray) -> np.ndarray:
+    """The seed tutorial's normalize: mean 0.5, std 0.1, clipped to [0, 1]."""
+    std = grad.std()
+    norm = (grad - grad.mean()) / (std if std > 0 else 1.0)
+    return np.clip(norm * 0.1 + 0.5, 0.0, 1.0)
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """(C, H, W) or (H, W) floats in [0, 1] → (H, W, 3) uint8, scaled up when tiny."""
+    if image.ndim == 3:
+        image = image[0] if image.shape[0] == 1 else np.moveaxis(image[:3], 0, -1)
+    if image.ndim == 2:
+        image = np.repeat(image[..., None], 3, axis=-1)
+    out = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+    factor = math.ceil(MIN_SIDE / min(out.shape[:2]))
+    if factor > 1:
+        out = np.kron(out, np.ones((factor, factor, 1), dtype=np.uint8))
+    return out
+
+
+def heat_overlay(photo: np.ndarray, heat: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+    """`heat` (h, w), min-max scaled and upsampled (bilinear) to `photo` (C, H, W) in
+    [0, 1], blended with the jet colour map. Returns (C=3, H, W) in [0, 1]."""
+    h, w = photo.shape[-2:]
+    up = F.interpolate(
+        torch.from_numpy(heat.astype(np.float32))[None, None], size=(h, w), mode="bilinear"
+    )[0, 0].numpy()
+    span = up.max() - up.min()
+    up = (up - up.min()) / span if span > 0 else np.zeros_like(up)
+    colour = np.moveaxis(matplotlib.colormaps["jet"](up)[..., :3], -1, 0)
+    base = photo if photo.shape[0] == 3 else np.repeat(photo[:1], 3, axis=0)
+    return (1 - alpha) * base + alpha * colour
+
+
+def feature_grid(maps: np.ndarray) -> np.ndarray:
+    """(C, h, w) feature maps → one grid image (3, H, W) in [0, 1], each map scaled alone."""
+    tiles = torch.from_numpy(maps.astype(np.float32))[:, None]
+    nrow = math.ceil(math.sqrt(len(tiles)))
+    return make_grid(tiles, nrow=nrow, normalize=True, scale_each=True, pad_value=1.0).numpy()

@@ -1,0 +1,1 @@
+"""Running at scale: seeds and provenance, torchrun shards, sweeps and Slurm requeues."""

@@ -1,0 +1,98 @@
+"""Data-parallel extraction under torchrun (or Slurm with torchrun's environment variables).
+
+Each rank takes a contiguous run of whole batches — exactly the batches a single process
+would run, so every number is the same — writes its own shard file, and rank 0 then writes
+captures.h5 whose datasets are HDF5 virtual datasets over the shards in global index order.
+No sampler padding: no sample is duplicated or dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hookrun.errors import HookrunError
+from hookrun.io.layout import Provenance, join_shards
+
+__all__ = ["World", "world_from_env", "start", "stop", "batch_shard", "shard_path", "merge_shards"]
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the processes of one run."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.size > 1
+
+
+def world_from_env() -> World:
+    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them; one process without them."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def start(world: World, device: torch.device, run_dir: Path) -> Path:
+    """Join the process group (NCCL on CUDA, gloo on CPU); every rank gets rank 0's run dir,
+    so all shards land next to the captures.h5 that joins them."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    shared = [str(run_dir)]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def batch_shard(samples: int, batch_size: int, world: World) -> range:
+    """The sample positions this rank runs: a contiguous run of whole batches."""
+    batches = math.ceil(samples / batch_size)
+    first = batches * world.rank // world.size
+    last = batches * (world.rank + 1) // world.size
+    return range(first * batch_size, min(last * batch_size, samples))
+
+
+def shard_path(path: Path, world: World) -> Path:
+    """`captures.h5` → `captures.rank0-of-2.h5`."""
+    return path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
+
+
+def merge_shards(
+    path: Path,
+    world: World,
+    samples: int,
+    batch_size: int,
+    header: Provenance | Mapping[str, Any],
+    replace: bool,
+) -> None:
+    """Rank 0: write `path` as virtual datasets over every rank's shard, in index order;
+    an existing `path` only with `replace`."""
+    shards = []
+    for rank in range(world.size):
+        rank_world = World(rank, world.size)
+        if not batch_shard(samples, batch_size, rank_world):
+            continue  # more ranks than batches: this one had nothing to do
+        shard = shard_path(path, rank_world)
+        if not shard.is_file():
+            raise HookrunError(f"merge: the shard {shard} of rank {rank} is missing")
+        shards.append(shard)
+    try:
+        join_shards(path, shards, samples, header, replace)
+    except ValueError as err:
+        raise HookrunError(f"merge: {err}") from None

@@ -1,0 +1,95 @@
+"""Reproducibility: every seed a run depends on, and where its numbers came from.
+
+Same config + same seed → the same numbers in every dataset: torch, numpy and Python's
+`random` are seeded here, DataLoader workers from the loader's generator, and
+`deterministic=true` makes PyTorch refuse nondeterministic kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+import torchvision
+
+from hookrun.io.layout import Provenance
+from hookrun.models.weights import sha256_of
+from hookrun.spec.build import RunSpec
+from hookrun.version import __version__
+
+__all__ = ["reproducible", "provenance"]
+
+
+@contextmanager
+def reproducible(seed: int, deterministic: bool) -> Iterator[None]:
+    """Seed torch, numpy and Python; with `deterministic`, forbid nondeterministic kernels
+    for the run, and put PyTorch's determinism switches back as they were afterwards."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; set before the first matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:]
+
+
+def _git(root: Path, *args: str) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+    )
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _git_commit() -> str:
+    """The commit of the hookrun checkout this code runs from (+dirty with local changes)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return ""
+    try:
+        commit = _git(root, "rev-parse", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return commit + ("+dirty" if commit and dirty else "")
+
+
+def provenance(
+    spec: RunSpec, weights_file: Path | None, device: torch.device, world_size: int
+) -> Provenance:
+    """The root attributes of captures.h5: config, versions and where the numbers came from."""
+    return Provenance(
+        config=spec.config_yaml,
+        experiment=spec.experiment or "",
+        hookrun_version=__version__,
+        hookrun_git_commit=_git_commit(),
+        torch_version=str(torch.__version__),
+        torchvision_version=str(torchvision.__version__),
+        h5py_version=h5py.__version__,
+        seed=spec.seed,
+        weights_file=str(weights_file or ""),
+        weights_sha256=sha256_of(weights_file) if weights_file else "",
+        device=str(device),
+        hostname=socket.gethostname(),
+        world_size=world_size,
+    )

@@ -1,0 +1,204 @@
+"""The RunSpec: the composed config, typed, checked and frozen — built once per run.
+
+`build_spec(cfg)` runs every check that needs no model, data or file: the schema, each
+free-form node merged into its registered dataclass (model, dataset kind, hook actions,
+derived methods), ranges and combinations. It raises HookrunError with one line naming the
+key, the bad value and the valid choices. Nothing after it reads a DictConfig.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hookrun.data.kinds import DATASETS
+from hookrun.engine.actions import Action, build_action
+from hookrun.errors import HookrunError
+from hookrun.methods.derive import METHODS
+from hookrun.models.sources import check_model
+from hookrun.spec.schema import (
+    DeviceConfig,
+    HookConfig,
+    ModelConfig,
+    RunConfig,
+    SelectConfig,
+    SinkConfig,
+    Site,
+    TargetConfig,
+    TargetKind,
+)
+from hookrun.typed import check_range, freeze, parse_typed
+
+__all__ = ["HookSpec", "RunSpec", "build_spec"]
+
+_DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_LOGGERS = (None, "tensorboard")
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One entry of `hooks:`, with its action built and checked."""
+
+    name: str
+    select: SelectConfig
+    at: Site
+    action: Action
+    backward: str = "main"
+
+    @classmethod
+    def from_config(cls, name: str, cfg: HookConfig) -> HookSpec:
+        """The spec of hook `name`; its action and args checked (errors name hooks.<name>)."""
+        key = f"hooks.{name}"
+        action = build_action(cfg.action, cfg.args, key)
+        if cfg.backward != "main" and not cfg.at.is_grad:
+            raise HookrunError(
+                f"{key}.backward: {cfg.backward!r} on a forward site ({cfg.at.value}); "
+                "only grad_input and grad_output hooks belong to a backward pass"
+            )
+        return cls(name, cfg.select, cfg.at, action, cfg.backward)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run needs to know, typed and read-only (see conf/config.yaml for each
+    key's meaning)."""
+
+    model: ModelConfig
+    dataset: Any  # the registered dataset kind's config dataclass
+    hooks: tuple[HookSpec, ...]
+    derive: Any  # method name → its parsed Args, read-only mapping in file order
+    target: TargetConfig
+    sink: SinkConfig
+    device: DeviceConfig
+    seed: int
+    deterministic: bool
+    batch_size: int
+    limit: int | None
+    num_workers: int
+    dry_run: bool
+    resume: bool
+    weights_path: tuple[str, ...]
+    progress: bool
+    profile: bool
+    render: bool
+    render_max: int
+    logger: str | None
+    experiment: str | None
+    # The resolved config as YAML: the file's `config` attribute, compared on resume.
+    config_yaml: str
+
+    @property
+    def needs_backward(self) -> bool:
+        return any(h.at.is_grad for h in self.hooks)
+
+
+def _hooks(raw: dict[str, Any], target: TargetConfig) -> tuple[HookSpec, ...]:
+    hooks = [
+        HookSpec.from_config(name, parse_typed(node, HookConfig, f"hooks.{name}"))
+        for name, node in (raw or {}).items()
+    ]
+    if target.kind == TargetKind.index and target.index is None:
+        raise HookrunError("target.index: null; target.kind=index needs target.index=K")
+    if target.kind == TargetKind.none:
+        grad = [h.name for h in hooks if h.at.is_grad]
+        if grad:
+            raise HookrunError(
+                f"target.kind: 'none' runs no backward pass, but hooks {grad} act at a gradient "
+                "site; valid: predicted, label, index, sum"
+            )
+    return tuple(hooks)
+
+
+def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
+    out = {}
+    for name, node in (raw or {}).items():
+        key = f"derive.{name}"
+        method = METHODS.get(name, key)
+        args = parse_typed(node, method.Args, key)
+        if hasattr(args, "layer") and not args.layer:
+            raise HookrunError(
+                f"{key}.layer: {node!r} names no layer; set model.cam_layer=NAME (the model "
+                f"presets set it) or {key}.layer"
+            )
+        if method.needs_class and target.kind in (TargetKind.sum, TargetKind.none):
+            raise HookrunError(
+                f"target.kind: {target.kind.value!r} has no class for {name}; valid: predicted, "
+                "label, index"
+            )
+        out[name] = args
+    return out
+
+
+def _dataset(raw: Any) -> Any:
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    entry = DATASETS.get(kind, "dataset.kind")
+    dataset = parse_typed(raw, entry.schema, "dataset")
+    dataset.check()
+    return dataset
+
+
+def _run_checks(run: RunConfig) -> None:
+    check_range("batch_size", run.batch_size, 1)
+    check_range("limit", run.limit, 1, allow_none=True)
+    check_range("num_workers", run.num_workers, 0)
+    check_range("sink.queue_depth", run.sink.queue_depth, 1)
+    check_range("render_max", run.render_max, 1)
+    if run.logger not in _LOGGERS:
+        raise HookrunError(f"logger: {run.logger!r}; valid: null, tensorboard")
+    if not _DEVICE.match(run.device.name):
+        raise HookrunError(
+            f"device.name: {run.device.name!r} is not a device; valid: cpu, cuda, cuda:N, auto"
+        )
+    if run.resume and run.sink.overwrite:
+        raise HookrunError("sink.overwrite: true with resume=true would lose the rows to resume")
+
+
+def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
+    """The RunSpec of a composed config (without its `hydra` node); HookrunError on the
+    first problem, before anything is loaded."""
+    try:
+        run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:  # e.g. a required `???` value left unset
+        key = getattr(err, "full_key", None) or "config"
+        msg = str(getattr(err, "msg", err)).splitlines()[0]
+        raise HookrunError(f"{key}: {msg}") from None
+    model = parse_typed(run.model, ModelConfig, "model")
+    check_model(model)
+    dataset = _dataset(run.dataset)
+    _run_checks(run)
+    hooks = _hooks(run.hooks, run.target)
+    derive = _derive(run.derive, run.target)
+    spec = RunSpec(
+        model=model,
+        dataset=dataset,
+        hooks=hooks,
+        derive=derive,
+        target=run.target,
+        sink=run.sink,
+        device=run.device,
+        seed=run.seed,
+        deterministic=run.deterministic,
+        batch_size=run.batch_size,
+        limit=run.limit,
+        num_workers=run.num_workers,
+        dry_run=run.dry_run,
+        resume=run.resume,
+        weights_path=tuple(run.weights_path),
+        progress=run.progress,
+        profile=run.profile,
+        render=run.render,
+        render_max=run.render_max,
+        logger=run.logger,
+        experiment=experiment,
+        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+    )
+    for value in (model, dataset, run.target, run.sink, run.device):
+        freeze(value)
+    for hook in hooks:
+        freeze(hook.select)
+    object.__setattr__(spec, "derive", freeze(derive))
+    return spec

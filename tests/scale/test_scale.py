@@ -1,0 +1,258 @@
+"""Sweeps (joblib, submitit_local), kill -9 then resume, torchrun shards, reproducibility."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import hook, hookrun_cli, read, run_config
+
+from hookrun.errors import HookrunError
+from hookrun.io.layout import open_readonly
+from hookrun.scale.launchers import with_resume
+
+SEED_MLP_SCALED = [
+    "model=seed_mlp",
+    "dataset=constant",
+    "dataset.shape=[3]",
+    "target.kind=sum",
+    *hook("s", "relu1", "grad_output", "scale", factor="1,2,3"),
+    *hook("x", "input", "grad_output", "capture"),
+    "progress=false",
+]
+
+
+def sweep_rows(cwd: Path) -> list[dict]:
+    (summary,) = cwd.glob("multirun/*/*/sweep_summary.csv")
+    with summary.open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_sweep_jobs_get_their_own_complete_runs(tmp_path, launcher):
+    proc = hookrun_cli(["-m", f"hydra/launcher={launcher}", *SEED_MLP_SCALED], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = sweep_rows(tmp_path)
+    assert [r["status"] for r in rows] == ["complete"] * 3
+    files = [Path(r["file"]) for r in rows]
+    assert len({f.parent for f in files}) == 3
+    for factor, path in zip((1, 2, 3), files, strict=True):
+        with h5py.File(path) as f:
+            assert f.attrs["status"] == "complete"
+            assert f"factor: {factor}" in f.attrs["config"]
+            got = f["captures/input/grad_output"][()]
+        np.testing.assert_array_equal(got, [[22 * factor, 26 * factor, 30 * factor]])
+
+
+def test_a_failing_job_does_not_hide_the_others(tmp_path):
+    args = [
+        "-m",
+        "hydra/launcher=joblib",
+        *SEED_MLP_SCALED[:4],
+        *hook("s", "relu1,nope", "grad_output", "scale", factor=2),
+        *hook("x", "input", "grad_output", "capture"),
+        "progress=false",
+    ]
+    proc = hookrun_cli(args, tmp_path)
+    assert proc.returncode == 1  # the sweep says something failed...
+    rows = sweep_rows(tmp_path)
+    assert [r["status"] for r in rows] == ["complete", "failed"]  # ...and which
+    assert "hooks.s.select" in rows[1]["error"]
+    assert Path(rows[0]["file"]).is_file()
+    (log,) = tmp_path.glob("multirun/*/*/1/*.log")
+    assert "Traceback" in log.read_text() and "matches no module" in log.read_text()
+
+
+def test_requeued_slurm_jobs_resume():
+    assert with_resume(["model=resnet18", "resume=false"]) == ["model=resnet18", "resume=true"]
+    assert with_resume(["seed=1"]) == ["seed=1", "resume=true"]
+
+
+KILLABLE = [
+    "model=resnet18",
+    "model.weights=null",
+    "dataset=fake",
+    "dataset.size=1600",
+    "dataset.image_size=32",
+    "batch_size=4",
+    *hook("c", "layer1", "output", "capture"),
+    *hook("n", "layer2", "output", "noise", std=0.1),
+    "progress=false",
+    "render=false",
+]
+
+
+def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path):
+    reference = read(run_config(tmp_path / "reference", KILLABLE).path)
+    run_dir = tmp_path / "killed"
+    path = run_dir / "captures.h5"
+    args = [*KILLABLE, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    completed, deadline = 0, time.monotonic() + 240
+    while completed < 40 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+        try:
+            with open_readonly(path) as f:
+                completed = int(f.attrs["completed"])
+        except (OSError, KeyError):
+            pass  # not created yet, or not yet in SWMR mode
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 40 <= completed < 1600, "the run must be killed mid-way"
+
+    with open_readonly(path) as f:  # a killed file opens read-only, rows intact
+        done = int(f.attrs["completed"])
+        assert f.attrs["status"] == "running" and done >= completed
+        for key, expected in reference.items():
+            np.testing.assert_array_equal(f[key][:done], expected[:done])
+
+    proc = hookrun_cli([*args, "resume=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = read(path)
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert resumed[key].tobytes() == reference[key].tobytes(), key
+    with h5py.File(path) as f:
+        assert f.attrs["status"] == "complete" and f.attrs["completed"] == 1600
+
+
+def test_resume_refuses_missing_complete_foreign_and_changed(tmp_path):
+    small = ["dataset.size=2", "dataset.image_size=32", "render=false"]
+    with pytest.raises(HookrunError, match=r"resume: there is no .*captures.h5 to resume"):
+        run_config(tmp_path / "none", [*small, "resume=true"])
+    done = run_config(tmp_path / "done", small).path
+    with pytest.raises(HookrunError, match=r"resume: .* is already complete \(2 rows\)"):
+        run_config(tmp_path / "done", [*small, "resume=true"])
+    foreign = tmp_path / "foreign" / "captures.h5"
+    foreign.parent.mkdir()
+    with h5py.File(foreign, "w") as f:
+        f["x"] = [1, 2]
+    with pytest.raises(HookrunError, match=r"resume: .* was not written by hookrun"):
+        run_config(tmp_path / "foreign", [*small, "resume=true"])
+    with h5py.File(done, "r+") as f:
+        f.attrs["status"] = "failed"
+    with pytest.raises(HookrunError, match=r"resume: the config differs .* in seed"):
+        run_config(tmp_path / "done", [*small, "resume=true", "seed=7"])
+
+
+def test_torchrun_two_processes_read_as_one_file(tmp_path):
+    overrides = [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=fake",
+        "dataset.size=10",
+        "dataset.image_size=32",
+        "batch_size=3",
+        "render=false",
+        "progress=false",
+        *hook("c", "layer1", "output", "capture"),
+        *hook("x", "input", "grad_output", "capture"),
+    ]
+    # torchrun gives each process one thread; the same for the reference makes every
+    # summation order, and so every bit, the same.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = read(run_config(tmp_path / "single", overrides).path)
+    finally:
+        torch.set_num_threads(threads)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "hookrun",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
+    shards = sorted(p.name for p in merged.parent.glob("captures.rank*.h5"))
+    assert shards == ["captures.rank0-of-2.h5", "captures.rank1-of-2.h5"]
+    with h5py.File(merged) as f:
+        assert f["captures/layer1/output"].is_virtual
+        assert f.attrs["world_size"] == 2 and f.attrs["status"] == "complete"
+        with h5py.File(merged.parent / shards[0]) as s0:
+            assert len(s0["samples/index"]) == 6  # two whole batches of 3; rank 1 has 4 rows
+    data = read(merged)
+    assert data.keys() == single.keys()
+    np.testing.assert_array_equal(data["samples/index"], np.arange(10))
+    for key in single:
+        assert data[key].tobytes() == single[key].tobytes(), key
+
+
+def test_provenance_attributes(tmp_path):
+    path = run_config(
+        tmp_path, ["dataset.size=1", "dataset.image_size=32", "render=false", "deterministic=true"]
+    ).path
+    with h5py.File(path) as f:
+        attrs = dict(f.attrs)
+    for key in (
+        "hookrun_version",
+        "torch_version",
+        "torchvision_version",
+        "h5py_version",
+        "hookrun_git_commit",
+        "weights_sha256",
+        "device",
+        "hostname",
+        "world_size",
+    ):
+        assert key in attrs
+    assert attrs["device"] == "cpu" and attrs["world_size"] == 1 and attrs["hostname"]
+
+
+@pytest.mark.parametrize("samples,batch,world", [(10, 3, 2), (7, 2, 4), (5, 4, 3), (100, 8, 3)])
+def test_batch_shards_cover_every_sample_once(samples, batch, world):
+    from hookrun.scale.distributed import World, batch_shard
+
+    shards = [batch_shard(samples, batch, World(r, world)) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(samples))  # in order, no padding
+    assert all(s.start % batch == 0 for s in shards if len(s))  # whole batches only
+
+
+def test_merge_names_a_missing_shard(tmp_path):
+    from hookrun.io.sink import HDF5Sink
+    from hookrun.scale.distributed import World, merge_shards, shard_path
+
+    final = tmp_path / "captures.h5"
+    with HDF5Sink(shard_path(final, World(0, 2))) as sink:
+        sink.write({"samples/index": torch.arange(2)})
+    with pytest.raises(HookrunError, match=r"merge: the shard .*captures.rank1-of-2.h5 of rank 1"):
+        merge_shards(final, World(0, 2), samples=4, batch_size=2, header={}, replace=False)
+    assert not final.exists()
+
+
+def test_slurm_preset_builds_the_resuming_launcher():
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from hookrun.scale.launchers import ResumingSlurmLauncher
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.array_parallelism == 16 and launcher.gpus_per_node == 1
+    assert isinstance(instantiate(launcher), ResumingSlurmLauncher)
