@@ -24,7 +24,7 @@ from hookrun.engine.targets import check_target
 from hookrun.io.layout import Provenance
 from hookrun.io.resume import resume_point
 from hookrun.io.sink import check_sink_path
-from hookrun.methods.derive import Derivation, plan_derivations
+from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World

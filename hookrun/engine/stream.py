@@ -17,7 +17,7 @@ from hookrun.engine.transfer import HostCopier
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.derive import derive
+from hookrun.methods.registry import derive
 from hookrun.scale import distributed
 from hookrun.spec.schema import TargetConfig
 

@@ -1,1 +1,4 @@
-"""Derived methods: results computed per batch from captured tensors (a registry)."""
+"""Derived methods: results computed per batch from captured tensors. The registry is in
+registry.py; each module below registers its methods when imported here."""
+
+from hookrun.methods import cam  # noqa: F401  (registers grad_cam, cam, guided_grad_cam)

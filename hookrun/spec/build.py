@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import Action, build_action
 from hookrun.errors import HookrunError
-from hookrun.methods.derive import METHODS
+from hookrun.methods.registry import METHODS
 from hookrun.models.sources import check_model
 from hookrun.spec.schema import (
     DeviceConfig,

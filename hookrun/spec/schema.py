@@ -5,7 +5,7 @@ wrongly typed value. `model`, `dataset`, `derive` and each entry of `hooks` are 
 nodes here (Hydra cannot add new keys under a typed dict from the command line); the spec
 builder (`hookrun/spec/build.py`) merges each into its own dataclass — model here, dataset
 kinds in `hookrun/data/kinds.py`, action args in `hookrun/engine/actions.py`, derived
-methods in `hookrun/methods/derive.py` — and turns OmegaConf's errors into one-line messages.
+methods in `hookrun.methods.registry.py` — and turns OmegaConf's errors into one-line messages.
 """
 
 from __future__ import annotations

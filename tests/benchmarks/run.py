@@ -33,7 +33,7 @@ from hookrun.engine.plan import compile_plan
 from hookrun.engine.stream import BatchStep
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.derive import METHODS, Derivation, LayerArgs, derive
+from hookrun.methods.registry import METHODS, Derivation, LayerArgs, derive
 from hookrun.spec.build import HookSpec
 from hookrun.spec.schema import HookConfig, SelectConfig, Site, TargetConfig, TargetKind
 

@@ -1,23 +1,15 @@
-"""Results computed per batch from captured tensors: /derived/<method>/<layer>.
-
-Each method is raw — at the layer's resolution, not normalised — so the file holds the
-numbers and the pictures are a view of them (hookrun/render/):
+"""CAM-family methods at one layer (`derive.<method>.layer`, the presets' model.cam_layer):
 - grad_cam: relu(Σ_k α_k A^k), α_k = spatial mean of ∂y_c/∂A^k (Selvaraju et al. 2017).
 - cam: Σ_k w_ck A^k with w_c the target class's row of the final linear layer (Zhou et al.
   2016); only for models that end in global average pooling + one linear layer.
 - guided_grad_cam: the input's Guided Backprop gradient times Grad-CAM upsampled to the
   input's size (bilinear), as in the Grad-CAM paper.
-
-A new method is one class here registered with `@_method(name)`: its `Args` (what
-`derive.<name>:` accepts), the captures it `requires`, an optional `prepare` on the model
-before the first batch, and `compute` on one batch of records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,48 +17,9 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.registry import Registry
-from hookrun.typed import Frozen
+from hookrun.methods.registry import LayerArgs, Method, register_method
 
-__all__ = ["METHODS", "Method", "LayerArgs", "Derivation", "plan_derivations", "derive"]
-
-
-@dataclass
-class LayerArgs(Frozen):
-    # The module whose captures the method reads (the experiments pass model.cam_layer).
-    layer: str | None = None
-
-
-class Method:
-    """Base class: `name` is the config word under `derive:`, `Args` its arguments."""
-
-    name: ClassVar[str]
-    Args: ClassVar[type] = LayerArgs
-    # Target kinds the method needs a class for (CAM reads the target's weights).
-    needs_class: ClassVar[bool] = False
-
-    def requires(self, args: Any) -> list[str]:
-        """The capture datasets this method reads."""
-        raise NotImplementedError
-
-    def prepare(self, args: Any, model: nn.Module, sample: torch.Tensor) -> Any:
-        """State computed once from the model before the first batch (None by default)."""
-        return None
-
-    def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-
-METHODS: Registry[Method] = Registry("a method")
-
-
-def _method(name: str):
-    def add(cls: type[Method]) -> type[Method]:
-        cls.name = name
-        METHODS.register(name)(cls())
-        return cls
-
-    return add
+__all__ = ["GradCAM", "CAM", "GuidedGradCAM", "linear_head"]
 
 
 def _grad_cam(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
@@ -74,7 +27,7 @@ def _grad_cam(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
     return torch.relu((alpha * activation.float()).sum(dim=1))
 
 
-@_method("grad_cam")
+@register_method("grad_cam")
 class GradCAM(Method):
     def requires(self, args: LayerArgs) -> list[str]:
         return [
@@ -90,7 +43,7 @@ class GradCAM(Method):
         return _grad_cam(activation, gradient)
 
 
-@_method("cam")
+@register_method("cam")
 class CAM(Method):
     needs_class = True
 
@@ -108,7 +61,7 @@ class CAM(Method):
         return torch.einsum("nc,nchw->nhw", w, activation.float())
 
 
-@_method("guided_grad_cam")
+@register_method("guided_grad_cam")
 class GuidedGradCAM(GradCAM):
     def requires(self, args: LayerArgs) -> list[str]:
         return [*super().requires(args), layout.INPUT_GRAD]
@@ -163,39 +116,3 @@ def linear_head(
         "model ending in global average pooling + one linear layer (resnet*, mobilenet_v2, "
         "digits_cnn), or experiment=grad_cam for any CNN"
     )
-
-
-@dataclass(frozen=True)
-class Derivation:
-    """One derived result of a run: its method, arguments and prepared state."""
-
-    method: Method
-    args: Any
-    state: Any = None
-
-    @property
-    def key(self) -> str:
-        return layout.derived_key(self.method.name, str(self.args.layer))
-
-
-def plan_derivations(
-    requests: Mapping[str, Any], capture_keys: set[str], model: nn.Module, sample: torch.Tensor
-) -> list[Derivation]:
-    """Each requested method (name → parsed Args) against the captures the plan makes; its
-    state prepared on the model."""
-    out = []
-    for name, args in requests.items():
-        method = METHODS.get(name, f"derive.{name}")
-        missing = [k for k in method.requires(args) if k not in capture_keys]
-        if missing:
-            raise HookrunError(
-                f"derive.{name}: needs the captures {', '.join('/' + k for k in missing)}; add "
-                "hooks that capture them (see conf/experiment/grad_cam.yaml)"
-            )
-        out.append(Derivation(method, args, method.prepare(args, model, sample)))
-    return out
-
-
-def derive(derivations: list[Derivation], records: Mapping[str, torch.Tensor]) -> dict:
-    """The derived tensors for one batch of records, keyed by their HDF5 paths."""
-    return {d.key: d.method.compute(d.args, d.state, records) for d in derivations}

@@ -1,0 +1,108 @@
+"""The derived-methods registry: results computed per batch from captured tensors, stored
+raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
+
+A new method is one class registered with `@register_method(name)` in its own module under
+hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
+`derive.<name>:` accepts), the captures it `requires`, an optional `prepare` on the model
+before the first batch, and `compute` on one batch of records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.registry import Registry
+from hookrun.typed import Frozen
+
+__all__ = [
+    "METHODS",
+    "Method",
+    "LayerArgs",
+    "register_method",
+    "Derivation",
+    "plan_derivations",
+    "derive",
+]
+
+
+@dataclass
+class LayerArgs(Frozen):
+    # The module whose captures the method reads (the experiments pass model.cam_layer).
+    layer: str | None = None
+
+
+class Method:
+    """Base class: `name` is the config word under `derive:`, `Args` its arguments."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type] = LayerArgs
+    # Target kinds the method needs a class for (CAM reads the target's weights).
+    needs_class: ClassVar[bool] = False
+
+    def requires(self, args: Any) -> list[str]:
+        """The capture datasets this method reads."""
+        raise NotImplementedError
+
+    def prepare(self, args: Any, model: nn.Module, sample: torch.Tensor) -> Any:
+        """State computed once from the model before the first batch (None by default)."""
+        return None
+
+    def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+METHODS: Registry[Method] = Registry("a method")
+
+
+def register_method(name: str):
+    """Class decorator: register a Method under its `derive:` name."""
+
+    def add(cls: type[Method]) -> type[Method]:
+        cls.name = name
+        METHODS.register(name)(cls())
+        return cls
+
+    return add
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """One derived result of a run: its method, arguments and prepared state."""
+
+    method: Method
+    args: Any
+    state: Any = None
+
+    @property
+    def key(self) -> str:
+        return layout.derived_key(self.method.name, str(self.args.layer))
+
+
+def plan_derivations(
+    requests: Mapping[str, Any], capture_keys: set[str], model: nn.Module, sample: torch.Tensor
+) -> list[Derivation]:
+    """Each requested method (name → parsed Args) against the captures the plan makes; its
+    state prepared on the model."""
+    out = []
+    for name, args in requests.items():
+        method = METHODS.get(name, f"derive.{name}")
+        missing = [k for k in method.requires(args) if k not in capture_keys]
+        if missing:
+            raise HookrunError(
+                f"derive.{name}: needs the captures {', '.join('/' + k for k in missing)}; add "
+                "hooks that capture them (see conf/experiment/grad_cam.yaml)"
+            )
+        out.append(Derivation(method, args, method.prepare(args, model, sample)))
+    return out
+
+
+def derive(derivations: list[Derivation], records: Mapping[str, torch.Tensor]) -> dict:
+    """The derived tensors for one batch of records, keyed by their HDF5 paths."""
+    return {d.key: d.method.compute(d.args, d.state, records) for d in derivations}
