@@ -42,7 +42,9 @@ def hookrun_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Co
     """`python -m hookrun ARGS` in a subprocess, as a user runs it (tests/ importable for
     `model._target_=models_for_tests...`, no HYDRA_FULL_ERROR)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
+    # tests/ importable, in front of whatever PYTHONPATH already says (a worktree's hookrun).
+    paths = [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return subprocess.run(
         [sys.executable, "-m", "hookrun", *args],
         cwd=cwd,
