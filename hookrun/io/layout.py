@@ -28,7 +28,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hookrun.io.storage import CHUNK_BYTES, abandon, batch_need, chunk_shape, cut_short, reserve
+from hookrun.io import storage
+from hookrun.io.storage import CHUNK_BYTES, chunk_shape
 
 __all__ = [
     "CHUNK_BYTES",
@@ -50,6 +51,7 @@ __all__ = [
     "read_state",
     "read_provenance",
     "captures_of",
+    "dataset_names",
     "derived_of",
     "rewrite_rows",
     "join_shards",
@@ -133,7 +135,7 @@ def open_readonly(path: Path) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError:
-        reason = cut_short(Path(path))  # SWMR reading skips HDF5's own end-of-file check
+        reason = storage.cut_short(Path(path))  # SWMR reading skips HDF5's own EOF check
         if reason:
             raise OSError(reason) from None
         return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
@@ -160,11 +162,17 @@ def _state(f: h5py.File) -> FileState:
 
 
 def read_state(source: Path | h5py.File) -> FileState:
-    """The status, rows, config and experiment a file records (an open file, or a path)."""
+    """The status, rows, config and experiment a file records (an open file, or a path);
+    OSError naming the damage when rows it counts as complete are not in the file."""
     if isinstance(source, h5py.File):
         return _state(source)
     with open_readonly(source) as f:
-        return _state(f)
+        state = _state(f)
+        datasets = [f[name] for name in dataset_names(f)]
+        reason = storage.missing_rows(datasets, state.completed, Path(source).stat().st_size)
+    if reason:
+        raise OSError(reason)
+    return state
 
 
 def read_provenance(path: Path) -> dict[str, str]:
@@ -186,7 +194,8 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     return {method: dict(g.items()) for method, g in group.items()}
 
 
-def _datasets(f: h5py.File) -> list[str]:
+def dataset_names(f: h5py.File) -> list[str]:
+    """Every dataset's path in the file."""
     names: list[str] = []
     f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
     return names
@@ -212,7 +221,7 @@ class CapturesFile:
         self.file = file
         self.options = options
         self.rows = int(file.attrs["completed"])
-        self.keys = set(_datasets(file))
+        self.keys = set(dataset_names(file))
         self.broken = False  # HDF5 failed a write: the handle must not flush again
 
     @classmethod
@@ -274,7 +283,9 @@ class CapturesFile:
             raise RuntimeError(f"records of one batch differ in length: {n}")
         count = n.pop()
         datasets = [self.file[key] for key in arrays]
-        reserve(self.file, batch_need(datasets, self.rows, count))  # refused: HDF5 untouched
+        storage.reserve(
+            self.file, storage.batch_need(datasets, self.rows, count)
+        )  # refused: HDF5 untouched
         try:
             for ds, array in zip(datasets, arrays.values(), strict=True):
                 ds.resize(self.rows + count, axis=0)
@@ -308,7 +319,7 @@ class CapturesFile:
         close. A broken handle is closed without writing: the file stays `running` with
         every row up to `completed` intact, which `resume=true` continues."""
         if self.broken:
-            abandon(self.file)
+            storage.abandon(self.file)
             return
         try:
             if error is None:
@@ -319,7 +330,7 @@ class CapturesFile:
             self.file.close()
         except (OSError, RuntimeError):
             self.broken = True
-            abandon(self.file)
+            storage.abandon(self.file)
             raise
 
 
@@ -330,7 +341,7 @@ def rewrite_rows(path: Path) -> None:
     with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
         rows = int(src.attrs["completed"])
         _write_header(dst, dict(src.attrs.items()))
-        for key in _datasets(src):
+        for key in dataset_names(src):
             ds = src[key]
             out = dst.create_dataset(
                 key,
@@ -365,7 +376,7 @@ def join_shards(
                 raise ValueError(f"the shard {shard} is not complete")
         with h5py.File(path, "w" if replace else "w-", libver="latest") as out:
             _write_header(out, header)
-            for key in _datasets(opened[0]):
+            for key in dataset_names(opened[0]):
                 first = opened[0][key]
                 virtual = h5py.VirtualLayout(shape=(samples, *first.shape[1:]), dtype=first.dtype)
                 offset = 0

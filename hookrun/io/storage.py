@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 
 __all__ = [
+    "missing_rows",
     "CHUNK_BYTES",
     "chunk_shape",
     "RESERVE_MARGIN",
@@ -128,4 +129,24 @@ def cut_short(path: Path) -> str | None:
     eof = stored_eof(path)
     if eof is not None and size < eof:
         return f"the file is cut short: {size} bytes on disk, its superblock records {eof}"
+    return None
+
+
+def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | None:
+    """Why the first `rows` rows of these datasets are not all in a file of `size` bytes
+    (a chunk holding one of them lies past the end: the file was cut), or None."""
+    for ds in datasets:
+        if ds.chunks is None or ds.is_virtual:
+            continue
+        past: list[int] = []
+
+        def visit(info: h5py.h5d.StoreInfo, past: list[int] = past) -> None:
+            if info.chunk_offset[0] < rows and info.byte_offset + info.size > size:
+                past.append(info.chunk_offset[0])
+
+        ds.id.chunk_iter(visit)
+        if past:
+            return (
+                f"the file is cut short: {ds.name} row {min(past)} lies past its end ({size} bytes)"
+            )
     return None
