@@ -139,7 +139,16 @@ def _prepare(
     model.to(device)
 
     sample = data[0][0].to(device)
-    shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    try:
+        shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    except HookrunError:
+        raise
+    except Exception as err:  # the user's model failed on its first sample: show why
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise HookrunError(
+            f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
+            f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
+        ) from None
     check_target(spec.target, output_shape, has_labels(data))
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)

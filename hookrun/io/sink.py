@@ -48,6 +48,11 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
     """Refuse, before any work, a path that exists (unless `overwrite`) or cannot be written."""
     if path.is_dir():
         raise HookrunError(f"sink.path: {path} is a directory; valid: a file path")
+    if path.is_symlink() and not path.exists():
+        raise HookrunError(
+            f"sink.path: {path} is a symbolic link to {path.readlink()}, which does not exist; "
+            "valid: a plain file path"
+        )
     if path.exists() and not overwrite:
         raise HookrunError(
             f"sink.path: {path} already exists and is never overwritten silently; choose "
