@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import hydra
@@ -22,7 +24,8 @@ log = logging.getLogger("hookrun")
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Run one job. Bad input ends a single run with a one-line message and exit status 2;
+    """Run one job. Bad input ends a single run with a one-line message and exit status 2
+    (a write fault: 1; SIGTERM/SIGINT: 143/130; an internal error: 1, traceback in the log);
     in a sweep (-m) a failing job is logged and recorded, and the other jobs go on."""
     from hookrun.engine.runner import execute
     from hookrun.scale.sweeps import write_job_summary
@@ -40,12 +43,39 @@ def main(cfg: DictConfig) -> None:
             log.exception("job %s failed", hydra_cfg.job.num)  # the traceback, in its own log
             write_job_summary(run_dir, overrides, "failed", 0, None, _describe(err))
             return
-        if isinstance(err, HookrunError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if isinstance(err, HookrunError):
             print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
-            sys.exit(2)
-        raise
+            sys.exit(err.exit_code)
+        where = _write_traceback(err, run_dir)
+        first = (str(err).strip().splitlines() or [""])[0]
+        print(
+            f"hookrun: internal error: {type(err).__name__}: {first} (full traceback in "
+            f"{where}; please report it)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the batch loop
+        print("hookrun: error: interrupted by SIGINT", file=sys.stderr)
+        sys.exit(130)
     if sweeping:
         write_job_summary(run_dir, overrides, "complete", result.rows, result.path, "")
+
+
+def _write_traceback(err: BaseException, run_dir: Path) -> Path:
+    """Append the traceback to the run's log file (Hydra's hookrun.log), or to a file of
+    its own in the run directory when logging writes no file."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    where = Path(files[0].baseFilename) if files else run_dir / "hookrun-traceback.txt"
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        with open(where, "a") as fh:
+            traceback.print_exception(err, file=fh)
+    except OSError:
+        where = Path(tempfile.mkstemp(prefix="hookrun-traceback-", suffix=".txt")[1])
+        where.write_text("".join(traceback.format_exception(err)))
+    return where
 
 
 def _describe(err: Exception) -> str:

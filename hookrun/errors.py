@@ -5,14 +5,33 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["HookrunError", "nearest", "one_line"]
+__all__ = ["HookrunError", "RunFault", "Interrupted", "nearest", "one_line"]
 
 
 class HookrunError(Exception):
     """A problem with the user's input (config, data, weights, paths, devices).
 
-    The message is complete on its own: the CLI prints it as one line, without a traceback.
+    The message is complete on its own: the CLI prints it as one line, without a traceback,
+    and exits with `exit_code`.
     """
+
+    exit_code = 2
+
+
+class RunFault(HookrunError):
+    """The run met a fault of its surroundings (a write error: full disk, file-size limit,
+    I/O error). The file keeps every row up to `completed`; `resume=true` continues it."""
+
+    exit_code = 1
+
+
+class Interrupted(HookrunError):
+    """SIGTERM or SIGINT stopped the run after the batch in flight; exit status 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 def nearest(word: str, choices: Iterable[str], n: int = 5) -> list[str]:

@@ -8,6 +8,7 @@ what error messages and the docs list.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,9 @@ class PhotoTransformConfig(Frozen):
     def check(self) -> None:
         check_range("dataset.resize", self.resize, 1)
         check_range("dataset.crop", self.crop, 1)
+        for key, values in (("dataset.mean", self.mean), ("dataset.std", self.std)):
+            if not all(math.isfinite(v) for v in values):
+                raise HookrunError(f"{key}: {list(values)}; valid: finite numbers, one per channel")
         if len(self.mean) != len(self.std) or any(v <= 0 for v in self.std):
             raise HookrunError(
                 f"dataset.std: {list(self.std)} for mean {list(self.mean)}; valid: one "
@@ -188,13 +192,34 @@ class _IndexedImageFolder(datasets.ImageFolder):
 
     has_labels = True
 
+    def __init__(self, root: str, transform: Any) -> None:
+        super().__init__(root, transform=transform, loader=_eight_bit_rgb)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         path = self.samples[index][0]
         try:
             image, label = super().__getitem__(index)
-        except (OSError, ValueError) as err:
+        except HookrunError:
+            raise
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
             raise HookrunError(f"dataset.root: cannot read image {path} ({err})") from None
         return image, label, index
+
+
+# PIL modes of 8 bits per channel; others (16-bit "I;16", 32-bit "I" and "F") would be
+# clipped to 8 bits by convert("RGB") — silently wrong numbers — so they are refused.
+_EIGHT_BIT = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
+
+
+def _eight_bit_rgb(path: str) -> Image.Image:
+    with open(path, "rb") as fh:
+        image = Image.open(fh)
+        if image.mode not in _EIGHT_BIT:
+            raise HookrunError(
+                f"dataset.root: {path} has {image.mode} pixels (more than 8 bits per channel); "
+                "valid: 8-bit images (convert it, e.g. to 8-bit PNG)"
+            )
+        return image.convert("RGB")
 
 
 def _photo_transform(cfg: PhotoTransformConfig) -> transforms.Compose:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -15,7 +17,14 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from hookrun.data.kinds import DATASETS, NO_LABEL
 from hookrun.errors import HookrunError
 
-__all__ = ["build_dataset", "wrap_dataset", "has_labels", "make_loader", "worker_init"]
+__all__ = [
+    "build_dataset",
+    "wrap_dataset",
+    "has_labels",
+    "make_loader",
+    "worker_init",
+    "files_fingerprint",
+]
 
 
 def build_dataset(cfg: Any, seed: int, limit: int | None) -> Dataset:
@@ -93,6 +102,27 @@ def has_labels(data: Dataset) -> bool:
     if isinstance(data, Subset) and not hasattr(data, "has_labels"):
         return has_labels(data.dataset)
     return bool(getattr(data, "has_labels", False))
+
+
+def files_fingerprint(data: Dataset) -> str:
+    """sha256 over every source file's (path, size, label) in row order, for datasets read
+    from files (an image folder); "" for others. A resumed run compares it, so a folder
+    whose files were added, removed, renamed or rewritten is not continued."""
+    rows: Any = range(len(data))  # type: ignore[arg-type]
+    while isinstance(data, Subset):
+        rows, data = [data.indices[i] for i in rows], data.dataset
+    samples = getattr(data, "samples", None)
+    if not isinstance(samples, list):
+        return ""
+    digest = hashlib.sha256()
+    for i in rows:
+        path, label = samples[i]
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1  # unreadable now: the read names it
+        digest.update(f"{path}\t{size}\t{label}\n".encode())
+    return digest.hexdigest()
 
 
 def worker_init(worker_id: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +16,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hookrun.data.loader import build_dataset, has_labels, wrap_dataset
+from hookrun.data.loader import build_dataset, files_fingerprint, has_labels, wrap_dataset
 from hookrun.engine.hooks import probe_shapes, run_mode
 from hookrun.engine.plan import HookPlan, compile_plan
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
+from hookrun.errors import HookrunError
 from hookrun.io.layout import Provenance
-from hookrun.io.resume import resume_point
+from hookrun.io.lock import WriterLock
+from hookrun.io.resume import check_sources, resume_point
 from hookrun.io.sink import check_sink_path
 from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.sources import build_model, model_label
@@ -65,12 +67,26 @@ class Prepared:
     header: Provenance
     timer: StageTimer
     started: float
+    lock: WriterLock | None = None  # held from the path checks to the end of the run
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> int:
     """Rows already done (resume), after refusing paths that exist or cannot be written."""
-    if spec.resume:
+    if spec.resume and sink_path.exists():
         return resume_point(sink_path, spec.config_yaml)
+    if spec.resume:
+        sizes = distributed.shard_world_sizes(final_path) - {world.size}
+        if sizes:
+            raise HookrunError(
+                f"resume refused: the number of processes changed ({min(sizes)} → "
+                f"{world.size}) since {final_path} was started; resume with the same "
+                "torchrun --nproc_per_node, or start a new run"
+            )
+        resume_point(sink_path, spec.config_yaml)  # says it starts the missing file
     if not spec.dry_run:
         check_sink_path(sink_path, spec.sink.overwrite)
         if world.parallel and world.rank == 0:
@@ -82,10 +98,29 @@ def prepare(
     spec: RunSpec, run_dir: Path, world: World, device: torch.device, caller: CallerObjects
 ) -> Prepared:
     """Check, build and probe everything a run needs; HookrunError before any work."""
-    started = time.perf_counter()
     final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
     sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
-    done = _check_paths(spec, final_path, sink_path, world)
+    # The lock first: the checks below then cannot race another run on the same file.
+    lock = None if spec.dry_run else WriterLock(sink_path)
+    try:
+        done = _check_paths(spec, final_path, sink_path, world)
+        return _prepare(spec, run_dir, world, device, caller, (final_path, sink_path, done, lock))
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _prepare(
+    spec: RunSpec,
+    run_dir: Path,
+    world: World,
+    device: torch.device,
+    caller: CallerObjects,
+    paths: tuple[Path, Path, int, WriterLock | None],
+) -> Prepared:
+    final_path, sink_path, done, lock = paths
+    started = time.perf_counter()
     # The data first: its checks are cheap, the weights may be large.
     if caller.dataset is not None:
         data = wrap_dataset(caller.dataset, spec.limit)
@@ -104,12 +139,27 @@ def prepare(
     model.to(device)
 
     sample = data[0][0].to(device)
-    shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    try:
+        shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    except HookrunError:
+        raise
+    except Exception as err:  # the user's model failed on its first sample: show why
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise HookrunError(
+            f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
+            f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
+        ) from None
     check_target(spec.target, output_shape, has_labels(data))
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
     itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
     kind = spec.target.kind.value
+    header = replace(
+        provenance(spec, weights_file, device, world.size),
+        data_files_sha256=files_fingerprint(data),
+    )
+    if spec.resume:
+        check_sources(sink_path, header)
     plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind)
     return Prepared(
         spec=spec,
@@ -124,7 +174,8 @@ def prepare(
         final_path=final_path,
         sink_path=sink_path,
         done=done,
-        header=provenance(spec, weights_file, device, world.size),
+        header=header,
         timer=StageTimer(spec.profile, device),
         started=started,
+        lock=lock,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hookrun.engine.device import devices_kept, resolve_device
 from hookrun.engine.finish import Result, dry_result, finish
+from hookrun.engine.interrupt import signals_caught, stop_if_signalled
 from hookrun.engine.prepare import CallerObjects, prepare
 from hookrun.engine.stream import stream
 from hookrun.scale import distributed
@@ -29,13 +30,21 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
     try:
         if world.parallel:
             run_dir = distributed.start(world, device, run_dir)
-        with reproducible(spec.seed, spec.deterministic), devices_kept(caller.model):
+        with (
+            reproducible(spec.seed, spec.deterministic),
+            devices_kept(caller.model),
+            signals_caught(),
+        ):
             run = prepare(spec, run_dir, world, device, caller)
-            if spec.dry_run:
-                return dry_result(run)
-            if world.rank == 0:
-                log.info("\n%s", run.plan_text)
-            rows_here = stream(run)
-            return finish(run, rows_here)
+            try:
+                if spec.dry_run:
+                    return dry_result(run)
+                stop_if_signalled()  # a signal during start-up: stop before any file exists
+                if world.rank == 0:
+                    log.info("\n%s", run.plan_text)
+                rows_here = stream(run)
+                return finish(run, rows_here)
+            finally:
+                run.release()  # the writer lock, held since the path checks
     finally:
         distributed.stop()

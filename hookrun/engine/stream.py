@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from hookrun.data.loader import has_labels, make_loader
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
+from hookrun.engine.interrupt import until_signal
 from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
 from hookrun.engine.targets import backward_seed, choose_targets
@@ -113,7 +114,7 @@ def stream(run: Prepared) -> int:
         expected_rows=len(mine),
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
-    batches = iter(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
+    batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
     with sink, run_mode(run.model), attach(run.plan, run.model, recorder):
         while True:
             with timer.stage("data"):

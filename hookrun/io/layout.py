@@ -10,21 +10,16 @@
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
 
-Crash safety: datasets are created from the first batch, then the file switches to HDF5's
-SWMR mode (single writer, multiple readers) and is flushed after every batch; a writer
-killed at any moment leaves a file that opens read-only (with `swmr=True`, as
-`open_readonly` does) with every row up to `completed` intact. HDF5 then still marks the
-file as open for writing; `rewrite_rows` copies those rows into a fresh file that replaces
-it (HDF5 has no public call to clear that mark).
-
-The sink (io/sink.py), the reader (io/results.py), derived methods, render, resume and the
-torchrun join all go through the functions here.
+Crash safety: datasets are created from the first batch, then the file switches to SWMR
+mode and is flushed after every batch; a writer killed at any moment leaves a file that
+opens read-only (`open_readonly`) with every row up to `completed` intact, still marked open
+for writing: `rewrite_rows` copies those rows into a fresh file that replaces it (HDF5 has
+no public call to clear that mark). Every user of the file goes through the functions here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +27,9 @@ from typing import Any
 
 import h5py
 import numpy as np
+
+from hookrun.io import storage
+from hookrun.io.storage import CHUNK_BYTES, chunk_shape
 
 __all__ = [
     "CHUNK_BYTES",
@@ -49,8 +47,11 @@ __all__ = [
     "derived_key",
     "chunk_shape",
     "open_readonly",
+    "never_written",
     "read_state",
+    "read_provenance",
     "captures_of",
+    "dataset_names",
     "derived_of",
     "rewrite_rows",
     "join_shards",
@@ -60,10 +61,6 @@ SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
 MODEL_OUTPUT = "model/output"
-
-# Chunks of about 1 MiB along the sample axis: large enough for fast appends, small
-# enough that reading a few rows does not pull in much more than asked.
-CHUNK_BYTES = 1 << 20
 
 
 def capture_key(layer: str, site: str, call: int = 0, tensor: int = 0, n_tensors: int = 1) -> str:
@@ -105,6 +102,8 @@ class Provenance:
     device: str
     hostname: str
     world_size: int
+    # sha256 over the source files' (path, size, label), for file datasets ("" otherwise)
+    data_files_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,41 +119,33 @@ class FileState:
 
 @dataclass(frozen=True)
 class FileOptions:
-    """How new datasets are stored: float dtype, compression, and the rows expected (which
-    keeps a small run from allocating a whole 1 MiB chunk per dataset)."""
+    """How new datasets are stored: float dtype, compression, the rows expected (which
+    keeps a small run from allocating a whole 1 MiB chunk per dataset), and HDF5's
+    fletcher32 checksum on every chunk (a damaged chunk then fails loudly on read)."""
 
     dtype: str = "float32"
     compression: str | None = None
     expected_rows: int | None = None
-
-
-def chunk_shape(
-    row_shape: tuple[int, ...], itemsize: int, max_rows: int | None = None
-) -> tuple[int, ...]:
-    """A chunk of ~CHUNK_BYTES: whole rows when a row is smaller, else a slab of one row."""
-    row_bytes = max(1, math.prod(row_shape) * itemsize)
-    if row_bytes <= CHUNK_BYTES:
-        rows = max(1, CHUNK_BYTES // row_bytes)
-        return (min(rows, max_rows) if max_rows else rows, *row_shape)
-    chunk = [1, *row_shape]
-    # Split the leading axes of a large row until the chunk fits (e.g. (1, 16, 112, 112)),
-    # into equal parts so the last chunk along an axis is not mostly padding.
-    for axis in range(1, len(chunk)):
-        inner = math.prod(chunk[axis + 1 :]) * itemsize
-        fits = max(1, CHUNK_BYTES // max(1, inner))
-        parts = math.ceil(chunk[axis] / fits)
-        chunk[axis] = math.ceil(chunk[axis] / parts)
-        if math.prod(chunk) * itemsize <= CHUNK_BYTES:
-            break
-    return tuple(chunk)
+    checksum: bool = True
 
 
 def open_readonly(path: Path) -> h5py.File:
-    """Open a captures.h5 for reading, also one whose writer was killed mid-run."""
+    """Open a captures.h5 for reading, also one whose writer was killed mid-run; OSError
+    with the reason for a cut or damaged file."""
     try:
         return h5py.File(path, "r")
     except OSError:
+        reason = storage.cut_short(Path(path))  # SWMR reading skips HDF5's own EOF check
+        if reason:
+            raise OSError(reason) from None
         return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
+
+
+def never_written(err: OSError) -> bool:
+    """Whether opening failed because the writer died before its first row: it had not yet
+    switched to SWMR (which it does once the first batch's datasets exist), so no row can
+    be in the file and it may be started over."""
+    return "not already open for SWMR writing" in str(err)
 
 
 def _state(f: h5py.File) -> FileState:
@@ -171,11 +162,24 @@ def _state(f: h5py.File) -> FileState:
 
 
 def read_state(source: Path | h5py.File) -> FileState:
-    """The status, rows, config and experiment a file records (an open file, or a path)."""
+    """The status, rows, config and experiment a file records (an open file, or a path);
+    OSError naming the damage when rows it counts as complete are not in the file."""
     if isinstance(source, h5py.File):
         return _state(source)
     with open_readonly(source) as f:
-        return _state(f)
+        state = _state(f)
+        datasets = [f[name] for name in dataset_names(f)]
+        reason = storage.missing_rows(datasets, state.completed, Path(source).stat().st_size)
+    if reason:
+        raise OSError(reason)
+    return state
+
+
+def read_provenance(path: Path) -> dict[str, str]:
+    """The provenance attributes a file records, as text (absent ones left out)."""
+    names = [field.name for field in dataclasses.fields(Provenance)]
+    with open_readonly(path) as f:
+        return {n: str(f.attrs[n]) for n in names if n in f.attrs}
 
 
 def captures_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
@@ -190,7 +194,8 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     return {method: dict(g.items()) for method, g in group.items()}
 
 
-def _datasets(f: h5py.File) -> list[str]:
+def dataset_names(f: h5py.File) -> list[str]:
+    """Every dataset's path in the file."""
     names: list[str] = []
     f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
     return names
@@ -207,14 +212,17 @@ class CapturesFile:
 
     `create` makes a new file with every attribute up front (SWMR forbids new attributes
     later); `reopen` continues an interrupted one from `completed`, dropping rows past it.
-    `close(error)` sets the final status.
+    `close(error)` sets the final status. Room for each batch is reserved before HDF5
+    writes it (io/storage.py): a full disk then fails cleanly and the file still closes as
+    `failed`; a write HDF5 itself failed leaves the file as it was after the last batch.
     """
 
     def __init__(self, file: h5py.File, options: FileOptions) -> None:
         self.file = file
         self.options = options
         self.rows = int(file.attrs["completed"])
-        self.keys = set(_datasets(file))
+        self.keys = set(dataset_names(file))
+        self.broken = False  # HDF5 failed a write: the handle must not flush again
 
     @classmethod
     def create(
@@ -234,11 +242,20 @@ class CapturesFile:
         return cls(f, options)
 
     @classmethod
-    def reopen(cls, path: Path, options: FileOptions) -> CapturesFile:
+    def reopen(
+        cls, path: Path, options: FileOptions, header: Provenance | None = None
+    ) -> CapturesFile:
+        """Continue an interrupted file; one whose writer died before its first row is
+        started over with `header` (there is nothing in it to keep)."""
         try:
             f = h5py.File(path, "r+", libver="latest")
         except OSError:  # the writer was killed: HDF5 still marks the file open for writing
-            rewrite_rows(path)
+            try:
+                rewrite_rows(path)
+            except OSError as err:
+                if header is None or not never_written(err):
+                    raise
+                return cls.create(path, header, options, overwrite=True)
             f = h5py.File(path, "r+", libver="latest")
         out = cls(f, options)
         for key in out.keys:  # rows past `completed` may be half written: drop them
@@ -265,14 +282,21 @@ class CapturesFile:
         if len(n) != 1:
             raise RuntimeError(f"records of one batch differ in length: {n}")
         count = n.pop()
-        for key, array in arrays.items():
-            ds = self.file[key]
-            ds.resize(self.rows + count, axis=0)
-            ds[self.rows : self.rows + count] = array
-        self.file.flush()  # the data is on its way to disk before `completed` says so
+        datasets = [self.file[key] for key in arrays]
+        storage.reserve(
+            self.file, storage.batch_need(datasets, self.rows, count)
+        )  # refused: HDF5 untouched
+        try:
+            for ds, array in zip(datasets, arrays.values(), strict=True):
+                ds.resize(self.rows + count, axis=0)
+                ds[self.rows : self.rows + count] = array
+            self.file.flush()  # the data is on its way to disk before `completed` says so
+            self.file.attrs["completed"] = self.rows + count
+            self.file.flush()
+        except (OSError, RuntimeError):
+            self.broken = True
+            raise
         self.rows += count
-        self.file.attrs["completed"] = self.rows
-        self.file.flush()
 
     def _create(self, key: str, array: np.ndarray) -> None:
         floating = np.issubdtype(array.dtype, np.floating)
@@ -286,15 +310,28 @@ class CapturesFile:
             chunks=chunk_shape(row, dtype.itemsize, self.options.expected_rows),
             dtype=dtype,
             compression=self.options.compression,
+            fletcher32=self.options.checksum,
             track_times=False,  # same numbers → same bytes, whenever the run happened
         )
 
-    def close(self, error: BaseException | None = None) -> None:
-        """Final status (`complete`, or `failed` with the error recorded), then close."""
-        self.file.attrs["status"] = "complete" if error is None else "failed"
-        if error is not None:
-            self.file.attrs["error"] = f"{type(error).__name__}: {error}"
-        self.file.close()
+    def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
+        """Final status (`complete`; `failed` or `interrupted` with the error recorded), then
+        close. A broken handle is closed without writing: the file stays `running` with
+        every row up to `completed` intact, which `resume=true` continues."""
+        if self.broken:
+            storage.abandon(self.file)
+            return
+        try:
+            if error is None:
+                self.file.attrs["status"] = "complete"
+            else:
+                self.file.attrs["status"] = "interrupted" if interrupted else "failed"
+                self.file.attrs["error"] = f"{type(error).__name__}: {error}"
+            self.file.close()
+        except (OSError, RuntimeError):
+            self.broken = True
+            storage.abandon(self.file)
+            raise
 
 
 def rewrite_rows(path: Path) -> None:
@@ -304,7 +341,7 @@ def rewrite_rows(path: Path) -> None:
     with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
         rows = int(src.attrs["completed"])
         _write_header(dst, dict(src.attrs.items()))
-        for key in _datasets(src):
+        for key in dataset_names(src):
             ds = src[key]
             out = dst.create_dataset(
                 key,
@@ -314,6 +351,7 @@ def rewrite_rows(path: Path) -> None:
                 dtype=ds.dtype,
                 compression=ds.compression,
                 compression_opts=ds.compression_opts,
+                fletcher32=ds.fletcher32,
                 track_times=False,
             )
             step = max(1, ds.chunks[0])
@@ -338,7 +376,7 @@ def join_shards(
                 raise ValueError(f"the shard {shard} is not complete")
         with h5py.File(path, "w" if replace else "w-", libver="latest") as out:
             _write_header(out, header)
-            for key in _datasets(opened[0]):
+            for key in dataset_names(opened[0]):
                 first = opened[0][key]
                 virtual = h5py.VirtualLayout(shape=(samples, *first.shape[1:]), dtype=first.dtype)
                 offset = 0

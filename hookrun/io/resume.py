@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
-from hookrun.io.layout import read_state
+from hookrun.io.layout import Provenance, never_written, read_provenance, read_state
 
-__all__ = ["RESUME_IGNORES", "resume_point"]
+__all__ = ["RESUME_IGNORES", "resume_point", "check_sources"]
+
+log = logging.getLogger("hookrun")
+
+# What the config cannot say but changes the bytes: the weights' and the source files'
+# contents, the number of shards, the library that computes the numbers.
+_SOURCES = {
+    "weights_sha256": "model.weights",
+    "data_files_sha256": "dataset files (path, size, label)",
+    "world_size": "the number of processes (world size)",
+    "torch_version": "torch version",
+}
 
 # Config keys that do not change a single number in the file: a resumed run may differ there.
 RESUME_IGNORES = (
@@ -40,16 +53,19 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
 
 
 def resume_point(path: Path, config_yaml: str) -> int:
-    """Rows already complete in the captures.h5 a resumed run continues; HookrunError for a
-    missing, foreign, complete or differently configured file."""
-    if not path.is_file():
-        raise HookrunError(
-            f"resume: there is no {path} to resume; run without resume=true, or point "
-            "hydra.run.dir (or sink.path) at the interrupted run"
-        )
+    """Rows already complete in the captures.h5 a resumed run continues (0: none, the run
+    starts it, or starts it over); HookrunError for a cut, foreign, complete or differently
+    configured file."""
+    if not path.exists():
+        # A requeued job killed before its file existed: nothing to continue, so start.
+        log.warning("resume: there is no %s yet; starting it", path)
+        return 0
     try:
         state = read_state(path)
     except OSError as err:
+        if never_written(err):  # killed before its first row: nothing in it to keep
+            log.warning("resume: %s was stopped before its first row; starting it over", path)
+            return 0
         raise HookrunError(f"resume: {path} is not a readable HDF5 file ({err})") from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
@@ -66,3 +82,28 @@ def resume_point(path: Path, config_yaml: str) -> int:
             f"{', '.join(changed)}; resume with the same config, or start a new run"
         )
     return state.completed
+
+
+def _short(value: str) -> str:
+    return f"{value[:8]}…" if len(value) > 12 else value or "none"
+
+
+def check_sources(path: Path, now: Provenance) -> None:
+    """Refuse to continue a file whose rows came from other weights, other source files, a
+    different world size or torch version: the continued rows would not match."""
+    if not path.is_file():
+        return
+    try:
+        before = read_provenance(path)
+    except OSError:
+        return  # never written: resume_point let it start over
+    now_values = {k: str(v) for k, v in dataclasses.asdict(now).items()}
+    for key, what in _SOURCES.items():
+        if key in before and before[key] != now_values[key]:
+            old, new = before[key], now_values[key]
+            if key.endswith("sha256"):
+                old, new = f"sha256 {_short(old)}", f"sha256 {_short(new)}"
+            raise HookrunError(
+                f"resume refused: {what} changed ({old} → {new}) since {path} was started; "
+                "restore it, or start a new run"
+            )

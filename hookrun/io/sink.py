@@ -8,6 +8,7 @@ written where is io/layout.py's business; this module only moves batches to it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from hookrun.engine.profile import StageTimer
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.layout import CapturesFile, FileOptions, Provenance
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
@@ -47,6 +48,11 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
     """Refuse, before any work, a path that exists (unless `overwrite`) or cannot be written."""
     if path.is_dir():
         raise HookrunError(f"sink.path: {path} is a directory; valid: a file path")
+    if path.is_symlink() and not path.exists():
+        raise HookrunError(
+            f"sink.path: {path} is a symbolic link to {path.readlink()}, which does not exist; "
+            "valid: a plain file path"
+        )
     if path.exists() and not overwrite:
         raise HookrunError(
             f"sink.path: {path} already exists and is never overwritten silently; choose "
@@ -99,8 +105,8 @@ class HDF5Sink:
 
     def __enter__(self) -> HDF5Sink:
         options = self.options.file_options
-        if self.resume:
-            self._file = CapturesFile.reopen(self.path, options)
+        if self.resume and self.path.exists():  # a requeued job may not have one yet
+            self._file = CapturesFile.reopen(self.path, options, self.header)
         else:
             header = self.header or {}  # files written outside a run (tests, benchmarks)
             self._file = CapturesFile.create(self.path, header, options, self.options.overwrite)
@@ -130,16 +136,29 @@ class HDF5Sink:
         tb: TracebackType | None,
     ) -> None:
         if self._thread is not None:
-            self._queue.put(_DONE)
+            self._queue.put(_DONE)  # the batches already queued are written first
             self._thread.join()
         assert self._file is not None
-        self._file.close(exc or self._error)
+        error = exc or self._error
+        try:
+            self._file.close(error, interrupted=isinstance(error, Interrupted))
+        except (OSError, RuntimeError) as err:
+            self._error = self._error or err
         if exc is None:
             self._raise_writer_error()
 
     def _raise_writer_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
+        err = self._error
+        if err is None:
+            return
+        if isinstance(err, OSError):  # the disk's fault, not the data's: one line, resumable
+            reason = f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else str(err)
+            rows = self._file.rows if self._file is not None else 0
+            raise RunFault(
+                f"writing {self.path} failed: {reason.splitlines()[0]}; its first {rows} "
+                "rows are kept: make room, then run again with resume=true"
+            ) from err
+        raise RuntimeError(f"writing {self.path} failed: {err}") from err
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not _DONE:

@@ -78,7 +78,7 @@ def _file_state_dict(path: Path, key: str) -> dict:
     except Exception as err:  # torch.load raises many types for a bad file
         raise HookrunError(
             f"{key}: {path} is not a readable state_dict file ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]})"
+            f"{(str(err).splitlines() or ['empty or unreadable'])[0][:200]})"
         ) from None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]  # a training checkpoint that wraps the weights

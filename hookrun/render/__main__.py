@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.path.is_file():
         parser.error(f"{args.path}: no such file")
-    written = render(args.path, args.out, args.max)
+    try:
+        written = render(args.path, args.out, args.max)
+    except OSError as err:  # not HDF5, cut short, damaged: say so in one line
+        first = (str(err).splitlines() or [""])[0]
+        parser.exit(1, f"python -m hookrun.render: error: {args.path}: {first}\n")
     if not written:
         print(f"nothing to draw in {args.path}")
         return

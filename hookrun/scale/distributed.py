@@ -21,7 +21,16 @@ import torch.distributed as dist
 from hookrun.errors import HookrunError
 from hookrun.io.layout import Provenance, join_shards
 
-__all__ = ["World", "world_from_env", "start", "stop", "batch_shard", "shard_path", "merge_shards"]
+__all__ = [
+    "World",
+    "world_from_env",
+    "start",
+    "stop",
+    "batch_shard",
+    "shard_path",
+    "merge_shards",
+    "shard_world_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,16 @@ def batch_shard(samples: int, batch_size: int, world: World) -> range:
 def shard_path(path: Path, world: World) -> Path:
     """`captures.h5` → `captures.rank0-of-2.h5`."""
     return path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
+
+
+def shard_world_sizes(path: Path) -> set[int]:
+    """The world sizes of the shard files next to `path` (`captures.rank0-of-2.h5` → 2)."""
+    sizes = set()
+    for shard in path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"):
+        size = shard.name.removesuffix(path.suffix).rpartition("-of-")[2]
+        if size.isdigit():
+            sizes.add(int(size))
+    return sizes
 
 
 def merge_shards(

@@ -147,6 +147,8 @@ def _run_checks(run: RunConfig) -> None:
     check_range("num_workers", run.num_workers, 0)
     check_range("sink.queue_depth", run.sink.queue_depth, 1)
     check_range("render_max", run.render_max, 1)
+    if not 0 <= run.seed < 2**63:  # torch's generator and the int64 `seed` attribute
+        raise HookrunError(f"seed: {run.seed} is out of range; valid: 0 to 2**63 - 1")
     if run.logger not in _LOGGERS:
         raise HookrunError(f"logger: {run.logger!r}; valid: null, tensorboard")
     if not _DEVICE.match(run.device.name):

@@ -1,0 +1,152 @@
+"""HDF5 file mechanics under faults: room reserved before each write, a failed handle closed
+without touching the disk again, and a cut file told from a killed writer's.
+
+Why: once HDF5 has failed a write (full disk, file-size limit, I/O error) its metadata cache
+holds entries it can no longer flush; closing the file, or the library's own clean-up at
+interpreter exit, then fails again and can crash the process. So the sink asks the kernel for
+the bytes a batch can need *before* handing the batch to HDF5 (`reserve`): a refusal there
+leaves HDF5 untouched, and the file can still be closed cleanly with `status=failed`. When
+HDF5 fails anyway (EIO), `abandon` points its descriptor at /dev/null so the clean-up writes
+go nowhere: the disk keeps the file as it was after the last flushed batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import os
+from pathlib import Path
+
+import h5py
+
+__all__ = [
+    "missing_rows",
+    "CHUNK_BYTES",
+    "chunk_shape",
+    "RESERVE_MARGIN",
+    "batch_need",
+    "reserve",
+    "abandon",
+    "stored_eof",
+    "cut_short",
+]
+
+# Chunks of about 1 MiB along the sample axis: large enough for fast appends, small
+# enough that reading a few rows does not pull in much more than asked.
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_shape(
+    row_shape: tuple[int, ...], itemsize: int, max_rows: int | None = None
+) -> tuple[int, ...]:
+    """A chunk of ~CHUNK_BYTES: whole rows when a row is smaller, else a slab of one row."""
+    row_bytes = max(1, math.prod(row_shape) * itemsize)
+    if row_bytes <= CHUNK_BYTES:
+        rows = max(1, CHUNK_BYTES // row_bytes)
+        return (min(rows, max_rows) if max_rows else rows, *row_shape)
+    chunk = [1, *row_shape]
+    # Split the leading axes of a large row until the chunk fits (e.g. (1, 16, 112, 112)),
+    # into equal parts so the last chunk along an axis is not mostly padding.
+    for axis in range(1, len(chunk)):
+        inner = math.prod(chunk[axis + 1 :]) * itemsize
+        fits = max(1, CHUNK_BYTES // max(1, inner))
+        parts = math.ceil(chunk[axis] / fits)
+        chunk[axis] = math.ceil(chunk[axis] / parts)
+        if math.prod(chunk) * itemsize <= CHUNK_BYTES:
+            break
+    return tuple(chunk)
+
+
+# Room kept beyond each batch for what HDF5 adds besides the chunks: chunk-index nodes,
+# object headers, the final status and error attributes.
+RESERVE_MARGIN = 256 << 10
+
+
+def batch_need(datasets: list[h5py.Dataset], rows: int, count: int) -> int:
+    """An upper bound on the bytes HDF5 allocates to write rows [rows, rows + count) of
+    each dataset: every chunk those rows touch, whole, with its checksum."""
+    total = RESERVE_MARGIN
+    for ds in datasets:
+        chunks = ds.chunks or ds.shape
+        first, last = rows // chunks[0], (rows + count - 1) // chunks[0]
+        across = math.prod(math.ceil(s / c) for s, c in zip(ds.shape[1:], chunks[1:], strict=True))
+        total += (last - first + 1) * across * (math.prod(chunks) * ds.dtype.itemsize + 4)
+    return total
+
+
+def reserve(f: h5py.File, need: int) -> None:
+    """Make the kernel allocate `need` bytes past HDF5's end of file; OSError (ENOSPC,
+    EFBIG under `ulimit -f`, EIO) when it cannot. Filesystems without fallocate are
+    written as before, guarded only by `abandon`."""
+    fd = f.id.get_vfd_handle()
+    try:
+        os.posix_fallocate(fd, f.id.get_filesize(), need)
+    except OSError as err:
+        if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise
+
+
+def abandon(f: h5py.File) -> None:
+    """Close a handle HDF5 already failed to write, without writing to the file again: the
+    library's remaining flushes go to /dev/null, so the file on disk stays as it was after
+    its last successful flush (every row up to `completed` intact)."""
+    try:
+        fd = f.id.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+    except (OSError, ValueError, RuntimeError):
+        pass  # the handle is already gone: nothing left to flush
+    with contextlib.suppress(OSError, RuntimeError, ValueError):
+        f.close()  # what it still writes goes to /dev/null; the file on disk is unchanged
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def stored_eof(path: Path) -> int | None:
+    """The end-of-file address the file's superblock records (versions 2-4, 8-byte
+    addresses, at offset 0: how hookrun writes), or None for another layout."""
+    with open(path, "rb") as fh:
+        head = fh.read(36)
+    if len(head) < 36 or head[:8] != _SIGNATURE or head[8] not in (2, 3, 4) or head[9] != 8:
+        return None
+    return int.from_bytes(head[28:36], "little")
+
+
+def cut_short(path: Path) -> str | None:
+    """Why `path` is not a whole HDF5 file (empty, cut before its recorded end), or None.
+
+    HDF5 checks this itself, except when opening for SWMR reading, which is how a killed
+    writer's file is read: a cut file would then read zeros where rows were."""
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty (0 bytes)"
+    eof = stored_eof(path)
+    if eof is not None and size < eof:
+        return f"the file is cut short: {size} bytes on disk, its superblock records {eof}"
+    return None
+
+
+def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | None:
+    """Why the first `rows` rows of these datasets are not all in a file of `size` bytes
+    (a chunk holding one of them lies past the end: the file was cut), or None."""
+    for ds in datasets:
+        if ds.chunks is None or ds.is_virtual:
+            continue
+        past: list[int] = []
+
+        def visit(info: h5py.h5d.StoreInfo, past: list[int] = past) -> None:
+            if info.chunk_offset[0] < rows and info.byte_offset + info.size > size:
+                past.append(info.chunk_offset[0])
+
+        ds.id.chunk_iter(visit)
+        if past:
+            return (
+                f"the file is cut short: {ds.name} row {min(past)} lies past its end ({size} bytes)"
+            )
+    return None

@@ -1,0 +1,234 @@
+"""Real faults in real processes: a file-size limit (EFBIG), SIGTERM/SIGINT, a second
+writer, two runs racing for one file, a cut or damaged file, a kill before the first row.
+Every resumed file is compared byte for byte with an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import hook, read, run_config
+
+from hookrun.errors import HookrunError
+from hookrun.io.layout import open_readonly
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# resnet18 on 32 px noise: ~21 KiB a row, a few dozen rows a second on this machine.
+RUN = [
+    "model=resnet18",
+    "model.weights=null",
+    "dataset=fake",
+    "dataset.image_size=32",
+    "batch_size=2",
+    *hook("c", "layer1", "output", "capture"),
+    *hook("n", "layer2", "output", "noise", std=0.1),
+    "progress=false",
+    "render=false",
+]
+
+
+def spawn(args: list[str], cwd: Path, limit_bytes: int | None = None) -> subprocess.Popen:
+    """`python -m hookrun ARGS` as a user starts it; with `limit_bytes`, under `ulimit -f`
+    with SIGXFSZ ignored, so a write past the limit fails with EFBIG instead of killing."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limit if limit_bytes else None,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def wait_rows(proc: subprocess.Popen, path: Path, rows: int, timeout: float = 120) -> int:
+    """Poll the running file until `completed` reaches `rows`; the rows seen."""
+    completed, deadline = 0, time.monotonic() + timeout
+    while completed < rows and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+        try:
+            with open_readonly(path) as f:
+                completed = int(f.attrs["completed"])
+        except (OSError, KeyError):
+            pass  # not created yet, or not yet in SWMR mode
+    return completed
+
+
+def attrs(path: Path) -> dict:
+    with open_readonly(path) as f:
+        return dict(f.attrs)
+
+
+def assert_same_bytes(path: Path, reference: dict[str, np.ndarray]) -> None:
+    resumed = read(path)
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert resumed[key].tobytes() == reference[key].tobytes(), key
+
+
+def one_line(stderr: str) -> str:
+    """The error line; nothing else on stderr may look like a traceback."""
+    assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-2000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("hookrun: ")]
+    return line
+
+
+def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path):
+    args = [*RUN, "dataset.size=96"]
+    reference = read(run_config(tmp_path / "reference", args).path)
+    run_dir = tmp_path / "limited"
+    path = run_dir / "captures.h5"
+    # 2.5 MB: layer1's first 1 MiB chunk (64 rows) and the outputs fit, its second does not.
+    code, err = finish(spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path, 2_500_000))
+    assert code == 1, err[-2000:]
+    line = one_line(err)
+    assert str(path) in line and "[Errno 27] File too large" in line and "resume=true" in line
+    state = attrs(path)
+    assert state["status"] == "failed" and "File too large" in state["error"]
+    done = int(state["completed"])
+    assert 0 < done < 96
+    with open_readonly(path) as f:  # `completed` never runs ahead of the rows on disk
+        for key, expected in reference.items():
+            np.testing.assert_array_equal(f[key][:done], expected[:done])
+
+    code, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert code == 0, err[-2000:]
+    assert_same_bytes(path, reference)
+    assert attrs(path)["status"] == "complete"
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, signum, code):
+    args = [*RUN, "dataset.size=200"]
+    run_dir = tmp_path / "signalled"
+    path = run_dir / "captures.h5"
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    seen = wait_rows(proc, path, 6)
+    proc.send_signal(signum)
+    rc, err = finish(proc, 60)
+    assert rc == code, err[-2000:]
+    assert signal.Signals(signum).name in one_line(err)
+    state = attrs(path)
+    assert state["status"] == "interrupted" and signal.Signals(signum).name in state["error"]
+    assert seen <= int(state["completed"]) < 200
+    if signum != signal.SIGTERM:
+        return  # one resume is enough to show the rows continue to the same bytes
+    reference = read(run_config(tmp_path / "reference", args).path)
+    rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert rc == 0, err[-2000:]
+    assert_same_bytes(path, reference)
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    args = [*RUN, "dataset.size=200"]
+    run_dir = tmp_path / "run"
+    first = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        assert wait_rows(first, run_dir / "captures.h5", 2) >= 2
+        for extra in (["resume=true"], ["sink.overwrite=true"]):
+            with pytest.raises(HookrunError, match="being written by another run") as err:
+                run_config(run_dir, [*args, *extra])
+            assert f"pid {first.pid} on " in str(err.value)
+    finally:
+        first.kill()  # SIGKILL: the kernel drops the lock with the process
+        first.wait()
+    resumed = run_config(run_dir, [*args, "resume=true"])
+    assert attrs(resumed.path)["status"] == "complete"
+
+
+def test_two_runs_racing_for_one_sink_path_one_wins(tmp_path):
+    target = tmp_path / "shared" / "captures.h5"
+    args = [*RUN, "dataset.size=8", f"sink.path={target}"]
+    procs = [spawn([*args, f"hydra.run.dir={tmp_path / name}"], tmp_path) for name in "ab"]
+    results = [finish(p) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], [e[-1500:] for _, e in results]
+    loser = one_line(next(e for rc, e in results if rc == 2))
+    assert "being written by another run" in loser or "already exists" in loser
+    assert attrs(target)["status"] == "complete" and attrs(target)["completed"] == 8
+
+
+def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
+    args = [*RUN, "dataset.size=200"]
+    run_dir = tmp_path / "killed"
+    path = run_dir / "captures.h5"
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert wait_rows(proc, path, 20) >= 20
+    proc.kill()
+    proc.wait()
+    with open_readonly(path) as f:  # cut through rows the file counts as complete
+        first = f["captures/layer1/output"].id.get_chunk_info(0)
+    os.truncate(path, first.byte_offset + first.size // 2)
+    started = time.monotonic()
+    rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert rc == 2 and "cut short" in one_line(err), err[-2000:]
+    assert time.monotonic() - started < 60
+    verify = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(path)], capture_output=True, text=True
+    )
+    assert verify.returncode == 1 and "cut short" in verify.stdout
+
+    # A complete file with one flipped byte inside a chunk: its checksum fails loudly.
+    done = run_config(tmp_path / "done", [*RUN, "dataset.size=4"]).path
+    ok = subprocess.run([sys.executable, "-m", "hookrun.verify", str(done)], capture_output=True)
+    assert ok.returncode == 0
+    with h5py.File(done, "r") as f:
+        ds = f["captures/layer1/output"]
+        assert ds.fletcher32
+        offset = ds.id.get_chunk_info(0).byte_offset
+    with open(done, "r+b") as fh:
+        fh.seek(offset + 100)
+        byte = fh.read(1)
+        fh.seek(offset + 100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with h5py.File(done, "r") as f, pytest.raises(OSError):
+        f["captures/layer1/output"][:]
+    bad = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(done)], capture_output=True, text=True
+    )
+    assert bad.returncode == 1 and "captures/layer1/output: unreadable" in bad.stdout
+
+
+KILL_BEFORE_FIRST_ROW = """
+import os, signal, sys
+from pathlib import Path
+from hookrun.io.layout import CapturesFile, FileOptions
+kept = CapturesFile.create(Path(sys.argv[1]), {"config": "x"}, FileOptions())
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_killed_before_its_first_row_resume_starts_it_over(tmp_path):
+    args = [*RUN, "dataset.size=4"]
+    run_dir = tmp_path / "early"
+    path = run_dir / "captures.h5"
+    run_dir.mkdir()
+    # A real process killed right after creating the file, before any dataset exists.
+    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_FIRST_ROW, str(path)])
+    assert proc.returncode == -signal.SIGKILL and path.exists()
+    with pytest.raises(OSError):
+        open_readonly(path)
+    rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert rc == 0, err[-2000:]
+    assert_same_bytes(path, read(run_config(tmp_path / "reference", args).path))

@@ -1,0 +1,98 @@
+"""Resume refuses what changes the bytes but the config cannot show: the weights file's
+contents (re-hashed), an image folder's files, the number of torchrun processes. A refused
+resume leaves the file byte for byte as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import hook, run_config
+from PIL import Image
+
+import hookrun
+from hookrun.errors import HookrunError
+
+CHECKPOINT = Path(hookrun.__file__).parent / "models" / "checkpoints" / "digits_cnn.pt"
+
+
+def interrupted(path: Path) -> str:
+    """Make a finished file look interrupted (as a killed run leaves it); its sha256."""
+    with h5py.File(path, "r+") as f:
+        f.attrs["status"] = "interrupted"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_changed_weights_file_is_refused_with_both_hashes(tmp_path):
+    weights = tmp_path / "digits.pt"
+    shutil.copy(CHECKPOINT, weights)
+    args = [
+        "model=digits_cnn",
+        f"model.weights={weights}",
+        "dataset=digits",
+        "limit=8",
+        "render=false",
+        *hook("c", "features", "output", "capture"),
+    ]
+    path = run_config(tmp_path / "run", args).path
+    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    state = torch.load(weights, weights_only=True)
+    first = next(iter(state))
+    state[first] = state[first] + 1e-3  # same shapes, same file name, other numbers
+    torch.save(state, weights)
+    after = hashlib.sha256(weights.read_bytes()).hexdigest()
+    digest = interrupted(path)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", [*args, "resume=true"])
+    message = str(err.value)
+    assert message.startswith("resume refused: model.weights changed (sha256 ")
+    assert f"{before[:8]}… → sha256 {after[:8]}…" in message
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def _folder(root: Path, files: int) -> None:
+    rng = np.random.default_rng(0)
+    for i in range(files):
+        folder = root / f"class{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+def test_changed_image_folder_is_refused(tmp_path):
+    root = tmp_path / "photos"
+    _folder(root, 4)
+    args = [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=image_folder",
+        f"dataset.root={root}",
+        "dataset.resize=16",
+        "dataset.crop=16",
+        "render=false",
+        *hook("c", "layer1", "output", "capture"),
+    ]
+    path = run_config(tmp_path / "run", args).path
+    digest = interrupted(path)
+    # The same names, one picture rewritten with another size: rows would not match.
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(root / "class0" / "0.png")
+    with pytest.raises(HookrunError, match=r"resume refused: dataset files \(path, size, label\)"):
+        run_config(tmp_path / "run", [*args, "resume=true"])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_changed_world_size_is_refused(tmp_path):
+    args = ["dataset.size=2", "dataset.image_size=32", "render=false"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # What `torchrun --nproc_per_node=2` left behind: a shard of a two-process run.
+    shard = run_dir / "captures.rank0-of-2.h5"
+    shard.write_bytes(b"")
+    with pytest.raises(HookrunError, match=r"resume refused: the number of processes changed"):
+        run_config(run_dir, [*args, "resume=true"])
+    assert not (run_dir / "captures.h5").exists() and shard.read_bytes() == b""
