@@ -25,6 +25,7 @@ __all__ = [
     "HookPlan",
     "compile_plan",
     "format_bytes",
+    "check_reached",
 ]
 
 # Sites the model-input pseudo-layer has: its output is the batch, its grad_output the
@@ -41,6 +42,8 @@ class PlannedHook:
     action: Action
     layers: tuple[str, ...]
     backward: str = "main"
+    # Names the selector gave literally (no glob): a user who names a module expects it to run.
+    exact: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,5 +173,50 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                         f"{key}: captures {layer}/{spec.at.value}, which hooks.{other} "
                         "already captures; keep one of them"
                     )
-        plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward))
+        exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
+        plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
+
+
+def _names(value: object) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _literal(pattern: str) -> bool:
+    return not any(c in pattern for c in "*?[")
+
+
+def _reached(hook: PlannedHook, layer: str, shapes: Mapping[str, list[CallShapes]]) -> bool:
+    """Whether a probe call of `layer` had a floating-point tensor at the hook's site (a
+    gradient site needs one to carry a gradient)."""
+    if layer == INPUT_LAYER:
+        return True
+    return any(call.at(hook.site) for call in shapes.get(layer, []))
+
+
+def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dict[str, list[str]]:
+    """Refuse a hook that would never act: a module named exactly that never runs, or a
+    selection none of whose modules runs with a floating-point tensor at the site (a guided
+    clamp that touches nothing would silently give the plain gradient). Returns, per hook,
+    the glob/type/regex matches that never ran (listed in the summary and the file)."""
+    idle: dict[str, list[str]] = {}
+    for hook in plan.hooks:
+        key = f"hooks.{hook.name}"
+        missing = [layer for layer in hook.layers if not _reached(hook, layer, shapes)]
+        named = [layer for layer in missing if layer in hook.exact]
+        if named:
+            raise HookrunError(
+                f"{key}.select.name: {named[0]!r} never runs with a floating-point tensor at "
+                f"{hook.site.value} in a forward pass of this model (its weights may be used "
+                "by another module's function call); valid: a module that runs, see dry_run=true"
+            )
+        if missing and len(missing) == len(hook.layers):
+            shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+            raise HookrunError(
+                f"{key}.select: every matched module ({shown}) never runs with a "
+                f"floating-point tensor at {hook.site.value}, so this hook would act on "
+                "nothing; valid: select modules that run in forward (see dry_run=true)"
+            )
+        if missing:
+            idle[hook.name] = missing
+    return idle

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from hookrun.data.loader import build_dataset, has_labels, wrap_dataset
 from hookrun.engine.hooks import probe_shapes, run_mode
-from hookrun.engine.plan import HookPlan, compile_plan
+from hookrun.engine.plan import HookPlan, check_reached, compile_plan
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.io.layout import Provenance
@@ -105,12 +105,17 @@ def prepare(
 
     sample = data[0][0].to(device)
     shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    idle = check_reached(plan, shapes)
+    never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
+    if never_ran:
+        log.warning("selected modules that never run (nothing captured there): %s", never_ran)
     check_target(spec.target, output_shape, has_labels(data))
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
     itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
     kind = spec.target.kind.value
     plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind)
+    header = replace(provenance(spec, weights_file, device, world.size), never_ran=never_ran)
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -124,7 +129,7 @@ def prepare(
         final_path=final_path,
         sink_path=sink_path,
         done=done,
-        header=provenance(spec, weights_file, device, world.size),
+        header=header,
         timer=StageTimer(spec.profile, device),
         started=started,
     )

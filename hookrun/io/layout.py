@@ -105,6 +105,8 @@ class Provenance:
     device: str
     hostname: str
     world_size: int
+    # Modules a glob/type/regex selector matched that never ran: "hook: a, b; hook2: c".
+    never_ran: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class FileState:
     config: str | None
     experiment: str
     error: str
+    never_ran: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ def _state(f: h5py.File) -> FileState:
         config=None if config is None else str(config),
         experiment=str(attrs.get("experiment", "")),
         error=str(attrs.get("error", "")),
+        never_ran=str(attrs.get("never_ran", "")),
     )
 
 
