@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hookrun.data.loader import build_dataset, has_labels, wrap_dataset
+from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import probe_shapes, run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
 from hookrun.engine.profile import StageTimer
@@ -100,10 +101,10 @@ def prepare(
             log.warning(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
-    plan = compile_plan(spec.hooks, model)
     model.to(device)
-
     sample = data[0][0].to(device)
+    spec = resolve_cam_layer(spec, model, sample)
+    plan = compile_plan(spec.hooks, model)
     shapes, output_shape = probe_shapes(model, plan.layers, sample)
     idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())

@@ -22,7 +22,14 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.methods.layouts import Grid, Layout, decide_grid, prefix_tokens_of, to_channels_first
+from hookrun.methods.layouts import (
+    Grid,
+    Layout,
+    channels_first_hint,
+    decide_grid,
+    prefix_tokens_of,
+    to_channels_first,
+)
 from hookrun.methods.registry import LayerArgs, Method, register_method
 
 __all__ = ["CamArgs", "GradCAM", "CAM", "GuidedGradCAM", "linear_head", "layer_grid"]
@@ -68,7 +75,9 @@ def layer_grid(
         raise HookrunError(f"{key}.prefix_tokens: {args.prefix_tokens} is negative; valid: >= 0")
     prefix = args.prefix_tokens if args.prefix_tokens is not None else prefix_tokens_of(model)
     image = (int(sample.shape[-2]), int(sample.shape[-1]))
-    grid = decide_grid(tuple(activation.shape[1:]), image, Layout(args.layout), prefix, key)
+    shape = tuple(activation.shape[1:])
+    conv = channels_first_hint(dict(model.named_modules())[str(args.layer)], shape[0])
+    grid = decide_grid(shape, image, Layout(args.layout), prefix, key, conv)
     converted = to_channels_first(activation, grid.layout, grid.prefix_tokens, grid.size)
     return grid, converted, logits
 

@@ -21,7 +21,14 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 
-__all__ = ["Layout", "Grid", "decide_grid", "to_channels_first", "prefix_tokens_of"]
+__all__ = [
+    "Layout",
+    "Grid",
+    "decide_grid",
+    "to_channels_first",
+    "prefix_tokens_of",
+    "channels_first_hint",
+]
 
 
 class Layout(str, Enum):
@@ -89,12 +96,30 @@ def _token_grid(tokens: int, prefix: int, image: tuple[int, int]) -> tuple[int, 
     return None
 
 
+def channels_first_hint(module: nn.Module, channels: int) -> bool:
+    """Whether `module` is, or ends in, a Conv2d / BatchNorm2d with `channels` channels: its
+    output is then channels-first whatever the shape suggests."""
+    last = None
+    for sub in module.modules():
+        if isinstance(sub, (nn.Conv2d, nn.BatchNorm2d)):
+            last = sub
+    if isinstance(last, nn.Conv2d):
+        return last.out_channels == channels
+    return isinstance(last, nn.BatchNorm2d) and last.num_features == channels
+
+
 def decide_grid(
-    shape: tuple[int, ...], image: tuple[int, int], layout: Layout, prefix: int | None, key: str
+    shape: tuple[int, ...],
+    image: tuple[int, int],
+    layout: Layout,
+    prefix: int | None,
+    key: str,
+    conv: bool = False,
 ) -> Grid:
     """The grid of a layer whose per-sample output shape is `shape`, for an input of size
-    `image` (H, W); `layout`/`prefix` as the user set them (auto / None: find out). `key` is
-    the config path of the method (`derive.grad_cam`). HookrunError when it cannot be told."""
+    `image` (H, W); `layout`/`prefix` as the user set them (auto / None: find out); `conv`:
+    the layer ends in a conv/batch norm with shape[0] channels (decides a tie). `key` is the
+    config path of the method (`derive.grad_cam`). HookrunError when it cannot be told."""
     where = f"per-sample output shape {list(shape)} (input {image[0]}x{image[1]})"
     if len(shape) == 3:
         found = [
@@ -102,6 +127,8 @@ def decide_grid(
             for option, (h, w) in ((Layout.nchw, shape[1:]), (Layout.nhwc, shape[:2]))
             if _fits(h, w, image)
         ]
+        if layout is Layout.auto and len(found) == 2 and conv:
+            found = [Layout.nchw]
         if layout is Layout.auto and len(found) == 1:
             layout = found[0]
         if layout is Layout.nchw:

@@ -84,8 +84,9 @@ class ModelConfig(Frozen):
     weights: str | None = None
     # Keyword arguments for the model's constructor, e.g. {num_classes: 10}.
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # The layer CAM / Grad-CAM read (the last feature maps); each preset names its own.
-    cam_layer: str | None = None
+    # The layer CAM / Grad-CAM read (the last feature maps); `auto`: picked by a probe of
+    # one sample (hookrun/engine/camlayer.py), the run log says which.
+    cam_layer: str | None = "auto"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 from torch import nn
 
 import hookrun
+from hookrun.engine.camlayer import pick_cam_layer
 from hookrun.errors import HookrunError
 
 
@@ -114,15 +115,17 @@ def test_cam_on_channels_last_swin_is_the_head_on_each_cell(tmp_path):
 
 
 class _Square(nn.Module):
-    """A layer whose (8, 8, 8) output fits both channels-first and channels-last."""
+    """A layer (`body`, no conv of its own) whose (8, 8, 8) output fits both channels-first
+    and channels-last."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Conv2d(3, 8, 4, stride=4)
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+        self.body = nn.Tanh()
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x).mean(dim=(2, 3)))
+        return self.head(self.body(self.conv(x)).mean(dim=(2, 3)))
 
 
 def test_ambiguous_layout_is_refused_and_the_override_decides(tmp_path):
@@ -138,6 +141,9 @@ def test_ambiguous_layout_is_refused_and_the_override_decides(tmp_path):
         "++derive.grad_cam.layout=nchw",
     )
     assert data["derived/grad_cam/body"].shape == (2, 8, 8)
+    # A conv layer with that channel count decides the tie: channels-first.
+    data = _run("grad_cam", _Square(), xs, tmp_path / "c", "model.cam_layer=conv")
+    assert data["derived/grad_cam/conv"].shape == (2, 8, 8)
 
 
 def test_non_spatial_layer_is_refused(tmp_path):
@@ -155,3 +161,26 @@ def test_bad_layout_word_lists_the_choices(tmp_path):
             "model.cam_layer=body",
             "++derive.grad_cam.layout=hwc",
         )
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [("resnet18", "layer4"), ("convnext_tiny", "features"), ("vit_b_16", "ln_1")],
+)
+def test_auto_cam_layer_is_the_last_map_the_gradient_reaches(name, expected):
+    model = family_vit(64) if name == "vit_b_16" else family(name)
+    picked = pick_cam_layer(model, images(64)[0])
+    # ViT: before the last attention (after it only the class token reaches the head).
+    assert picked == ("encoder.layers.encoder_layer_11.ln_1" if name == "vit_b_16" else expected)
+
+
+def test_auto_cam_layer_end_to_end_on_swin(tmp_path, monkeypatch):
+    model = family("swin_t", seed=2)
+    reference_model = copy.deepcopy(model)
+    xs = images(64)
+    data = _run("grad_cam", model, xs, tmp_path, "model.cam_layer=auto")
+    (key,) = [k for k in data if k.startswith("derived/grad_cam/")]
+    assert key == "derived/grad_cam/permute"  # Swin's channels-first view before avgpool
+    target = data["samples/target"]
+    expected = _reference(reference_model, "permute", torch.stack(xs), target, None, monkeypatch)
+    np.testing.assert_allclose(data[key], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
