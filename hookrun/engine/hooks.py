@@ -28,34 +28,15 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from hookrun.engine.plan import CallShapes, HookPlan, PlannedHook
+from hookrun.engine.leaves import leaves, model_logits, rebuild
+from hookrun.engine.plan import CallShapes, HookPlan, Leaf, PlannedHook
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.layout import INPUT_GRAD, capture_key
 from hookrun.spec.schema import Site
 
-__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes", "float_tensors"]
-
-
-def float_tensors(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a module's args or output, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for t in value if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return []
-
-
-def _replace_floats(value: Any, new: list[torch.Tensor]) -> Any:
-    """`value` with its floating-point tensors replaced, in order, by `new`."""
-    if isinstance(value, torch.Tensor):
-        return new[0]
-    it = iter(new)
-    items = [
-        next(it) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in value
-    ]
-    return type(value)(items) if isinstance(value, tuple) else items
+__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes"]
 
 
 class Recorder:
@@ -145,12 +126,12 @@ def _hook_gradient(
 def _forward_site(
     layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
 ) -> Any:
-    tensors = float_tensors(value)
-    new = [
-        _apply(hooks, t, recorder, capture_key(layer, site, call, i, len(tensors)))
-        for i, t in enumerate(tensors)
-    ]
-    return _replace_floats(value, new) if tensors else value
+    found = leaves(value)
+    new = {
+        leaf: _apply(hooks, t, recorder, capture_key(layer, site, call, leaf=leaf))
+        for leaf, t in found
+    }
+    return rebuild(value, new) if found else value
 
 
 def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
@@ -162,15 +143,13 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_input:
             args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad and torch.is_grad_enabled():
-            tensors = float_tensors(args)
-            clones = []
-            for i, t in enumerate(tensors):
+            clones = {}
+            for leaf, t in leaves(args):
                 if t.requires_grad:
-                    t = t.clone()
-                    key = capture_key(layer, Site.grad_input, call, i, len(tensors))
-                    _hook_gradient(t, on_grad, recorder, key)
-                clones.append(t)
-            args = _replace_floats(args, clones)
+                    clones[leaf] = t.clone()
+                    key = capture_key(layer, Site.grad_input, call, leaf=leaf)
+                    _hook_gradient(clones[leaf], on_grad, recorder, key)
+            args = rebuild(args, clones)
         return args if (on_input or on_grad) else None
 
     return hook
@@ -184,10 +163,9 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)
         if on_grad and torch.is_grad_enabled():
-            tensors = float_tensors(output)
-            for i, t in enumerate(tensors):
+            for leaf, t in leaves(output):
                 if t.requires_grad:
-                    key = capture_key(layer, Site.grad_output, call, i, len(tensors))
+                    key = capture_key(layer, Site.grad_output, call, leaf=leaf)
                     _hook_gradient(t, on_grad, recorder, key)
         return output if on_output else None
 
@@ -247,15 +225,21 @@ def run_mode(model: nn.Module) -> Iterator[None]:
 def probe_shapes(
     model: nn.Module, layers: list[str], sample: torch.Tensor
 ) -> tuple[dict[str, list[CallShapes]], tuple[int, ...]]:
-    """Run one sample (no batch axis) through the model; per-sample shapes of every call
-    of `layers`, and of the model's output."""
+    """Run `sample` (no batch axis) through the model as a batch of two; per-sample shapes of
+    every floating-point leaf of every call of `layers`, and of the model's output. A leaf
+    whose first axis is not the batch of two has no batch axis of its own (a bias table)."""
     shapes: dict[str, list[CallShapes]] = defaultdict(list)
     pending: dict[str, list[tuple]] = defaultdict(list)
     modules = dict(model.named_modules())
     handles: list[RemovableHandle] = []
 
-    def per_sample(value: Any) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(t.shape[1:]) for t in float_tensors(value))
+    def per_sample(value: Any) -> tuple[Leaf, ...]:
+        return tuple(
+            Leaf(name, tuple(t.shape[1:]), True)
+            if t.dim() and t.shape[0] == 2
+            else Leaf(name, tuple(t.shape), False)
+            for name, t in leaves(value)
+        )
 
     def pre(layer: str):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -274,10 +258,10 @@ def probe_shapes(
             handles.append(modules[layer].register_forward_pre_hook(pre(layer)))
             handles.append(modules[layer].register_forward_hook(post(layer)))
         with run_mode(model), torch.no_grad():
-            output = model(sample.unsqueeze(0))
+            output = model(torch.stack([sample, sample]))
     finally:
         for handle in handles:
             handle.remove()
-    shapes[INPUT_LAYER] = [CallShapes((), (tuple(sample.shape),))]
-    out_shape = tuple(output.shape[1:]) if isinstance(output, torch.Tensor) else ()
+    shapes[INPUT_LAYER] = [CallShapes((), (Leaf("", tuple(sample.shape), True),))]
+    out_shape = tuple(model_logits(output).shape[1:])
     return dict(shapes), out_shape

@@ -22,6 +22,7 @@ from hookrun.spec.schema import Site
 __all__ = [
     "PlannedHook",
     "CallShapes",
+    "Leaf",
     "HookPlan",
     "compile_plan",
     "format_bytes",
@@ -47,13 +48,23 @@ class PlannedHook:
 
 
 @dataclass(frozen=True)
+class Leaf:
+    """One floating-point tensor of a call: its name suffix (engine/leaves.py), its shape per
+    sample, and whether it has a batch axis (False: the same tensor whatever the batch)."""
+
+    name: str
+    shape: tuple[int, ...]
+    batched: bool = True
+
+
+@dataclass(frozen=True)
 class CallShapes:
-    """Per-sample shapes of the floating-point tensors of one call of a module."""
+    """The floating-point leaves of one call of a module, at its inputs and its outputs."""
 
-    inputs: tuple[tuple[int, ...], ...]
-    outputs: tuple[tuple[int, ...], ...]
+    inputs: tuple[Leaf, ...]
+    outputs: tuple[Leaf, ...]
 
-    def at(self, site: Site) -> tuple[tuple[int, ...], ...]:
+    def at(self, site: Site) -> tuple[Leaf, ...]:
         return self.inputs if site in (Site.input, Site.grad_input) else self.outputs
 
 
@@ -103,10 +114,16 @@ class HookPlan:
                 continue
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    tensors = call_shapes.at(hook.site)
-                    for i, shape in enumerate(tensors):
-                        key = capture_key(layer, hook.site, call, i, len(tensors))
-                        out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
+                    for leaf in call_shapes.at(hook.site):
+                        key = capture_key(layer, hook.site, call, leaf=leaf.name)
+                        if not leaf.batched:
+                            raise HookrunError(
+                                f"hooks.{hook.name}: /{key} has no batch axis (shape "
+                                f"{list(leaf.shape)} whatever the batch), so it has no row per "
+                                "sample; valid: leave it out with select.exclude, or act on "
+                                "it without capturing"
+                            )
+                        out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
         return out
 
     def describe(
@@ -128,9 +145,9 @@ class HookPlan:
             lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}{in_pass}")
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    tensors = call_shapes.at(hook.site)
-                    for i, shape in enumerate(tensors):
-                        key = capture_key(layer, hook.site, call, i, len(tensors))
+                    for leaf in call_shapes.at(hook.site):
+                        key = capture_key(layer, hook.site, call, leaf=leaf.name)
+                        shape = leaf.shape
                         if hook.action.captures:
                             shape = stored[key]
                         size = math.prod(shape) * itemsize

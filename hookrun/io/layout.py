@@ -66,15 +66,24 @@ MODEL_OUTPUT = "model/output"
 CHUNK_BYTES = 1 << 20
 
 
-def capture_key(layer: str, site: str, call: int = 0, tensor: int = 0, n_tensors: int = 1) -> str:
+def capture_key(
+    layer: str,
+    site: str,
+    call: int = 0,
+    tensor: int = 0,
+    n_tensors: int = 1,
+    leaf: str | None = None,
+) -> str:
     """The HDF5 path of one captured tensor.
 
     `/captures/<layer>/<site>`; a module with several floating-point tensors at a site gets
-    `_<i>` per tensor, and every call of a module after its first in one forward pass gets
-    `.call<k>` (ResNet blocks call their one ReLU twice).
+    `_<i>` per tensor, a structured output (dict, namedtuple, ModelOutput) `.<key>` per leaf
+    (`leaf` is that suffix, engine/leaves.py), and every call of a module after its first in
+    one forward pass gets `.call<k>` (ResNet blocks call their one ReLU twice).
     """
     site = getattr(site, "value", site)
-    name = f"{site}" + (f"_{tensor}" if n_tensors > 1 else "") + (f".call{call}" if call else "")
+    part = leaf if leaf is not None else (f"_{tensor}" if n_tensors > 1 else "")
+    name = f"{site}{part}" + (f".call{call}" if call else "")
     return f"captures/{layer}/{name}"
 
 
