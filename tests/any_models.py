@@ -4,6 +4,7 @@ leaves blind re-initialised, and small custom models with every rectifier."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 
@@ -115,3 +116,38 @@ class AllRectifiers(nn.Module):
         x = self.features(x)
         x = x * self.gate(x)
         return self.fc(self.pool(x).flatten(1))
+
+
+def guided_call(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` whose backward is fn's own gradient clamped at zero (the reference rule)."""
+    return _GuidedFunction.apply(x, fn)
+
+
+class Functional(nn.Module):
+    """Activations called as functions in every spelling, in-place forms included, and a
+    sigmoid gate; `guided=True` is the independent reference (guided Functions instead)."""
+
+    def __init__(self, guided: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else 6, 6, 3, padding=1) for i in range(9))
+        self.fc = nn.Linear(6, 4)
+        self.guided = guided
+
+    def _act(self, fn, x: torch.Tensor, *plain) -> torch.Tensor:
+        return guided_call(fn, x) if self.guided else plain[0](x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.convs
+        x = self._act(torch.relu, c[0](x), lambda t: F.relu(t))
+        x = self._act(torch.relu, c[1](x), torch.relu)
+        x = self._act(torch.relu, c[2](x), lambda t: t.relu_())
+        x = self._act(torch.relu, c[3](x), lambda t: F.relu(t, inplace=True))
+        x = self._act(F.gelu, c[4](x), F.gelu)
+        x = self._act(F.silu, c[5](x), lambda t: F.silu(t, inplace=True))
+        x = self._act(F.hardswish, c[6](x), F.hardswish)
+        leaky = lambda t: F.leaky_relu(t, 0.2)  # noqa: E731
+        x = self._act(leaky, c[7](x), lambda t: F.leaky_relu(t, 0.2, inplace=True))
+        x = c[8](x)
+        x = x * torch.sigmoid(x)  # a gate, keeps its normal gradient
+        return self.fc(self._act(F.elu, x, F.elu).mean(dim=(2, 3)))

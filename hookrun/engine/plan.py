@@ -6,6 +6,7 @@ The plan is data, not behaviour: `hooks.attach()` turns it into registrations, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hookrun.engine.actions import Action
+from hookrun.engine.functions import resolve_words
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
@@ -27,6 +29,7 @@ __all__ = [
     "compile_plan",
     "format_bytes",
     "check_reached",
+    "bind_calls",
 ]
 
 # Sites the model-input pseudo-layer has: its output is the batch, its grad_output the
@@ -45,6 +48,10 @@ class PlannedHook:
     backward: str = "main"
     # Names the selector gave literally (no glob): a user who names a module expects it to run.
     exact: tuple[str, ...] = ()
+    # `select.function` words; the hook's layers are then the call sites the probe found
+    # (`<module>/<word>.<k>`), inside the `within` modules when name/type/regex narrowed them.
+    functions: tuple[str, ...] = ()
+    within: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,19 @@ class HookPlan:
     """The ordered hooks of a run; file order is registration order."""
 
     hooks: list[PlannedHook] = field(default_factory=list)
+    # Selected Linear/Conv modules that never run as modules but whose weight a function
+    # call uses (found by the probe): their sites are those calls.
+    weighted: tuple[str, ...] = ()
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """Every `select.function` word of the plan."""
+        return tuple(dict.fromkeys(w for h in self.hooks for w in h.functions))
+
+    @property
+    def needs_calls(self) -> bool:
+        """Whether forward passes need the function mode (hookrun/engine/functions.py)."""
+        return bool(self.words or self.weighted)
 
     @property
     def needs_backward(self) -> bool:
@@ -176,7 +196,24 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
     for spec in hooks:
         name, action = spec.name, spec.action
         key = f"hooks.{name}"
-        layers = tuple(select_layers(spec.select, model, f"{key}.select"))
+        functions = tuple(_names(spec.select.function))
+        if functions:
+            resolve_words(list(functions), f"{key}.select.function")
+            narrowed = any((spec.select.name, spec.select.regex, spec.select.type))
+            within = tuple(select_layers(spec.select, model, f"{key}.select")) if narrowed else None
+            if within is not None and INPUT_LAYER in within:
+                raise HookrunError(f"{key}.select.name: 'input' runs no functions; valid: modules")
+            site = PlannedHook(name, spec.at, action, (), spec.backward, (), functions, within)
+            plan.hooks.append(site)
+            continue
+        try:
+            layers = tuple(select_layers(spec.select, model, f"{key}.select"))
+        except HookrunError:
+            # A module selector next to a function selector of the same rule (guided_bp on a
+            # model of functional activations only) may match nothing; check_reached decides.
+            if not any(_same_rule(spec, other) and other.select.function for other in hooks):
+                raise
+            layers = ()
         if INPUT_LAYER in layers and spec.at not in INPUT_LAYER_SITES:
             raise HookrunError(
                 f"{key}.at: {spec.at.value!r} does not exist on the model-input pseudo-layer "
@@ -195,12 +232,47 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
     return plan
 
 
+def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPlan:
+    """The plan with each function hook's layers set to the call sites the probe found, and
+    the selected modules that ran only through their weights marked as such."""
+    calls = [name for name in shapes if "/" in name]
+    hooks = []
+    for hook in plan.hooks:
+        if hook.functions:
+            found = tuple(
+                name
+                for name in calls
+                if name.rsplit("/", 1)[1].rsplit(".", 1)[0] in hook.functions
+                and (hook.within is None or name.rsplit("/", 1)[0] in hook.within)
+            )
+            hook = dataclasses.replace(hook, layers=found)
+        hooks.append(hook)
+    return HookPlan(hooks, plan.weighted)
+
+
 def _names(value: object) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
 def _literal(pattern: str) -> bool:
     return not any(c in pattern for c in "*?[")
+
+
+def _same_rule(spec: HookSpec, other: HookSpec) -> bool:
+    return other is not spec and (other.at, other.backward, other.action.name) == (
+        spec.at,
+        spec.backward,
+        spec.action.name,
+    )
+
+
+def _companion(hook: PlannedHook, other: PlannedHook) -> bool:
+    same = (other.site, other.backward, other.action.name) == (
+        hook.site,
+        hook.backward,
+        hook.action.name,
+    )
+    return other is not hook and same and bool(other.layers)
 
 
 def _reached(hook: PlannedHook, layer: str, shapes: Mapping[str, list[CallShapes]]) -> bool:
@@ -219,6 +291,24 @@ def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dic
     idle: dict[str, list[str]] = {}
     for hook in plan.hooks:
         key = f"hooks.{hook.name}"
+        if not hook.layers:
+            # Guided Backprop's function hook finds nothing on a model of nn modules only:
+            # fine while a hook with the same action acts in the same pass.
+            if not any(_companion(hook, other) for other in plan.hooks):
+                what = (
+                    f"select.function: {list(hook.functions)} is never called inside forward "
+                    "(outside built-in leaf modules, which are module sites)"
+                    if hook.functions
+                    else "select: matches no module of the model"
+                )
+                raise HookrunError(
+                    f"{key}.{what}, and no other hook applies the same rule; valid: a "
+                    "function the model calls, or modules it has (see dry_run=true)"
+                )
+            idle[hook.name] = [
+                f"no call of {', '.join(hook.functions)}" if hook.functions else "no module"
+            ]
+            continue
         missing = [layer for layer in hook.layers if not _reached(hook, layer, shapes)]
         named = [layer for layer in missing if layer in hook.exact]
         if named:

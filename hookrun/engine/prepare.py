@@ -105,7 +105,7 @@ def prepare(
     sample = data[0][0].to(device)
     spec = resolve_cam_layer(spec, model, sample)
     plan = compile_plan(spec.hooks, model)
-    shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    shapes, output_shape, plan = probe_shapes(model, plan, sample)
     idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:

@@ -100,6 +100,10 @@ class SelectConfig(Frozen):
     type: Any = None
     # Globs to drop from what the other keys matched.
     exclude: Any = None
+    # Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/engine/
+    # functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex,
+    # only calls made inside the modules those match.
+    function: Any = None
 
 
 @dataclass

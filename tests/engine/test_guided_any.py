@@ -5,11 +5,22 @@ replaced by a Function whose backward is the activation's own gradient clamped a
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from any_models import FAMILIES, AllRectifiers, family, guided_reference, images, plain_gradient
+import torch.nn.functional as F
+from any_models import (
+    FAMILIES,
+    AllRectifiers,
+    Functional,
+    family,
+    guided_call,
+    guided_reference,
+    images,
+    plain_gradient,
+)
 from conftest import read
 from torch import nn
 
@@ -43,6 +54,7 @@ def test_every_rectifier_module_guided(tmp_path):
     _check(AllRectifiers(), images(12), tmp_path)
 
 
+# DenseNet also calls F.relu in forward: test_densenet_final_functional_relu_is_guided.
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != "densenet121"])
 def test_torchvision_family_guided(tmp_path, name):
     _check(family(name), images(FAMILIES[name][1]), tmp_path)
@@ -73,3 +85,61 @@ def test_guided_selection_that_never_runs_is_refused(tmp_path):
         HookrunError, match=r"hooks.guided_relu.select: every matched module \(act\)"
     ):
         _guided(_Unused(), images(8), tmp_path)
+
+
+def test_functional_activations_guided_in_every_spelling(tmp_path):
+    xs = images(10)
+    data = _guided(Functional(), xs, tmp_path)
+    x = torch.stack(xs)
+    target = torch.from_numpy(data["samples/target"])
+    expected = plain_gradient(Functional(guided=True), x, target).numpy()
+    got = data["captures/input/grad_output"]
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * scale)
+    assert not np.allclose(got, plain_gradient(Functional(), x, target).numpy(), atol=1e-3 * scale)
+
+
+def test_densenet_final_functional_relu_is_guided(tmp_path, monkeypatch):
+    import torchvision.models.densenet as densenet
+
+    model = family("densenet121")
+    reference_model = copy.deepcopy(model)
+    xs = images(32)
+    data = _guided(model, xs, tmp_path)
+    x = torch.stack(xs)
+    target = torch.from_numpy(data["samples/target"])
+    # DenseNet.forward calls F.relu(features, inplace=True): the reference guides that too.
+    guided_f = SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    guided_f.relu = lambda t, inplace=False: guided_call(torch.relu, t)
+    monkeypatch.setattr(densenet, "F", guided_f)
+    expected = guided_reference(reference_model, x, target).numpy()
+    got = data["captures/input/grad_output"]
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+class _ModeWatcher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3)
+        self.fc = nn.Linear(2, 3)
+        self.modes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(torch._C._len_torch_function_stack())
+        return self.fc(F.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+def test_function_mode_only_with_function_selectors_and_only_in_forward(tmp_path):
+    plain = _ModeWatcher()
+    hookrun.run(
+        ["experiment=saliency", "render=false"],
+        model=plain,
+        dataset=images(8),
+        run_dir=tmp_path / "a",
+    )
+    assert plain.modes and not any(plain.modes)  # zero cost: no mode without a function selector
+    guided = _ModeWatcher()
+    _guided(guided, images(8), tmp_path / "b")
+    assert guided.modes[-1] == 1  # the batches' forward passes run under the mode
+    assert torch._C._len_torch_function_stack() == 0  # and it is gone after the run
