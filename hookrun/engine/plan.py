@@ -138,10 +138,11 @@ class HookPlan:
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
                         if not leaf.batched:
                             raise HookrunError(
-                                f"hooks.{hook.name}: /{key} has no batch axis (shape "
-                                f"{list(leaf.shape)} whatever the batch), so it has no row per "
-                                "sample; valid: leave it out with select.exclude, or act on "
-                                "it without capturing"
+                                f"hooks.{hook.name}: /{key} has no per-sample first axis "
+                                f"(shape {list(leaf.shape)} for a batch of 2: no batch axis, "
+                                "or windows/heads folded into it), so it has no row per sample;"
+                                " valid: leave it out with select.exclude, capture the module "
+                                "around it, or act on it without capturing"
                             )
                         out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
         return out
@@ -258,20 +259,19 @@ def _literal(pattern: str) -> bool:
     return not any(c in pattern for c in "*?[")
 
 
+def _rule(hook: HookSpec | PlannedHook) -> tuple:
+    site = hook.at if isinstance(hook, HookSpec) else hook.site
+    return site, hook.backward, hook.action.describe(), hook.action.captures
+
+
 def _same_rule(spec: HookSpec, other: HookSpec) -> bool:
-    return other is not spec and (other.at, other.backward, other.action.name) == (
-        spec.at,
-        spec.backward,
-        spec.action.name,
-    )
+    """Two hooks applying one rule (same site, pass, action and args; no capture), as
+    guided_bp's module and function hooks do."""
+    return other is not spec and not spec.action.captures and _rule(other) == _rule(spec)
 
 
 def _companion(hook: PlannedHook, other: PlannedHook) -> bool:
-    same = (other.site, other.backward, other.action.name) == (
-        hook.site,
-        hook.backward,
-        hook.action.name,
-    )
+    same = not hook.action.captures and _rule(other) == _rule(hook)
     return other is not hook and same and bool(other.layers)
 
 

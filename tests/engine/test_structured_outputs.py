@@ -142,7 +142,9 @@ def test_an_action_on_one_leaf_changes_that_leaf_only(tmp_path):
 
 
 def test_a_tensor_without_batch_axis_is_refused_not_cut_into_rows(tmp_path):
-    with pytest.raises(HookrunError, match=r"hooks.bias: /captures/table/output has no batch axis"):
+    with pytest.raises(
+        HookrunError, match=r"hooks.bias: /captures/table/output has no per-sample first axis"
+    ):
         _run(tmp_path, *_hook("bias", "table", "output"))
 
 
