@@ -3,7 +3,8 @@
 The pick is the last module to finish (in forward order) whose output is a spatial map —
 a layout `decide_grid` can tell — and through which the target logit's gradient reaches
 more than one cell of the grid (or the grid is a single cell), up to the first adaptive
-(global) pooling module: what follows it is the head. Pooling modules are skipped.
+(global) pooling module: what follows it is the head. Pooling modules and Linear layers
+(projections such as a ViT block's qkv, not the token stream) are skipped.
 So a CNN gets its last feature maps (resnet: layer4), Swin its channels-last `norm`/`permute`,
 and ViT the last module before the final attention (encoder_layer_11.ln_1): after that
 attention only the class token reaches the head, and Grad-CAM there would be all zeros.
@@ -53,6 +54,9 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
                 return
             if "Pool" in type(module).__name__ or not output.requires_grad or output.dim() < 3:
                 return
+            if isinstance(module, nn.Linear):
+                return  # a projection inside attention/MLP (qkv), not the token stream
+
             try:
                 shape = tuple(output.shape[1:])
                 conv = channels_first_hint(module, shape[0])

@@ -71,7 +71,7 @@ class Compression(str, Enum):
 
 @dataclass
 class ModelConfig(Frozen):
-    # Where the model comes from (hookrun/models/sources.py): torchvision, seed, custom;
+    # Where the model comes from (hookrun/models/sources.py): torchvision, timm, seed, custom;
     # null picks custom when `_target_` is set, seed for the seed models, else torchvision.
     source: str | None = None
     # A torchvision classification model name (`resnet18`, ...) or a seed model
@@ -84,6 +84,9 @@ class ModelConfig(Frozen):
     weights: str | None = None
     # Keyword arguments for the model's constructor, e.g. {num_classes: 10}.
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The model a named preset (model=resnet18, ...) is for: model.name=X with another
+    # preset would inherit that preset's weights, so it is refused (use model=torchvision).
+    preset: str | None = None
     # The layer CAM / Grad-CAM read (the last feature maps); `auto`: picked by a probe of
     # one sample (hookrun/engine/camlayer.py), the run log says which.
     cam_layer: str | None = "auto"
