@@ -20,7 +20,7 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -28,34 +28,16 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from hookrun.engine.plan import CallShapes, HookPlan, PlannedHook
+from hookrun.engine.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
+from hookrun.engine.leaves import leaves, model_logits, rebuild
+from hookrun.engine.plan import CallShapes, HookPlan, Leaf, PlannedHook, bind_calls
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.layout import INPUT_GRAD, capture_key
 from hookrun.spec.schema import Site
 
-__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes", "float_tensors"]
-
-
-def float_tensors(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a module's args or output, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for t in value if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return []
-
-
-def _replace_floats(value: Any, new: list[torch.Tensor]) -> Any:
-    """`value` with its floating-point tensors replaced, in order, by `new`."""
-    if isinstance(value, torch.Tensor):
-        return new[0]
-    it = iter(new)
-    items = [
-        next(it) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in value
-    ]
-    return type(value)(items) if isinstance(value, tuple) else items
+__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes"]
 
 
 class Recorder:
@@ -145,12 +127,12 @@ def _hook_gradient(
 def _forward_site(
     layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
 ) -> Any:
-    tensors = float_tensors(value)
-    new = [
-        _apply(hooks, t, recorder, capture_key(layer, site, call, i, len(tensors)))
-        for i, t in enumerate(tensors)
-    ]
-    return _replace_floats(value, new) if tensors else value
+    found = leaves(value)
+    new = {
+        leaf: _apply(hooks, t, recorder, capture_key(layer, site, call, leaf=leaf))
+        for leaf, t in found
+    }
+    return rebuild(value, new) if found else value
 
 
 def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
@@ -162,15 +144,13 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_input:
             args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad and torch.is_grad_enabled():
-            tensors = float_tensors(args)
-            clones = []
-            for i, t in enumerate(tensors):
+            clones = {}
+            for leaf, t in leaves(args):
                 if t.requires_grad:
-                    t = t.clone()
-                    key = capture_key(layer, Site.grad_input, call, i, len(tensors))
-                    _hook_gradient(t, on_grad, recorder, key)
-                clones.append(t)
-            args = _replace_floats(args, clones)
+                    clones[leaf] = t.clone()
+                    key = capture_key(layer, Site.grad_input, call, leaf=leaf)
+                    _hook_gradient(clones[leaf], on_grad, recorder, key)
+            args = rebuild(args, clones)
         return args if (on_input or on_grad) else None
 
     return hook
@@ -184,28 +164,78 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)
         if on_grad and torch.is_grad_enabled():
-            tensors = float_tensors(output)
-            for i, t in enumerate(tensors):
+            for leaf, t in leaves(output):
                 if t.requires_grad:
-                    key = capture_key(layer, Site.grad_output, call, i, len(tensors))
+                    key = capture_key(layer, Site.grad_output, call, leaf=leaf)
                     _hook_gradient(t, on_grad, recorder, key)
         return output if on_output else None
 
     return hook
 
 
+def _call_site(plan: HookPlan, recorder: Recorder):
+    """The handler of intercepted calls: the plan's sites on one call, as a module's hooks
+    would act (grad_input on clones of the inputs; an in-place call writes its result back
+    into the caller's tensor, which then holds the hooked value)."""
+
+    def handle(layer: str, func, args: tuple, kwargs: dict) -> Any:
+        on_input, on_grad_in = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
+        on_output, on_grad_out = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
+        if not (on_input or on_grad_in or on_output or on_grad_out):
+            return func(*args, **kwargs)
+        call = recorder.calls[layer]
+        recorder.calls[layer] += 1
+        original = args[0] if args else None
+        if on_input:
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
+        if on_grad_in and torch.is_grad_enabled():
+            clones = {}
+            for leaf, t in leaves(args):
+                if t.requires_grad:
+                    clones[leaf] = t.clone()
+                    key = capture_key(layer, Site.grad_input, call, leaf=leaf)
+                    _hook_gradient(clones[leaf], on_grad_in, recorder, key)
+            args = rebuild(args, clones)
+        output = func(*args, **kwargs)
+        if on_output:
+            output = _forward_site(layer, Site.output, on_output, recorder, output, call)
+        if on_grad_out and torch.is_grad_enabled():
+            for leaf, t in leaves(output):
+                if t.requires_grad:
+                    key = capture_key(layer, Site.grad_output, call, leaf=leaf)
+                    _hook_gradient(t, on_grad_out, recorder, key)
+        if (
+            is_inplace(func, kwargs)
+            and isinstance(original, torch.Tensor)
+            and output is not original
+        ):
+            return original.copy_(output)
+        return output
+
+    return handle
+
+
 @contextmanager
 def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[None]:
-    """Register the plan's hooks on `model`; every handle is removed on exit, error or not."""
+    """Register the plan's hooks on `model` (and, only when the plan has function or
+    weight-used sites, the function mode); every handle is removed on exit, error or not."""
     handles: list[RemovableHandle] = []
     modules = dict(model.named_modules())
     try:
-        for layer in plan.layers:
-            module = modules[layer]
-            handles.append(module.register_forward_pre_hook(_pre_hook(layer, plan, recorder)))
-            if plan.at(layer, Site.output) or plan.at(layer, Site.grad_output):
-                handles.append(module.register_forward_hook(_post_hook(layer, plan, recorder)))
-        yield
+        with ExitStack() as stack:
+            if plan.needs_calls:
+                words = resolve_words(list(plan.words), "select.function")
+                weights = weights_of(model, list(plan.weighted))
+                mode = CallSites(words, weights, _call_site(plan, recorder))
+                stack.enter_context(watch_calls(model, mode))
+            for layer in plan.layers:
+                if layer not in modules:
+                    continue  # a function call site, hooked through the mode
+                module = modules[layer]
+                handles.append(module.register_forward_pre_hook(_pre_hook(layer, plan, recorder)))
+                if plan.at(layer, Site.output) or plan.at(layer, Site.grad_output):
+                    handles.append(module.register_forward_hook(_post_hook(layer, plan, recorder)))
+            yield
     finally:
         for handle in handles:
             handle.remove()
@@ -244,40 +274,75 @@ def run_mode(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(grads[name])
 
 
+def _per_sample(value: Any) -> tuple[Leaf, ...]:
+    """Leaves of a value from the probe's batch of two: a first axis of 2 is the batch."""
+    return tuple(
+        Leaf(name, tuple(t.shape[1:]), True)
+        if t.dim() and t.shape[0] == 2
+        else Leaf(name, tuple(t.shape), False)
+        for name, t in leaves(value)
+    )
+
+
+def _probe_calls(
+    model: nn.Module, plan: HookPlan, batch: torch.Tensor, shapes: dict[str, list[CallShapes]]
+) -> tuple[str, ...]:
+    """Second probe pass, only for plans with function selectors or selected Linear/Conv
+    modules that never ran: every intercepted call's leaves; the weight-used modules."""
+    idle = [layer for layer in plan.layers if layer not in shapes]
+    weights = weights_of(model, idle)
+    if not (plan.words or weights):
+        return ()
+    words = resolve_words(list(plan.words), "select.function")
+
+    def record(name: str, func, args: tuple, kwargs: dict) -> Any:
+        output = func(*args, **kwargs)
+        shapes.setdefault(name, []).append(CallShapes(_per_sample(args), _per_sample(output)))
+        return output
+
+    mode = CallSites(words, weights, record)
+    with watch_calls(model, mode), run_mode(model), torch.no_grad():
+        model(batch)
+    return tuple(name for name in weights.values() if name in shapes)
+
+
 def probe_shapes(
-    model: nn.Module, layers: list[str], sample: torch.Tensor
-) -> tuple[dict[str, list[CallShapes]], tuple[int, ...]]:
-    """Run one sample (no batch axis) through the model; per-sample shapes of every call
-    of `layers`, and of the model's output."""
+    model: nn.Module, plan: HookPlan, sample: torch.Tensor
+) -> tuple[dict[str, list[CallShapes]], tuple[int, ...], HookPlan]:
+    """Run `sample` (no batch axis) through the model as a batch of two; per-sample shapes of
+    every floating-point leaf of every call of the plan's modules (and, when the plan has
+    function selectors or modules used through their weights, of those calls), the model's
+    output shape, and the plan with its call sites bound. A leaf whose first axis is not
+    the batch of two has no batch axis of its own (a bias table)."""
     shapes: dict[str, list[CallShapes]] = defaultdict(list)
     pending: dict[str, list[tuple]] = defaultdict(list)
     modules = dict(model.named_modules())
     handles: list[RemovableHandle] = []
 
-    def per_sample(value: Any) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(t.shape[1:]) for t in float_tensors(value))
-
     def pre(layer: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            pending[layer].append(per_sample(args))
+            pending[layer].append(_per_sample(args))
 
         return hook
 
     def post(layer: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            shapes[layer].append(CallShapes(pending[layer].pop(), per_sample(output)))
+            shapes[layer].append(CallShapes(pending[layer].pop(), _per_sample(output)))
 
         return hook
 
+    batch = torch.stack([sample, sample])
     try:
-        for layer in layers:
+        for layer in plan.layers:
             handles.append(modules[layer].register_forward_pre_hook(pre(layer)))
             handles.append(modules[layer].register_forward_hook(post(layer)))
         with run_mode(model), torch.no_grad():
-            output = model(sample.unsqueeze(0))
+            output = model(batch)
     finally:
         for handle in handles:
             handle.remove()
-    shapes[INPUT_LAYER] = [CallShapes((), (tuple(sample.shape),))]
-    out_shape = tuple(output.shape[1:]) if isinstance(output, torch.Tensor) else ()
-    return dict(shapes), out_shape
+    shapes = dict(shapes)
+    weighted = _probe_calls(model, plan, batch, shapes)
+    plan = bind_calls(HookPlan(plan.hooks, weighted), shapes)
+    shapes[INPUT_LAYER] = [CallShapes((), (Leaf("", tuple(sample.shape), True),))]
+    return shapes, tuple(model_logits(output).shape[1:]), plan

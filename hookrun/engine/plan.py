@@ -6,6 +6,7 @@ The plan is data, not behaviour: `hooks.attach()` turns it into registrations, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hookrun.engine.actions import Action
+from hookrun.engine.functions import resolve_words
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
@@ -22,9 +24,12 @@ from hookrun.spec.schema import Site
 __all__ = [
     "PlannedHook",
     "CallShapes",
+    "Leaf",
     "HookPlan",
     "compile_plan",
     "format_bytes",
+    "check_reached",
+    "bind_calls",
 ]
 
 # Sites the model-input pseudo-layer has: its output is the batch, its grad_output the
@@ -41,16 +46,32 @@ class PlannedHook:
     action: Action
     layers: tuple[str, ...]
     backward: str = "main"
+    # Names the selector gave literally (no glob): a user who names a module expects it to run.
+    exact: tuple[str, ...] = ()
+    # `select.function` words; the hook's layers are then the call sites the probe found
+    # (`<module>/<word>.<k>`), inside the `within` modules when name/type/regex narrowed them.
+    functions: tuple[str, ...] = ()
+    within: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One floating-point tensor of a call: its name suffix (engine/leaves.py), its shape per
+    sample, and whether it has a batch axis (False: the same tensor whatever the batch)."""
+
+    name: str
+    shape: tuple[int, ...]
+    batched: bool = True
 
 
 @dataclass(frozen=True)
 class CallShapes:
-    """Per-sample shapes of the floating-point tensors of one call of a module."""
+    """The floating-point leaves of one call of a module, at its inputs and its outputs."""
 
-    inputs: tuple[tuple[int, ...], ...]
-    outputs: tuple[tuple[int, ...], ...]
+    inputs: tuple[Leaf, ...]
+    outputs: tuple[Leaf, ...]
 
-    def at(self, site: Site) -> tuple[tuple[int, ...], ...]:
+    def at(self, site: Site) -> tuple[Leaf, ...]:
         return self.inputs if site in (Site.input, Site.grad_input) else self.outputs
 
 
@@ -68,6 +89,19 @@ class HookPlan:
     """The ordered hooks of a run; file order is registration order."""
 
     hooks: list[PlannedHook] = field(default_factory=list)
+    # Selected Linear/Conv modules that never run as modules but whose weight a function
+    # call uses (found by the probe): their sites are those calls.
+    weighted: tuple[str, ...] = ()
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """Every `select.function` word of the plan."""
+        return tuple(dict.fromkeys(w for h in self.hooks for w in h.functions))
+
+    @property
+    def needs_calls(self) -> bool:
+        """Whether forward passes need the function mode (hookrun/engine/functions.py)."""
+        return bool(self.words or self.weighted)
 
     @property
     def needs_backward(self) -> bool:
@@ -100,10 +134,17 @@ class HookPlan:
                 continue
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    tensors = call_shapes.at(hook.site)
-                    for i, shape in enumerate(tensors):
-                        key = capture_key(layer, hook.site, call, i, len(tensors))
-                        out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
+                    for leaf in call_shapes.at(hook.site):
+                        key = capture_key(layer, hook.site, call, leaf=leaf.name)
+                        if not leaf.batched:
+                            raise HookrunError(
+                                f"hooks.{hook.name}: /{key} has no per-sample first axis "
+                                f"(shape {list(leaf.shape)} for a batch of 2: no batch axis, "
+                                "or windows/heads folded into it), so it has no row per sample;"
+                                " valid: leave it out with select.exclude, capture the module "
+                                "around it, or act on it without capturing"
+                            )
+                        out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
         return out
 
     def describe(
@@ -125,9 +166,9 @@ class HookPlan:
             lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}{in_pass}")
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    tensors = call_shapes.at(hook.site)
-                    for i, shape in enumerate(tensors):
-                        key = capture_key(layer, hook.site, call, i, len(tensors))
+                    for leaf in call_shapes.at(hook.site):
+                        key = capture_key(layer, hook.site, call, leaf=leaf.name)
+                        shape = leaf.shape
                         if hook.action.captures:
                             shape = stored[key]
                         size = math.prod(shape) * itemsize
@@ -156,7 +197,24 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
     for spec in hooks:
         name, action = spec.name, spec.action
         key = f"hooks.{name}"
-        layers = tuple(select_layers(spec.select, model, f"{key}.select"))
+        functions = tuple(_names(spec.select.function))
+        if functions:
+            resolve_words(list(functions), f"{key}.select.function")
+            narrowed = any((spec.select.name, spec.select.regex, spec.select.type))
+            within = tuple(select_layers(spec.select, model, f"{key}.select")) if narrowed else None
+            if within is not None and INPUT_LAYER in within:
+                raise HookrunError(f"{key}.select.name: 'input' runs no functions; valid: modules")
+            site = PlannedHook(name, spec.at, action, (), spec.backward, (), functions, within)
+            plan.hooks.append(site)
+            continue
+        try:
+            layers = tuple(select_layers(spec.select, model, f"{key}.select"))
+        except HookrunError:
+            # A module selector next to a function selector of the same rule (guided_bp on a
+            # model of functional activations only) may match nothing; check_reached decides.
+            if not any(_same_rule(spec, other) and other.select.function for other in hooks):
+                raise
+            layers = ()
         if INPUT_LAYER in layers and spec.at not in INPUT_LAYER_SITES:
             raise HookrunError(
                 f"{key}.at: {spec.at.value!r} does not exist on the model-input pseudo-layer "
@@ -170,5 +228,102 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                         f"{key}: captures {layer}/{spec.at.value}, which hooks.{other} "
                         "already captures; keep one of them"
                     )
-        plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward))
+        exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
+        plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
+
+
+def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPlan:
+    """The plan with each function hook's layers set to the call sites the probe found, and
+    the selected modules that ran only through their weights marked as such."""
+    calls = [name for name in shapes if "/" in name]
+    hooks = []
+    for hook in plan.hooks:
+        if hook.functions:
+            found = tuple(
+                name
+                for name in calls
+                if name.rsplit("/", 1)[1].rsplit(".", 1)[0] in hook.functions
+                and (hook.within is None or name.rsplit("/", 1)[0] in hook.within)
+            )
+            hook = dataclasses.replace(hook, layers=found)
+        hooks.append(hook)
+    return HookPlan(hooks, plan.weighted)
+
+
+def _names(value: object) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _literal(pattern: str) -> bool:
+    return not any(c in pattern for c in "*?[")
+
+
+def _rule(hook: HookSpec | PlannedHook) -> tuple:
+    site = hook.at if isinstance(hook, HookSpec) else hook.site
+    return site, hook.backward, hook.action.describe(), hook.action.captures
+
+
+def _same_rule(spec: HookSpec, other: HookSpec) -> bool:
+    """Two hooks applying one rule (same site, pass, action and args; no capture), as
+    guided_bp's module and function hooks do."""
+    return other is not spec and not spec.action.captures and _rule(other) == _rule(spec)
+
+
+def _companion(hook: PlannedHook, other: PlannedHook) -> bool:
+    same = not hook.action.captures and _rule(other) == _rule(hook)
+    return other is not hook and same and bool(other.layers)
+
+
+def _reached(hook: PlannedHook, layer: str, shapes: Mapping[str, list[CallShapes]]) -> bool:
+    """Whether a probe call of `layer` had a floating-point tensor at the hook's site (a
+    gradient site needs one to carry a gradient)."""
+    if layer == INPUT_LAYER:
+        return True
+    return any(call.at(hook.site) for call in shapes.get(layer, []))
+
+
+def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dict[str, list[str]]:
+    """Refuse a hook that would never act: a module named exactly that never runs, or a
+    selection none of whose modules runs with a floating-point tensor at the site (a guided
+    clamp that touches nothing would silently give the plain gradient). Returns, per hook,
+    the glob/type/regex matches that never ran (listed in the summary and the file)."""
+    idle: dict[str, list[str]] = {}
+    for hook in plan.hooks:
+        key = f"hooks.{hook.name}"
+        if not hook.layers:
+            # Guided Backprop's function hook finds nothing on a model of nn modules only:
+            # fine while a hook with the same action acts in the same pass.
+            if not any(_companion(hook, other) for other in plan.hooks):
+                what = (
+                    f"select.function: {list(hook.functions)} is never called inside forward "
+                    "(outside built-in leaf modules, which are module sites)"
+                    if hook.functions
+                    else "select: matches no module of the model"
+                )
+                raise HookrunError(
+                    f"{key}.{what}, and no other hook applies the same rule; valid: a "
+                    "function the model calls, or modules it has (see dry_run=true)"
+                )
+            idle[hook.name] = [
+                f"no call of {', '.join(hook.functions)}" if hook.functions else "no module"
+            ]
+            continue
+        missing = [layer for layer in hook.layers if not _reached(hook, layer, shapes)]
+        named = [layer for layer in missing if layer in hook.exact]
+        if named:
+            raise HookrunError(
+                f"{key}.select.name: {named[0]!r} never runs with a floating-point tensor at "
+                f"{hook.site.value} in a forward pass of this model (its weights may be used "
+                "by another module's function call); valid: a module that runs, see dry_run=true"
+            )
+        if missing and len(missing) == len(hook.layers):
+            shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+            raise HookrunError(
+                f"{key}.select: every matched module ({shown}) never runs with a "
+                f"floating-point tensor at {hook.site.value}, so this hook would act on "
+                "nothing; valid: select modules that run in forward (see dry_run=true)"
+            )
+        if missing:
+            idle[hook.name] = missing
+    return idle

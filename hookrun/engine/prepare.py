@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hookrun.data.loader import build_dataset, files_fingerprint, has_labels, wrap_dataset
+from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import probe_shapes, run_mode
-from hookrun.engine.plan import HookPlan, compile_plan
+from hookrun.engine.plan import HookPlan, check_reached, compile_plan
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
@@ -135,20 +136,24 @@ def _prepare(
             log.warning(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
-    plan = compile_plan(spec.hooks, model)
     model.to(device)
-
     sample = data[0][0].to(device)
-    try:
-        shapes, output_shape = probe_shapes(model, plan.layers, sample)
+    try:  # the first forward passes of the user's model: a failure there is bad input
+        spec = resolve_cam_layer(spec, model, sample)
+        plan = compile_plan(spec.hooks, model)
+        shapes, output_shape, plan = probe_shapes(model, plan, sample)
     except HookrunError:
         raise
-    except Exception as err:  # the user's model failed on its first sample: show why
+    except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0][:300]
         raise HookrunError(
             f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
             f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
         ) from None
+    idle = check_reached(plan, shapes)
+    never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
+    if never_ran:
+        log.warning("selected modules that never run (nothing captured there): %s", never_ran)
     check_target(spec.target, output_shape, has_labels(data))
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
@@ -157,6 +162,7 @@ def _prepare(
     header = replace(
         provenance(spec, weights_file, device, world.size),
         data_files_sha256=files_fingerprint(data),
+        never_ran=never_ran,
     )
     if spec.resume:
         check_sources(sink_path, header)

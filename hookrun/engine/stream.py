@@ -11,11 +11,11 @@ from tqdm import tqdm
 from hookrun.data.loader import has_labels, make_loader
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
 from hookrun.engine.interrupt import until_signal
+from hookrun.engine.leaves import model_logits
 from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
 from hookrun.engine.targets import backward_seed, choose_targets
 from hookrun.engine.transfer import HostCopier
-from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.methods.registry import derive
@@ -54,7 +54,7 @@ class BatchStep:
             with torch.enable_grad():
                 with timer.stage("forward"):
                     inputs = prepare_input(plan, recorder, inputs)
-                    output = _tensor_output(self.model(inputs))
+                    output = model_logits(self.model(inputs))
                     targets = choose_targets(output, self.target, labels)
                     seed = backward_seed(output, targets, self.target.kind)
                 with timer.stage("backward"):
@@ -62,7 +62,7 @@ class BatchStep:
         else:
             with torch.inference_mode(), timer.stage("forward"):
                 inputs = prepare_input(plan, recorder, inputs)
-                output = _tensor_output(self.model(inputs))
+                output = model_logits(self.model(inputs))
                 targets = choose_targets(output, self.target, labels)
         recorder.record(layout.MODEL_OUTPUT, output)
         records = dict(recorder.records)
@@ -83,15 +83,6 @@ class BatchStep:
                     seed, recorder.edges[name], allow_unused=True, retain_graph=i < len(passes) - 1
                 )
         recorder.current_pass = None
-
-
-def _tensor_output(output: object) -> torch.Tensor:
-    if not isinstance(output, torch.Tensor):
-        raise HookrunError(
-            f"model: the model returned a {type(output).__name__}; hookrun needs a tensor "
-            "output (N, ...)"
-        )
-    return output
 
 
 def stream(run: Prepared) -> int:

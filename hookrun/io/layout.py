@@ -63,15 +63,24 @@ SAMPLES_TARGET = "samples/target"
 MODEL_OUTPUT = "model/output"
 
 
-def capture_key(layer: str, site: str, call: int = 0, tensor: int = 0, n_tensors: int = 1) -> str:
+def capture_key(
+    layer: str,
+    site: str,
+    call: int = 0,
+    tensor: int = 0,
+    n_tensors: int = 1,
+    leaf: str | None = None,
+) -> str:
     """The HDF5 path of one captured tensor.
 
     `/captures/<layer>/<site>`; a module with several floating-point tensors at a site gets
-    `_<i>` per tensor, and every call of a module after its first in one forward pass gets
-    `.call<k>` (ResNet blocks call their one ReLU twice).
+    `_<i>` per tensor, a structured output (dict, namedtuple, ModelOutput) `.<key>` per leaf
+    (`leaf` is that suffix, engine/leaves.py), and every call of a module after its first in
+    one forward pass gets `.call<k>` (ResNet blocks call their one ReLU twice).
     """
     site = getattr(site, "value", site)
-    name = f"{site}" + (f"_{tensor}" if n_tensors > 1 else "") + (f".call{call}" if call else "")
+    part = leaf if leaf is not None else (f"_{tensor}" if n_tensors > 1 else "")
+    name = f"{site}{part}" + (f".call{call}" if call else "")
     return f"captures/{layer}/{name}"
 
 
@@ -104,6 +113,8 @@ class Provenance:
     world_size: int
     # sha256 over the source files' (path, size, label), for file datasets ("" otherwise)
     data_files_sha256: str = ""
+    # Modules a glob/type/regex selector matched that never ran: "hook: a, b; hook2: c".
+    never_ran: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,7 @@ class FileState:
     config: str | None
     experiment: str
     error: str
+    never_ran: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,7 @@ def _state(f: h5py.File) -> FileState:
         config=None if config is None else str(config),
         experiment=str(attrs.get("experiment", "")),
         error=str(attrs.get("error", "")),
+        never_ran=str(attrs.get("never_ran", "")),
     )
 
 

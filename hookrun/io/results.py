@@ -119,6 +119,9 @@ def summary(
                 lines.append(f"  sample {int(i)}: top-1 {name} (p={prob[top]:.2f})")
             if rows > show:
                 lines.append(f"  ... {rows - show} more")
+        never_ran = layout.read_state(res.file).never_ran
+        if never_ran:
+            lines.append(f"selected but never ran (nothing stored there): {never_ran}")
     rate = rows / seconds if seconds > 0 else float("inf")
     lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s")
     return "\n".join(lines)

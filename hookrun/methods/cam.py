@@ -4,11 +4,16 @@
   2016); only for models that end in global average pooling + one linear layer.
 - guided_grad_cam: the input's Guided Backprop gradient times Grad-CAM upsampled to the
   input's size (bilinear), as in the Grad-CAM paper.
+Each works on any layout of the layer's output (channels-first, channels-last, tokens): the
+layout is decided once before the first batch (methods/layouts.py, `derive.<method>.layout`
+and `.prefix_tokens` to override), kept as the derivation's state, and the captures are
+converted to (N, C, H, W) just before the math; results are (N, H, W).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,48 +22,114 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
+from hookrun.methods.layouts import (
+    Grid,
+    Layout,
+    channels_first_hint,
+    decide_grid,
+    prefix_tokens_of,
+    to_channels_first,
+)
 from hookrun.methods.registry import LayerArgs, Method, register_method
 
-__all__ = ["GradCAM", "CAM", "GuidedGradCAM", "linear_head"]
+__all__ = ["CamArgs", "GradCAM", "CAM", "GuidedGradCAM", "linear_head", "layer_grid"]
+
+
+@dataclass
+class CamArgs(LayerArgs):
+    # auto: found from the layer's output shape; nchw | nhwc | tokens when auto cannot tell.
+    layout: Layout = Layout.auto
+    # Tokens before the H*W grid tokens (class, register); null: what the model declares.
+    prefix_tokens: int | None = None
+
+
+def _probe(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """`layer`'s output and the model's output for one sample."""
+    seen: dict[str, Any] = {}
+
+    def keep(module: nn.Module, inputs: tuple, output: Any) -> None:
+        seen.setdefault("a", output)  # the first call's output
+
+    handle = dict(model.named_modules())[layer].register_forward_hook(keep)
+    try:
+        with torch.no_grad():
+            logits = model(sample.unsqueeze(0))
+    finally:
+        handle.remove()
+    return seen.get("a"), logits
+
+
+def layer_grid(
+    args: CamArgs, model: nn.Module, sample: torch.Tensor, method: str
+) -> tuple[Grid, torch.Tensor, torch.Tensor]:
+    """The layer's grid (its layout decided on one sample), its output in (1, C, H, W) and
+    the model's output for that sample."""
+    activation, logits = _probe(model, str(args.layer), sample)
+    key = f"derive.{method}"
+    if not isinstance(activation, torch.Tensor) or activation.dim() < 2:
+        raise HookrunError(
+            f"{key}.layer: {args.layer!r} gives no tensor output with a batch axis; valid: a "
+            "module whose output is (N, C, H, W), (N, H, W, C) or (N, L, D)"
+        )
+    if args.prefix_tokens is not None and args.prefix_tokens < 0:
+        raise HookrunError(f"{key}.prefix_tokens: {args.prefix_tokens} is negative; valid: >= 0")
+    prefix = args.prefix_tokens if args.prefix_tokens is not None else prefix_tokens_of(model)
+    image = (int(sample.shape[-2]), int(sample.shape[-1]))
+    shape = tuple(activation.shape[1:])
+    conv = channels_first_hint(dict(model.named_modules())[str(args.layer)], shape[0])
+    grid = decide_grid(shape, image, Layout(args.layout), prefix, key, conv)
+    converted = to_channels_first(activation, grid.layout, grid.prefix_tokens, grid.size)
+    return grid, converted, logits
+
+
+def _channels_first(records: Mapping[str, torch.Tensor], key: str, grid: Grid) -> torch.Tensor:
+    return to_channels_first(records[key].float(), grid.layout, grid.prefix_tokens, grid.size)
 
 
 def _grad_cam(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
-    alpha = gradient.float().mean(dim=(2, 3), keepdim=True)
-    return torch.relu((alpha * activation.float()).sum(dim=1))
+    alpha = gradient.mean(dim=(2, 3), keepdim=True)
+    return torch.relu((alpha * activation).sum(dim=1))
 
 
 @register_method("grad_cam")
 class GradCAM(Method):
-    def requires(self, args: LayerArgs) -> list[str]:
+    Args = CamArgs
+
+    def requires(self, args: CamArgs) -> list[str]:
         return [
             layout.capture_key(args.layer, "output"),
             layout.capture_key(args.layer, "grad_output"),
         ]
 
-    def compute(
-        self, args: LayerArgs, state: Any, records: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        activation = records[layout.capture_key(args.layer, "output")]
-        gradient = records[layout.capture_key(args.layer, "grad_output")]
+    def prepare(self, args: CamArgs, model: nn.Module, sample: torch.Tensor) -> Grid:
+        return layer_grid(args, model, sample, self.name)[0]
+
+    def compute(self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]) -> Any:
+        activation = _channels_first(records, layout.capture_key(args.layer, "output"), state)
+        gradient = _channels_first(records, layout.capture_key(args.layer, "grad_output"), state)
         return _grad_cam(activation, gradient)
 
 
 @register_method("cam")
 class CAM(Method):
+    Args = CamArgs
     needs_class = True
 
-    def requires(self, args: LayerArgs) -> list[str]:
+    def requires(self, args: CamArgs) -> list[str]:
         return [layout.capture_key(args.layer, "output")]
 
-    def prepare(self, args: LayerArgs, model: nn.Module, sample: torch.Tensor) -> torch.Tensor:
-        return linear_head(model, str(args.layer), sample)
+    def prepare(
+        self, args: CamArgs, model: nn.Module, sample: torch.Tensor
+    ) -> tuple[torch.Tensor, Grid]:
+        return linear_head(model, args, sample), layer_grid(args, model, sample, self.name)[0]
 
     def compute(
-        self, args: LayerArgs, state: Any, records: Mapping[str, torch.Tensor]
+        self, args: CamArgs, state: tuple[torch.Tensor, Grid], records: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        w = state[records[layout.SAMPLES_TARGET]]  # (N, C)
-        activation = records[layout.capture_key(args.layer, "output")]
-        return torch.einsum("nc,nchw->nhw", w, activation.float())
+        weights, grid = state
+        w = weights[records[layout.SAMPLES_TARGET]]  # (N, C)
+        activation = _channels_first(records, layout.capture_key(args.layer, "output"), grid)
+        return torch.einsum("nc,nchw->nhw", w, activation)
 
 
 @register_method("guided_grad_cam")
@@ -76,29 +147,20 @@ class GuidedGradCAM(GradCAM):
 
 
 def linear_head(
-    model: nn.Module, layer: str, sample: torch.Tensor, method: str = "cam"
+    model: nn.Module, args: CamArgs, sample: torch.Tensor, method: str = "cam"
 ) -> torch.Tensor:
-    """The class weights (K, C) of a model that ends in global average pooling over `layer`
-    followed by one linear layer; HookrunError for any other model.
+    """The class weights (K, C) of a model that ends in global average pooling over
+    `args.layer` (in any layout) followed by one linear layer; HookrunError for any other.
 
     Checked numerically on one sample: the model's logits must equal the last nn.Linear
-    applied to the spatial mean of `layer`'s output.
+    applied to the spatial mean of the layer's output.
     """
+    layer = str(args.layer)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    seen: dict[str, Any] = {}
-    module = dict(model.named_modules())[layer]
-    handle = module.register_forward_hook(lambda m, i, o: seen.setdefault("a", o.detach().clone()))
-    try:
-        with torch.no_grad():
-            logits = model(sample.unsqueeze(0))
-    finally:
-        handle.remove()
-    activation = seen.get("a")
+    _, activation, logits = layer_grid(args, model, sample, method)
     why = ""
     if not linears:
         why = "it has no nn.Linear layer"
-    elif activation is None or activation.dim() != 4:
-        why = f"'{layer}' does not output (N, C, H, W) feature maps"
     else:
         name, fc = linears[-1]
         try:
@@ -114,5 +176,5 @@ def linear_head(
     raise HookrunError(
         f"derive.{method}.layer: CAM is undefined for this model at {layer!r}: {why}; valid: a "
         "model ending in global average pooling + one linear layer (resnet*, mobilenet_v2, "
-        "digits_cnn), or experiment=grad_cam for any CNN"
+        "swin_t at norm, digits_cnn), or experiment=grad_cam for any model"
     )

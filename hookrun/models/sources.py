@@ -1,5 +1,5 @@
-"""Model sources: where `model:` gets its nn.Module — torchvision by name, the seed models,
-or the user's own class. One registration each (`@_source(name)`); `model.source` picks one
+"""Model sources: where `model:` gets its nn.Module — torchvision or timm by name, the seed
+models, or the user's own class. One registration each (`@_source(name)`); `model.source` picks one
 (null: `custom` when `_target_` is set, `seed` for a seed model's name, else `torchvision`).
 Weights then come from a torchvision weights name, a state_dict file, or a seeded init.
 """
@@ -72,8 +72,8 @@ class _Torchvision(ModelSource):
             hint = ", ".join(nearest(str(cfg.name), known + list(SEED_MODELS)))
             raise HookrunError(
                 f"model.name: {cfg.name!r} is not a torchvision classification model or seed "
-                f"model; nearest: {hint or ', '.join(SEED_MODELS)} (all: "
-                "torchvision.models.list_models())"
+                f"model; nearest: {hint or ', '.join(SEED_MODELS)}; valid: "
+                f"{', '.join(known)}, {', '.join(SEED_MODELS)}"
             )
 
     def construct(self, cfg: ModelConfig) -> nn.Module:
@@ -97,6 +97,42 @@ class _Torchvision(ModelSource):
         except (KeyError, ValueError):
             return None  # weights from a file: the classes are the user's
         return list(weights.meta.get("categories") or []) or None
+
+
+def _timm():
+    try:
+        import timm  # an optional extra: pip install hookrun[timm]
+    except ImportError:
+        raise HookrunError(
+            "model.source: 'timm' needs the timm package; valid: pip install hookrun[timm] "
+            "(timm 1.x), or model=torchvision"
+        ) from None
+    return timm
+
+
+@_source("timm")
+class _Timm(ModelSource):
+    def check(self, cfg: ModelConfig) -> None:
+        known = _timm().list_models()
+        if not cfg.name or cfg.name not in known:
+            hint = ", ".join(nearest(str(cfg.name), known, n=8))
+            raise HookrunError(
+                f"model.name: {cfg.name!r} is not a timm model; nearest: {hint or 'none'} "
+                "(all: timm.list_models())"
+            )
+        if cfg.weights is not None and not Path(cfg.weights).expanduser().is_file():
+            raise HookrunError(
+                f"model.weights: {cfg.weights!r} is not a file; valid: a local state_dict file "
+                "(nothing is downloaded at run time) or null"
+            )
+
+    def construct(self, cfg: ModelConfig) -> nn.Module:
+        try:
+            return _timm().create_model(str(cfg.name), pretrained=False, **cfg.kwargs)
+        except (TypeError, ValueError) as err:
+            raise HookrunError(
+                f"model.kwargs: {cfg.name}({dict(cfg.kwargs)}) failed: {err}"
+            ) from None
 
 
 @_source("seed")
@@ -154,8 +190,17 @@ def source_of(cfg: ModelConfig) -> ModelSource:
 def check_model(cfg: ModelConfig) -> None:
     """Everything about `model:` that can be checked before building it."""
     if not cfg.name and not cfg._target_:
-        raise HookrunError("model: set model.name (e.g. model=resnet18) or model._target_")
+        raise HookrunError(
+            "model.name: null; set model.name (e.g. model=torchvision model.name=resnet18) or "
+            "model._target_"
+        )
     source_of(cfg).check(cfg)
+    if cfg.preset and cfg.name != cfg.preset and cfg.weights is not None:
+        raise HookrunError(
+            f"model.name: {cfg.name!r} with the model={cfg.preset} preset would load that "
+            f"preset's weights ({cfg.weights!r}); valid: model=torchvision model.name={cfg.name} "
+            f"(weights null unless you set model.weights), or model.weights=null"
+        )
 
 
 def class_names(cfg: ModelConfig) -> list[str] | None:

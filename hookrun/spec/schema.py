@@ -71,7 +71,7 @@ class Compression(str, Enum):
 
 @dataclass
 class ModelConfig(Frozen):
-    # Where the model comes from (hookrun/models/sources.py): torchvision, seed, custom;
+    # Where the model comes from (hookrun/models/sources.py): torchvision, timm, seed, custom;
     # null picks custom when `_target_` is set, seed for the seed models, else torchvision.
     source: str | None = None
     # A torchvision classification model name (`resnet18`, ...) or a seed model
@@ -84,8 +84,12 @@ class ModelConfig(Frozen):
     weights: str | None = None
     # Keyword arguments for the model's constructor, e.g. {num_classes: 10}.
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # The layer CAM / Grad-CAM read (the last feature maps); each preset names its own.
-    cam_layer: str | None = None
+    # The model a named preset (model=resnet18, ...) is for: model.name=X with another
+    # preset would inherit that preset's weights, so it is refused (use model=torchvision).
+    preset: str | None = None
+    # The layer CAM / Grad-CAM read (the last feature maps); `auto`: picked by a probe of
+    # one sample (hookrun/engine/camlayer.py), the run log says which.
+    cam_layer: str | None = "auto"
 
 
 @dataclass
@@ -99,6 +103,10 @@ class SelectConfig(Frozen):
     type: Any = None
     # Globs to drop from what the other keys matched.
     exclude: Any = None
+    # Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/engine/
+    # functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex,
+    # only calls made inside the modules those match.
+    function: Any = None
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""Function-level sites (`select.function`) and modules used only through their weights,
+against plain autograd and a recording wrapper around torch.nn.functional.linear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from any_models import family, images
+from conftest import read
+from torch import nn
+
+import hookrun
+from hookrun.errors import HookrunError
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.b(F.gelu(self.a(x))))
+
+
+class TwoGelus(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.block = Block()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(x)))
+
+
+def _hook(hook: str, at: str, action: str = "capture", **select: str) -> list[str]:
+    out = [f"++hooks.{hook}.at={at}", f"++hooks.{hook}.action={action}"]
+    return out + [f"++hooks.{hook}.select.{k}={v}" for k, v in select.items()]
+
+
+def _run(model: nn.Module, xs, tmp_path, *hooks: str) -> dict:
+    overrides = ["experiment=saliency", "render=false", "batch_size=2", *hooks]
+    return read(hookrun.run(overrides, model=model, dataset=xs, run_dir=tmp_path).path)
+
+
+def _vectors(n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(6, generator=g) for _ in range(n)]
+
+
+def test_each_call_of_a_function_is_its_own_site(tmp_path):
+    hooks = [*_hook("g", "output", function="gelu"), *_hook("gg", "grad_output", function="gelu")]
+    data = _run(TwoGelus(), _vectors(), tmp_path, *hooks)
+    # Plain autograd reference: the two gelu outputs and their gradients.
+    model = TwoGelus().eval()
+    x = torch.stack(_vectors())
+    h0 = F.gelu(model.block.a(x))
+    h1 = F.gelu(model.block.b(h0))
+    h0.retain_grad(), h1.retain_grad()
+    out = model.head(torch.tanh(h1))
+    target = out.argmax(dim=1)
+    out.gather(1, target[:, None]).sum().backward()
+    for k, h in enumerate((h0, h1)):
+        np.testing.assert_allclose(data[f"captures/block/gelu.{k}/output"], h.detach(), rtol=1e-5)
+        np.testing.assert_allclose(
+            data[f"captures/block/gelu.{k}/grad_output"], h.grad, rtol=1e-5, atol=1e-7
+        )
+    assert "captures/model/tanh.0/output" not in data  # only the selected word
+
+
+def test_function_selector_narrowed_to_modules(tmp_path):
+    gelus = _hook("g", "output", function="gelu", name="block")
+    data = _run(TwoGelus(), _vectors(), tmp_path, *gelus)
+    assert "captures/block/gelu.1/output" in data
+    # tanh is called by the root's forward, not inside `block`: nothing to act on.
+    tanh = _hook("t", "output", function="tanh", name="block")
+    with pytest.raises(HookrunError, match=r"hooks.t.select.function: \['tanh'\] is never called"):
+        _run(TwoGelus(), _vectors(), tmp_path / "b", *tanh)
+
+
+def test_unknown_function_word_lists_the_valid_ones(tmp_path):
+    with pytest.raises(HookrunError, match=r"hooks.f.select.function: 'gelo' .*did you mean: gelu"):
+        _run(TwoGelus(), _vectors(), tmp_path, *_hook("f", "output", function="gelo"))
+
+
+class WeightUser(nn.Module):
+    """Uses `proj`'s weight through F.linear without calling `proj` (as attention code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.proj = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(F.linear(x, self.proj.weight, self.proj.bias)))
+
+
+def test_module_used_through_its_weight_is_captured_at_that_call(tmp_path):
+    hooks = [*_hook("p", "output", name="proj"), *_hook("pg", "grad_output", name="proj")]
+    data = _run(WeightUser(), _vectors(), tmp_path, *hooks)
+    model = WeightUser().eval()
+    x = torch.stack(_vectors())
+    h = F.linear(x, model.proj.weight, model.proj.bias)
+    h.retain_grad()
+    out = model.head(torch.relu(h))
+    out.gather(1, out.argmax(dim=1)[:, None]).sum().backward()
+    np.testing.assert_allclose(data["captures/proj/output"], h.detach(), rtol=1e-5)
+    np.testing.assert_allclose(data["captures/proj/grad_output"], h.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_swin_qkv_used_through_its_weight_is_found_and_refused_for_capture(tmp_path):
+    # Swin's attention calls F.linear with qkv's weight on windows folded into the batch
+    # axis ((N * windows, 49, C)): found, and refused rather than cut into wrong rows.
+    with pytest.raises(HookrunError, match=r"attn.qkv/output has no per-sample first axis"):
+        _run(
+            family("swin_t"),
+            images(32),
+            tmp_path,
+            *_hook("q", "output", name="features.1.0.attn.qkv"),
+        )
+
+
+def test_module_named_exactly_that_never_runs_is_refused(tmp_path):
+    # nn.MultiheadAttention's out_proj is used inside F.multi_head_attention_forward, a
+    # torch function whose inner calls no TorchFunctionMode sees: refused, never silent.
+    model = WeightUser()
+    model.spare = nn.Linear(6, 6)  # registered, never called, its weight never used
+    with pytest.raises(HookrunError, match=r"hooks.s.select.name: 'spare' never runs"):
+        _run(model, _vectors(), tmp_path, *_hook("s", "output", name="spare"))
