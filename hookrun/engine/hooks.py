@@ -72,6 +72,8 @@ class Recorder:
         self.store_dtype = store_dtype
         self.copier = copier or HostCopier()
         self.timer = timer or StageTimer(enabled=False)
+        # True while a derived method runs passes of its own: every hook stands aside.
+        self.paused = False
         self.begin(0)
 
     def begin(self, batch_start: int) -> None:
@@ -157,6 +159,8 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
     on_input, on_grad = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
 
     def hook(module: nn.Module, args: tuple) -> tuple | None:
+        if recorder.paused:
+            return None
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
         if on_input:
@@ -180,6 +184,8 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
     on_output, on_grad = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if recorder.paused:
+            return None
         call = recorder.calls[layer] - 1
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)

@@ -6,6 +6,7 @@
 | /samples/index, /samples/label, /samples/target | (N,) int64 | dataset index, label, target |
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
+| /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
@@ -47,11 +48,13 @@ __all__ = [
     "CapturesFile",
     "capture_key",
     "derived_key",
+    "gap_key",
     "chunk_shape",
     "open_readonly",
     "read_state",
     "captures_of",
     "derived_of",
+    "gaps_of",
     "rewrite_rows",
     "join_shards",
 ]
@@ -81,6 +84,15 @@ def capture_key(layer: str, site: str, call: int = 0, tensor: int = 0, n_tensors
 def derived_key(method: str, layer: str) -> str:
     """The HDF5 path of one derived result."""
     return f"derived/{method}/{layer}"
+
+
+def gap_key(method: str, layer: str) -> str:
+    """The HDF5 path of a derived result's completeness gap, (N,): Σ attributions minus
+    (f(input) − f(baseline)) per sample (integrated gradients)."""
+    return f"{derived_key(method, layer)}{_GAP}"
+
+
+_GAP = ".completeness_gap"
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -188,6 +200,16 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     """Every derived method → its layers → dataset."""
     group = f.get("derived", {})
     return {method: dict(g.items()) for method, g in group.items()}
+
+
+def gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
+    """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
+    return {
+        f"{method}/{layer.removesuffix(_GAP)}": ds
+        for method, layers in derived_of(f).items()
+        for layer, ds in layers.items()
+        if layer.endswith(_GAP)
+    }
 
 
 def _datasets(f: h5py.File) -> list[str]:
