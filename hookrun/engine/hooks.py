@@ -79,6 +79,7 @@ class Recorder:
     def begin(self, batch_start: int) -> None:
         """Start a batch whose first row is dataset position `batch_start`."""
         self.batch_start = batch_start
+        self.rows = torch.zeros(0, dtype=torch.int64)  # the batch's dataset indices (runner)
         self.records: dict[str, torch.Tensor] = {}
         self.calls: defaultdict[str, int] = defaultdict(int)
         # Where each backward pass must reach: one edge per hooked gradient tensor.
@@ -117,6 +118,10 @@ class _Context:
 
     def generator(self, device: torch.device) -> torch.Generator:
         return self.recorder.generator(self.hook, self.key, device)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.recorder.rows
 
 
 def _apply(

@@ -7,7 +7,7 @@ The plan is data, not behaviour: `hooks.attach()` turns it into registrations, a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -92,19 +92,24 @@ class HookPlan:
         """The hooks acting at (layer, site), in file order."""
         return [h for h in self.hooks if h.site == site and layer in h.layers]
 
-    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
-        """Per-sample shape of every capture dataset, from a probe's shapes."""
-        out: dict[str, tuple[int, ...]] = {}
+    def sites(
+        self, shapes: Mapping[str, list[CallShapes]]
+    ) -> Iterator[tuple[PlannedHook, str, tuple[int, ...]]]:
+        """(hook, capture path, per-sample shape) of every tensor a hook acts on in the probe."""
         for hook in self.hooks:
-            if not hook.action.captures:
-                continue
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     tensors = call_shapes.at(hook.site)
                     for i, shape in enumerate(tensors):
-                        key = capture_key(layer, hook.site, call, i, len(tensors))
-                        out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
-        return out
+                        yield hook, capture_key(layer, hook.site, call, i, len(tensors)), shape
+
+    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of every capture dataset, from a probe's shapes."""
+        return {
+            key: hook.action.stored_shape(shape, f"hooks.{hook.name}")
+            for hook, key, shape in self.sites(shapes)
+            if hook.action.captures
+        }
 
     def describe(
         self,

@@ -106,6 +106,9 @@ def prepare(
     sample = data[0][0].to(device)
     shapes, output_shape = probe_shapes(model, plan.layers, sample)
     check_target(spec.target, output_shape, has_labels(data))
+    for hook, site, shape in plan.sites(shapes):  # e.g. patch: its source file against the site
+        hook.action.prepare(shape, site, f"hooks.{hook.name}", len(data))
+    sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
     itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
@@ -124,7 +127,7 @@ def prepare(
         final_path=final_path,
         sink_path=sink_path,
         done=done,
-        header=provenance(spec, weights_file, device, world.size),
+        header=provenance(spec, weights_file, device, world.size, sources),
         timer=StageTimer(spec.profile, device),
         started=started,
     )

@@ -47,6 +47,7 @@ class BatchStep:
         inputs, labels, index = batch
         recorder, plan = self.recorder, self.plan
         recorder.begin(int(index[0]))
+        recorder.rows = index
         timer = recorder.timer
         inputs = inputs.to(self.device, non_blocking=True)
         self.inputs = inputs  # before any hook changed it: what derived passes start from

@@ -55,6 +55,8 @@ __all__ = [
     "captures_of",
     "derived_of",
     "gaps_of",
+    "stored_record",
+    "read_rows",
     "rewrite_rows",
     "join_shards",
 ]
@@ -86,13 +88,12 @@ def derived_key(method: str, layer: str) -> str:
     return f"derived/{method}/{layer}"
 
 
-def gap_key(method: str, layer: str) -> str:
-    """The HDF5 path of a derived result's completeness gap, (N,): Σ attributions minus
-    (f(input) − f(baseline)) per sample (integrated gradients)."""
-    return f"{derived_key(method, layer)}{_GAP}"
-
-
 _GAP = ".completeness_gap"
+
+
+def gap_key(method: str, layer: str) -> str:
+    """The path of a result's completeness gap (N,): Σ attributions − (f(x) − f(baseline))."""
+    return f"{derived_key(method, layer)}{_GAP}"
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -117,6 +118,8 @@ class Provenance:
     device: str
     hostname: str
     world_size: int
+    # Files read during the run (the `patch` action), JSON {hook: {file, sha256}}; "" if none.
+    patch_sources: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,12 +207,24 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
 
 def gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
     """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
-    return {
-        f"{method}/{layer.removesuffix(_GAP)}": ds
-        for method, layers in derived_of(f).items()
-        for layer, ds in layers.items()
-        if layer.endswith(_GAP)
-    }
+    found = [(m, k, ds) for m, group in derived_of(f).items() for k, ds in group.items()]
+    return {f"{m}/{k.removesuffix(_GAP)}": ds for m, k, ds in found if k.endswith(_GAP)}
+
+
+def stored_record(file: Path, record: str) -> tuple[FileState, tuple[int, ...] | None, list]:
+    """A stored file's state, the per-row shape of its dataset `record` (None: absent) and
+    every dataset it holds — what a run that reads it (`patch`) checks before starting."""
+    with open_readonly(file) as f:
+        ds = f.get(record)
+        shape = tuple(ds.shape[1:]) if isinstance(ds, h5py.Dataset) else None
+        return _state(f), shape, _datasets(f)
+
+
+def read_rows(file: Path, record: str, rows: np.ndarray) -> np.ndarray:
+    """Rows `rows` (any order, repeats allowed) of one dataset of a stored file."""
+    unique, inverse = np.unique(rows, return_inverse=True)  # HDF5 reads increasing rows
+    with open_readonly(file) as f:
+        return f[record][unique][inverse]
 
 
 def _datasets(f: h5py.File) -> list[str]:

@@ -38,6 +38,8 @@ def runs(tmp_path_factory):
         if name not in cache:
             run_dir = tmp_path_factory.mktemp(name)
             overrides = [f"experiment={name}", "limit=3", *FEWER_PASSES.get(name, [])]
+            if name == "patch":  # mean ablation needs a stored run of the same layer
+                overrides.append(f"hooks.ablate.args.file={get('grad_cam')[0].path}")
             result = run_config(run_dir, overrides, experiment=name)
             cache[name] = (result, read(result.path))
         return cache[name]
@@ -128,6 +130,7 @@ def test_every_experiment_file_is_tested():
                 "guided_grad_cam",
                 "integrated_gradients",
                 "layer_cam",
+                "patch",
                 "saliency",
                 "smoothgrad",
             ]
@@ -211,6 +214,18 @@ def test_guided_grad_cam_is_the_product_of_its_two_references(runs):
     close(data["captures/input/grad_output"], guided)
     up = F.interpolate(torch.from_numpy(cam)[:, None], size=(224, 224), mode="bilinear").numpy()
     close(data["derived/guided_grad_cam/features.18"], guided * up, rtol=1e-4)
+
+
+def test_patch_mean_ablation_is_the_classifier_on_the_mean_feature_map(runs):
+    _, source = runs("grad_cam")
+    _, data = runs("patch")
+    mean = source["captures/features.18/output"].astype(np.float64).mean(axis=0)
+    model = mobilenet()
+    with torch.no_grad():
+        pooled = torch.from_numpy(mean).float().mean(dim=(1, 2))[None]
+        expected = model.classifier(pooled).numpy()
+    for row in data["model/output"]:
+        close(row, expected[0], rtol=1e-5)
 
 
 def test_cam_matches_a_hand_written_cam(runs):
