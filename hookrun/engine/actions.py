@@ -43,6 +43,10 @@ class SiteContext(Protocol):
     def generator(self, device: torch.device) -> torch.Generator:
         """A random generator seeded for this hook and batch (same seed → same numbers)."""
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The dataset index (N,) of each row of the current batch."""
+
 
 class Action:
     """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
@@ -58,8 +62,16 @@ class Action:
     def check(cls, args: Any, key: str) -> None:
         """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
 
+    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+        """Check against the model, before any work: called once per site the probe saw
+        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1."""
+
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         raise NotImplementedError
+
+    def sources(self) -> dict[str, str]:
+        """Files the action reads ({file, sha256}), recorded in the run's provenance."""
+        return {}
 
     def describe(self) -> str:
         """`clamp{min=0.0}`: how the plan prints this action."""

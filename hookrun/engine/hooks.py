@@ -54,11 +54,14 @@ class Recorder:
         self.store_dtype = store_dtype
         self.copier = copier or HostCopier()
         self.timer = timer or StageTimer(enabled=False)
+        # True while a derived method runs passes of its own: every hook stands aside.
+        self.paused = False
         self.begin(0)
 
     def begin(self, batch_start: int) -> None:
         """Start a batch whose first row is dataset position `batch_start`."""
         self.batch_start = batch_start
+        self.rows = torch.zeros(0, dtype=torch.int64)  # the batch's dataset indices (runner)
         self.records: dict[str, torch.Tensor] = {}
         self.calls: defaultdict[str, int] = defaultdict(int)
         # Where each backward pass must reach: one edge per hooked gradient tensor.
@@ -97,6 +100,10 @@ class _Context:
 
     def generator(self, device: torch.device) -> torch.Generator:
         return self.recorder.generator(self.hook, self.key, device)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.recorder.rows
 
 
 def _apply(
@@ -139,6 +146,8 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
     on_input, on_grad = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
 
     def hook(module: nn.Module, args: tuple) -> tuple | None:
+        if recorder.paused:
+            return None
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
         if on_input:
@@ -160,6 +169,8 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
     on_output, on_grad = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if recorder.paused:
+            return None
         call = recorder.calls[layer] - 1
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)

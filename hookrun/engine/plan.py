@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -126,17 +126,19 @@ class HookPlan:
         """The hooks acting at (layer, site), in file order."""
         return [h for h in self.hooks if h.site == site and layer in h.layers]
 
-    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
-        """Per-sample shape of every capture dataset, from a probe's shapes."""
-        out: dict[str, tuple[int, ...]] = {}
+    def sites(
+        self, shapes: Mapping[str, list[CallShapes]]
+    ) -> Iterator[tuple[PlannedHook, str, tuple[int, ...]]]:
+        """(hook, capture path, per-sample shape) of every tensor a hook acts on in the probe.
+
+        A capture needs a row per sample: a leaf with no per-sample first axis is refused.
+        """
         for hook in self.hooks:
-            if not hook.action.captures:
-                continue
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     for leaf in call_shapes.at(hook.site):
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
-                        if not leaf.batched:
+                        if hook.action.captures and not leaf.batched:
                             raise HookrunError(
                                 f"hooks.{hook.name}: /{key} has no per-sample first axis "
                                 f"(shape {list(leaf.shape)} for a batch of 2: no batch axis, "
@@ -144,8 +146,15 @@ class HookPlan:
                                 " valid: leave it out with select.exclude, capture the module "
                                 "around it, or act on it without capturing"
                             )
-                        out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
-        return out
+                        yield hook, key, leaf.shape
+
+    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of every capture dataset, from a probe's shapes."""
+        return {
+            key: hook.action.stored_shape(shape, f"hooks.{hook.name}")
+            for hook, key, shape in self.sites(shapes)
+            if hook.action.captures
+        }
 
     def describe(
         self,

@@ -155,12 +155,15 @@ def _prepare(
     if never_ran:
         log.warning("selected modules that never run (nothing captured there): %s", never_ran)
     check_target(spec.target, output_shape, has_labels(data))
+    for hook, site, shape in plan.sites(shapes):  # e.g. patch: its source file against the site
+        hook.action.prepare(shape, site, f"hooks.{hook.name}", len(data))
+    sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
     itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
     kind = spec.target.kind.value
     header = replace(
-        provenance(spec, weights_file, device, world.size),
+        provenance(spec, weights_file, device, world.size, sources),
         data_files_sha256=files_fingerprint(data),
         never_ran=never_ran,
     )

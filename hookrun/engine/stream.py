@@ -14,11 +14,11 @@ from hookrun.engine.interrupt import until_signal
 from hookrun.engine.leaves import model_logits
 from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
-from hookrun.engine.targets import backward_seed, choose_targets
+from hookrun.engine.targets import backward_seed, choose_targets, target_scores
 from hookrun.engine.transfer import HostCopier
 from hookrun.io import layout
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.registry import derive
+from hookrun.methods.registry import BatchContext, derive
 from hookrun.scale import distributed
 from hookrun.spec.schema import TargetConfig
 
@@ -48,8 +48,10 @@ class BatchStep:
         inputs, labels, index = batch
         recorder, plan = self.recorder, self.plan
         recorder.begin(int(index[0]))
+        recorder.rows = index
         timer = recorder.timer
         inputs = inputs.to(self.device, non_blocking=True)
+        self.inputs = inputs  # before any hook changed it: what derived passes start from
         if plan.needs_backward:
             with torch.enable_grad():
                 with timer.stage("forward"):
@@ -65,12 +67,25 @@ class BatchStep:
                 output = model_logits(self.model(inputs))
                 targets = choose_targets(output, self.target, labels)
         recorder.record(layout.MODEL_OUTPUT, output)
+        self.targets = targets
         records = dict(recorder.records)
         records[layout.SAMPLES_INDEX] = index.to(torch.int64)
         records[layout.SAMPLES_TARGET] = targets
         if self.labelled:
             records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
         return records
+
+    def context(self) -> BatchContext:
+        """The last batch, as a derived method with passes of its own sees it."""
+        kind, recorder, device = self.target.kind, self.recorder, self.device
+        return BatchContext(
+            model=self.model,
+            inputs=self.inputs,
+            # A clone: targets chosen under inference_mode cannot take part in autograd.
+            targets=self.targets.clone().to(device),
+            score=lambda output, targets: target_scores(output, targets, kind),
+            generator=lambda name: recorder.generator(name, "input", device),
+        )
 
     def _backward(self, seed: torch.Tensor) -> None:
         passes = self.plan.backward_passes
@@ -117,6 +132,10 @@ def stream(run: Prepared) -> int:
                 for event in recorder.events:
                     event.synchronize()  # derived results read the host copies now
                 with timer.stage("derive"):
-                    records.update(derive(run.derivations, records))
+                    recorder.paused = True  # methods' own passes run on the bare model
+                    try:
+                        records.update(derive(run.derivations, records, step.context()))
+                    finally:
+                        recorder.paused = False
             sink.write(records, recorder.events, copier.give_back)
     return len(todo)

@@ -13,7 +13,7 @@ import torch
 from hookrun.errors import HookrunError
 from hookrun.spec.schema import TargetConfig, TargetKind
 
-__all__ = ["NO_TARGET", "check_target", "choose_targets", "backward_seed"]
+__all__ = ["NO_TARGET", "check_target", "choose_targets", "target_scores", "backward_seed"]
 
 # Stored in /samples/target when the backward pass starts from no single class (sum, none).
 NO_TARGET = -1
@@ -55,13 +55,19 @@ def choose_targets(
     return torch.full((n,), NO_TARGET, dtype=torch.int64)
 
 
+def target_scores(output: torch.Tensor, targets: torch.Tensor, kind: TargetKind) -> torch.Tensor:
+    """Each sample's score (N,) whose gradient is explained: its target logit, or the sum
+    of its outputs for target.kind=sum."""
+    flat = output.reshape(output.shape[0], -1)
+    if kind == TargetKind.sum:
+        return flat.sum(dim=1)
+    return flat.gather(1, targets.to(flat.device).unsqueeze(1)).squeeze(1)
+
+
 def backward_seed(output: torch.Tensor, targets: torch.Tensor, kind: TargetKind) -> torch.Tensor:
     """The scalar whose gradient the backward pass computes.
 
     Samples do not interact in eval mode, so the sum over the batch gives each sample the
     gradient of its own target logit.
     """
-    flat = output.reshape(output.shape[0], -1)
-    if kind == TargetKind.sum:
-        return flat.sum()
-    return flat.gather(1, targets.to(flat.device).unsqueeze(1)).sum()
+    return target_scores(output, targets, kind).sum()

@@ -6,15 +6,14 @@
 | /samples/index, /samples/label, /samples/target | (N,) int64 | dataset index, label, target |
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
+| /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
 
-Crash safety: datasets are created from the first batch, then the file switches to SWMR
-mode and is flushed after every batch; a writer killed at any moment leaves a file that
-opens read-only (`open_readonly`) with every row up to `completed` intact, still marked open
-for writing: `rewrite_rows` copies those rows into a fresh file that replaces it (HDF5 has
-no public call to clear that mark). Every user of the file goes through the functions here.
+Crash safety: SWMR mode once the first batch's datasets exist, a flush every batch; a killed
+writer's file opens read-only (`open_readonly`) with every row up to `completed` intact, and
+`rewrite_rows` copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ __all__ = [
     "CapturesFile",
     "capture_key",
     "derived_key",
+    "gap_key",
     "chunk_shape",
     "open_readonly",
     "never_written",
@@ -53,8 +53,10 @@ __all__ = [
     "captures_of",
     "dataset_names",
     "derived_of",
+    "gaps_of",
     "rewrite_rows",
-    "join_shards",
+    "write_header",
+    "mark_complete",
 ]
 
 SAMPLES_INDEX = "samples/index"
@@ -89,6 +91,14 @@ def derived_key(method: str, layer: str) -> str:
     return f"derived/{method}/{layer}"
 
 
+_GAP = ".completeness_gap"
+
+
+def gap_key(method: str, layer: str) -> str:
+    """The path of a result's completeness gap (N,): Σ attributions − (f(x) − f(baseline))."""
+    return f"{derived_key(method, layer)}{_GAP}"
+
+
 # The model input's pseudo-layer: the batch itself, and the input gradient.
 INPUT_PHOTO = capture_key("input", "output")
 INPUT_GRAD = capture_key("input", "grad_output")
@@ -115,6 +125,8 @@ class Provenance:
     data_files_sha256: str = ""
     # Modules a glob/type/regex selector matched that never ran: "hook: a, b; hook2: c".
     never_ran: str = ""
+    # Files read during the run (the `patch` action), JSON {hook: {file, sha256}}; "" if none.
+    patch_sources: str = ""
 
 
 @dataclass(frozen=True)
@@ -207,6 +219,12 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     return {method: dict(g.items()) for method, g in group.items()}
 
 
+def gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
+    """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
+    found = [(m, k, ds) for m, group in derived_of(f).items() for k, ds in group.items()]
+    return {f"{m}/{k.removesuffix(_GAP)}": ds for m, k, ds in found if k.endswith(_GAP)}
+
+
 def dataset_names(f: h5py.File) -> list[str]:
     """Every dataset's path in the file."""
     names: list[str] = []
@@ -214,7 +232,8 @@ def dataset_names(f: h5py.File) -> list[str]:
     return names
 
 
-def _write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
+def write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
+    """The provenance attributes (or any mapping of them) onto a new file."""
     items = dataclasses.asdict(header) if isinstance(header, Provenance) else header
     for key, value in items.items():
         f.attrs[key] = value
@@ -247,7 +266,7 @@ class CapturesFile:
     ) -> CapturesFile:
         # 'w-' refuses an existing file even if one appeared after the path was checked.
         f = h5py.File(path, "w" if overwrite else "w-", libver="latest")
-        _write_header(f, header)
+        write_header(f, header)
         f.attrs["error"] = ""
         f.attrs["status"] = "running"
         f.attrs["completed"] = 0
@@ -353,7 +372,7 @@ def rewrite_rows(path: Path) -> None:
     fresh = path.with_name(f".{path.name}.resume")
     with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
         rows = int(src.attrs["completed"])
-        _write_header(dst, dict(src.attrs.items()))
+        write_header(dst, dict(src.attrs.items()))
         for key in dataset_names(src):
             ds = src[key]
             out = dst.create_dataset(
@@ -373,38 +392,8 @@ def rewrite_rows(path: Path) -> None:
     fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
-def join_shards(
-    path: Path,
-    shards: list[Path],
-    samples: int,
-    header: Provenance | Mapping[str, Any],
-    replace: bool = False,
-) -> None:
-    """Write `path` as virtual datasets over complete shard files, in the given order; an
-    existing `path` only with `replace`. Raises ValueError naming an incomplete shard."""
-    opened = [h5py.File(s, "r") for s in shards]
-    try:
-        for shard, f in zip(shards, opened, strict=True):
-            if f.attrs.get("status") != "complete":
-                raise ValueError(f"the shard {shard} is not complete")
-        with h5py.File(path, "w" if replace else "w-", libver="latest") as out:
-            _write_header(out, header)
-            for key in dataset_names(opened[0]):
-                first = opened[0][key]
-                virtual = h5py.VirtualLayout(shape=(samples, *first.shape[1:]), dtype=first.dtype)
-                offset = 0
-                for shard, f in zip(shards, opened, strict=True):
-                    rows = f[key].shape[0]
-                    # A bare file name: HDF5 finds the shard next to captures.h5 wherever
-                    # the run directory is moved.
-                    virtual[offset : offset + rows] = h5py.VirtualSource(
-                        shard.name, key, shape=f[key].shape
-                    )
-                    offset += rows
-                out.create_virtual_dataset(key, virtual)
-            out.attrs["error"] = ""
-            out.attrs["completed"] = samples
-            out.attrs["status"] = "complete"
-    finally:
-        for f in opened:
-            f.close()
+def mark_complete(f: h5py.File, rows: int) -> None:
+    """The final attributes of a file written whole in one go (the torchrun join)."""
+    f.attrs["error"] = ""
+    f.attrs["completed"] = rows
+    f.attrs["status"] = "complete"

@@ -122,6 +122,19 @@ def summary(
         never_ran = layout.read_state(res.file).never_ran
         if never_ran:
             lines.append(f"selected but never ran (nothing stored there): {never_ran}")
+        for name, ds in layout.gaps_of(res.file).items():
+            lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
     rate = rows / seconds if seconds > 0 else float("inf")
     lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s")
     return "\n".join(lines)
+
+
+def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
+    """`integrated_gradients/input: worst completeness gap ... (sample #i)`."""
+    if not len(gap):
+        return f"{name}: no rows"
+    worst = int(np.abs(gap).argmax())
+    return (
+        f"{name}: worst completeness gap {float(gap[worst]):+.3g} (sample {int(index[worst])}; "
+        "sum of attributions minus f(x) - f(baseline); more steps make it smaller)"
+    )

@@ -3,13 +3,15 @@ raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
 
 A new method is one class registered with `@register_method(name)` in its own module under
 hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
-`derive.<name>:` accepts), the captures it `requires`, an optional `prepare` on the model
-before the first batch, and `compute` on one batch of records.
+`derive.<name>:` accepts) and `check`, the captures it `requires`, an optional `prepare` on
+the model before the first batch, and `compute` on one batch of records. A method that needs
+passes of its own over the input (integrated gradients, SmoothGrad) sets `runs_passes` and
+implements `passes` on a `BatchContext` instead; the run's hooks stand aside meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,6 +27,7 @@ __all__ = [
     "METHODS",
     "Method",
     "LayerArgs",
+    "BatchContext",
     "register_method",
     "Derivation",
     "plan_derivations",
@@ -38,6 +41,20 @@ class LayerArgs(Frozen):
     layer: str | None = None
 
 
+@dataclass(frozen=True)
+class BatchContext:
+    """One batch as a method with passes of its own sees it (the run's hooks stand aside)."""
+
+    model: nn.Module  # eval mode, parameters frozen
+    inputs: torch.Tensor  # (N, ...) on the run's device, as the data loader gave it
+    targets: torch.Tensor  # (N,) int64 on the device: the class each sample is explained for
+    # (output, targets) → (N,): each sample's score whose gradient is explained (the target
+    # logit, or the sum of the outputs for target.kind=sum).
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # name → a generator seeded by (run seed, name, the batch's first row).
+    generator: Callable[[str], torch.Generator]
+
+
 class Method:
     """Base class: `name` is the config word under `derive:`, `Args` its arguments."""
 
@@ -45,6 +62,12 @@ class Method:
     Args: ClassVar[type] = LayerArgs
     # Target kinds the method needs a class for (CAM reads the target's weights).
     needs_class: ClassVar[bool] = False
+    # True: the method runs its own forward/backward passes (`passes`), not `compute`.
+    runs_passes: ClassVar[bool] = False
+
+    @classmethod
+    def check(cls, args: Any, key: str) -> None:
+        """Refuse bad `args` (HookrunError naming `key.<x>`); called before any work."""
 
     def requires(self, args: Any) -> list[str]:
         """The capture datasets this method reads."""
@@ -55,6 +78,10 @@ class Method:
         return None
 
     def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def passes(self, args: Any, state: Any, batch: BatchContext) -> dict[str, torch.Tensor]:
+        """A `runs_passes` method's results for one batch, keyed by HDF5 path (host tensors)."""
         raise NotImplementedError
 
 
@@ -82,7 +109,8 @@ class Derivation:
 
     @property
     def key(self) -> str:
-        return layout.derived_key(self.method.name, str(self.args.layer))
+        # Methods that attribute the model input store at /derived/<method>/input.
+        return layout.derived_key(self.method.name, getattr(self.args, "layer", None) or "input")
 
 
 def plan_derivations(
@@ -103,6 +131,19 @@ def plan_derivations(
     return out
 
 
-def derive(derivations: list[Derivation], records: Mapping[str, torch.Tensor]) -> dict:
-    """The derived tensors for one batch of records, keyed by their HDF5 paths."""
-    return {d.key: d.method.compute(d.args, d.state, records) for d in derivations}
+def derive(
+    derivations: list[Derivation],
+    records: Mapping[str, torch.Tensor],
+    batch: BatchContext | None = None,
+) -> dict:
+    """The derived tensors for one batch of records, keyed by their HDF5 paths; `batch` is
+    what methods with passes of their own need."""
+    out = {}
+    for d in derivations:
+        if d.method.runs_passes:
+            if batch is None:
+                raise RuntimeError(f"{d.method.name} runs passes of its own: needs the batch")
+            out.update(d.method.passes(d.args, d.state, batch))
+        else:
+            out[d.key] = d.method.compute(d.args, d.state, records)
+    return out

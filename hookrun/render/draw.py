@@ -136,6 +136,8 @@ def render(
                 drawn.append((kind, "gradient", seed_normalize(grad)))
             for key, ds in derived.items():
                 value = ds[row].astype(np.float32)
+                if value.ndim < 2:  # a number per sample (a completeness gap): not a picture
+                    continue
                 if value.ndim == 2 and photo is not None:
                     drawn.append(
                         (key.replace("/", " @ "), key.replace("/", "_"), heat_overlay(photo, value))

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hookrun.errors import HookrunError
-from hookrun.io.layout import Provenance, join_shards
+from hookrun.io.layout import Provenance
+from hookrun.io.stored import join_shards
 
 __all__ = [
     "World",

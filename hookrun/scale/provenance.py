@@ -7,6 +7,7 @@ Same config + same seed → the same numbers in every dataset: torch, numpy and 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -75,9 +76,14 @@ def _git_commit() -> str:
 
 
 def provenance(
-    spec: RunSpec, weights_file: Path | None, device: torch.device, world_size: int
+    spec: RunSpec,
+    weights_file: Path | None,
+    device: torch.device,
+    world_size: int,
+    sources: dict[str, dict[str, str]] | None = None,
 ) -> Provenance:
-    """The root attributes of captures.h5: config, versions and where the numbers came from."""
+    """The root attributes of captures.h5: config, versions and where the numbers came from
+    (`sources`: files hooks read, e.g. patch's {hook: {file, sha256}})."""
     return Provenance(
         config=spec.config_yaml,
         experiment=spec.experiment or "",
@@ -92,4 +98,5 @@ def provenance(
         device=str(device),
         hostname=socket.gethostname(),
         world_size=world_size,
+        patch_sources=json.dumps(sources, sort_keys=True) if sources else "",
     )

@@ -124,6 +124,12 @@ def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
                 f"{key}.layer: {node!r} names no layer; set model.cam_layer=NAME (the model "
                 f"presets set it) or {key}.layer"
             )
+        method.check(args, key)
+        if method.runs_passes and target.kind == TargetKind.none:
+            raise HookrunError(
+                f"target.kind: 'none' gives {name} nothing to explain; valid: predicted, label, "
+                "index, sum"
+            )
         if method.needs_class and target.kind in (TargetKind.sum, TargetKind.none):
             raise HookrunError(
                 f"target.kind: {target.kind.value!r} has no class for {name}; valid: predicted, "

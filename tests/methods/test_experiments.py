@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torchvision
 from conftest import CONF, read, run_config
 from PIL import Image
+from pytorch_grad_cam import GradCAMPlusPlus, LayerCAM
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
@@ -20,6 +21,12 @@ from hookrun.errors import HookrunError
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CAT_CLASSES = range(281, 286)  # ImageNet's tabby, tiger cat, Persian, Siamese, Egyptian cat
+# Fewer passes for the methods with passes of their own (tests/methods/test_attribution.py
+# checks their numbers); the picture test only needs their files.
+FEWER_PASSES = {
+    "integrated_gradients": ["derive.integrated_gradients.steps=4"],
+    "smoothgrad": ["derive.smoothgrad.samples=3"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +37,10 @@ def runs(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             run_dir = tmp_path_factory.mktemp(name)
-            result = run_config(run_dir, [f"experiment={name}", "limit=3"], experiment=name)
+            overrides = [f"experiment={name}", "limit=3", *FEWER_PASSES.get(name, [])]
+            if name == "patch":  # mean ablation needs a stored run of the same layer
+                overrides.append(f"hooks.ablate.args.file={get('grad_cam')[0].path}")
+            result = run_config(run_dir, overrides, experiment=name)
             cache[name] = (result, read(result.path))
         return cache[name]
 
@@ -114,10 +124,15 @@ def test_every_experiment_file_is_tested():
                 "capture",
                 "feature_maps",
                 "grad_cam",
+                "grad_cam_pp",
                 "grad_scale",
                 "guided_bp",
                 "guided_grad_cam",
+                "integrated_gradients",
+                "layer_cam",
+                "patch",
                 "saliency",
+                "smoothgrad",
             ]
         )
         == EXPERIMENTS
@@ -159,6 +174,35 @@ def test_grad_cam_matches_a_hand_written_grad_cam(runs):
     close(data["derived/grad_cam/features.18"], cam, rtol=1e-4)
 
 
+def pytorch_grad_cam_map(name: str, a: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    """pytorch-grad-cam's map before its scaling and resizing: its own weight code on the
+    hand-computed activations and gradients, then the ReLU its compute_cam_per_layer applies."""
+    model = mobilenet()
+    layer = [model.features[18]]
+    if name == "grad_cam_pp":
+        weights = GradCAMPlusPlus(model, layer).get_cam_weights(None, layer, None, a, grad)
+        cam = (weights[:, :, None, None] * a).sum(axis=1)
+    else:
+        cam = LayerCAM(model, layer).get_cam_image(None, layer[0], None, a, grad, False)
+    return np.maximum(cam, 0)
+
+
+@pytest.mark.parametrize("name", ["grad_cam_pp", "layer_cam"])
+def test_grad_cam_pp_and_layer_cam_equal_pytorch_grad_cam(runs, name):
+    _, data = runs(name)
+    x = torch.from_numpy(data["captures/input/output"])
+    a, grad, grad_cam = plain_grad_cam(x, data["samples/target"])
+    close(data["captures/features.18/grad_output"], grad)
+    got = data[f"derived/{name}/features.18"]
+    assert got.shape == (3, 7, 7)
+    expected = pytorch_grad_cam_map(name, a, grad)
+    error = float(np.abs(got - expected).max() / np.abs(expected).max())
+    print(f"{name}: max error relative to pytorch-grad-cam {error:.2e}")
+    assert error < 2e-3
+    # A different map from Grad-CAM's (the weighting did something).
+    assert np.abs(got / got.max() - grad_cam / grad_cam.max()).max() > 0.05
+
+
 def test_guided_grad_cam_is_the_product_of_its_two_references(runs):
     _, data = runs("guided_grad_cam")
     x = torch.from_numpy(data["captures/input/output"])
@@ -170,6 +214,18 @@ def test_guided_grad_cam_is_the_product_of_its_two_references(runs):
     close(data["captures/input/grad_output"], guided)
     up = F.interpolate(torch.from_numpy(cam)[:, None], size=(224, 224), mode="bilinear").numpy()
     close(data["derived/guided_grad_cam/features.18"], guided * up, rtol=1e-4)
+
+
+def test_patch_mean_ablation_is_the_classifier_on_the_mean_feature_map(runs):
+    _, source = runs("grad_cam")
+    _, data = runs("patch")
+    mean = source["captures/features.18/output"].astype(np.float64).mean(axis=0)
+    model = mobilenet()
+    with torch.no_grad():
+        pooled = torch.from_numpy(mean).float().mean(dim=(1, 2))[None]
+        expected = model.classifier(pooled).numpy()
+    for row in data["model/output"]:
+        close(row, expected[0], rtol=1e-5)
 
 
 def test_cam_matches_a_hand_written_cam(runs):
