@@ -104,10 +104,16 @@ class GradCAM(Method):
     def prepare(self, args: CamArgs, model: nn.Module, sample: torch.Tensor) -> Grid:
         return layer_grid(args, model, sample, self.name)[0]
 
-    def compute(self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]) -> Any:
+    def maps(
+        self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's activation and its gradient, both as (N, C, H, W) floats."""
         activation = _channels_first(records, layout.capture_key(args.layer, "output"), state)
         gradient = _channels_first(records, layout.capture_key(args.layer, "grad_output"), state)
-        return _grad_cam(activation, gradient)
+        return activation, gradient
+
+    def compute(self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]) -> Any:
+        return _grad_cam(*self.maps(args, state, records))
 
 
 @register_method("cam")

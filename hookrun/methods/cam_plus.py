@@ -5,19 +5,19 @@
 - layer_cam: LayerCAM (Jiang et al. 2021), relu(Σ_k relu(g^k) ⊙ A^k): each position weighted
   by its own positive gradient, so shallow layers give fine-grained maps.
 
-The math is written on channels-first (N, C, H, W) tensors in the two functions below; other
-layouts are moved to channels-first before they are called.
+The math is written on channels-first (N, C, H, W) tensors in the two functions below; the
+layer's layout (channels-last, tokens) is converted first, as for Grad-CAM (methods/cam.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from hookrun.methods.cam import GradCAM
-from hookrun.methods.registry import LayerArgs, register_method
+from hookrun.methods.cam import CamArgs, GradCAM
+from hookrun.methods.layouts import Grid
+from hookrun.methods.registry import register_method
 
 __all__ = ["grad_cam_pp_map", "layer_cam_map", "GradCAMPlusPlus", "LayerCAM"]
 
@@ -48,10 +48,9 @@ class _CamFromGradients(GradCAM):
         raise NotImplementedError
 
     def compute(
-        self, args: LayerArgs, state: Any, records: Mapping[str, torch.Tensor]
+        self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        activation, gradient = (records[k] for k in self.requires(args))
-        return self._map(activation, gradient)
+        return self._map(*self.maps(args, state, records))  # any layout, as (N, C, H, W)
 
 
 @register_method("grad_cam_pp")

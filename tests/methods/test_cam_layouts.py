@@ -184,3 +184,25 @@ def test_auto_cam_layer_end_to_end_on_swin(tmp_path, monkeypatch):
     target = data["samples/target"]
     expected = _reference(reference_model, "permute", torch.stack(xs), target, None, monkeypatch)
     np.testing.assert_allclose(data[key], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("name", ["vit_b_16", "swin_t"])
+@pytest.mark.parametrize("method", ["grad_cam_pp", "layer_cam"])
+def test_grad_cam_pp_and_layer_cam_on_tokens_and_channels_last(tmp_path, monkeypatch, name, method):
+    """Grad-CAM++ and LayerCAM go through the same layout conversion as Grad-CAM."""
+    from pytorch_grad_cam import GradCAMPlusPlus, LayerCAM
+
+    layer, size, transform = CASES[name]
+    model = family_vit(size) if name == "vit_b_16" else family(name, seed=2)
+    reference_model = copy.deepcopy(model)
+    xs = images(size)
+    data = _run(method, model, xs, tmp_path, f"model.cam_layer={layer}")
+    got = data[f"derived/{method}/{layer}"]
+    monkeypatch.setattr(pytorch_grad_cam.base_cam, "scale_cam_image", lambda cam, size=None: cam)
+    module = dict(reference_model.named_modules())[layer]
+    cls = GradCAMPlusPlus if method == "grad_cam_pp" else LayerCAM
+    targets = [ClassifierOutputTarget(int(t)) for t in data["samples/target"]]
+    with cls(model=reference_model, target_layers=[module], reshape_transform=transform) as cam:
+        expected = cam(torch.stack(xs), targets=targets)
+    assert got.shape == expected.shape and np.abs(expected).max() > 0
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max())
