@@ -95,9 +95,16 @@ def open_results(path: str | Path) -> Results:
 
 
 def summary(
-    path: Path, seconds: float, class_names: list[str] | None, images: Path | None, show: int = 8
+    path: Path,
+    seconds: float,
+    class_names: list[str] | None,
+    images: Path | None,
+    show: int = 8,
+    computed: int | None = None,
 ) -> str:
-    """The end-of-run text: where things are, rows, top-1 classes, time and throughput."""
+    """The end-of-run text: where things are, rows, top-1 classes, time and throughput.
+    `computed`: the rows this process computed (a resumed run found the others done), which
+    is what the throughput counts."""
     with Results(path) as res:
         rows = res.completed
         lines = [
@@ -119,6 +126,8 @@ def summary(
                 lines.append(f"  sample {int(i)}: top-1 {name} (p={prob[top]:.2f})")
             if rows > show:
                 lines.append(f"  ... {rows - show} more")
-    rate = rows / seconds if seconds > 0 else float("inf")
-    lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s")
+    done_here = rows if computed is None else computed
+    rate = done_here / seconds if seconds > 0 else float("inf")
+    note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
+    lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s{note}")
     return "\n".join(lines)

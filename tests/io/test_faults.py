@@ -118,6 +118,29 @@ def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path)
     assert attrs(path)["status"] == "complete"
 
 
+def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
+    """ENOSPC on a real 3 MiB tmpfs (mounting needs root: skipped where it cannot)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_file_size_limit covers EFBIG")
+    try:
+        args = [*RUN, "dataset.size=96", f"sink.path={disk / 'captures.h5'}"]
+        reference = read(run_config(tmp_path / "reference", RUN + ["dataset.size=96"]).path)
+        code, err = finish(spawn([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
+        assert code == 1 and "[Errno 28] No space left on device" in one_line(err), err[-2000:]
+        state = attrs(disk / "captures.h5")
+        assert state["status"] == "failed" and 0 < state["completed"] < 96
+        subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)  # room made
+        resume = [*args, f"hydra.run.dir={tmp_path / 'run'}", "resume=true"]
+        code, err = finish(spawn(resume, tmp_path))
+        assert code == 0, err[-2000:]
+        assert_same_bytes(disk / "captures.h5", reference)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, signum, code):
     args = [*RUN, "dataset.size=200"]
