@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from conftest import hook, read, run_config
 
 from hookrun.errors import HookrunError
@@ -255,3 +256,48 @@ def test_killed_before_its_first_row_resume_starts_it_over(tmp_path):
     rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
     assert rc == 0, err[-2000:]
     assert_same_bytes(path, read(run_config(tmp_path / "reference", args).path))
+
+
+class SignalsItself(torch.utils.data.Dataset):
+    """Eight rows of width 4; reading row `at` sends this process `signum` (once)."""
+
+    def __init__(self, signum: int | None, at: int = 5) -> None:
+        self.signum, self.at = signum, at
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.at and self.signum is not None:
+            os.kill(os.getpid(), self.signum)
+            self.signum = None
+        return torch.linspace(-1, 1, 4) * (index + 1)
+
+
+def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
+    from models_for_tests import TwiceNet
+
+    import hookrun
+    from hookrun.errors import Interrupted
+
+    overrides = ["batch_size=2", "render=false", "progress=false"]
+    overrides += hook("c", "fc", "output", "capture") + hook("g", "relu", "grad_input", "capture")
+    model = TwiceNet()
+    with pytest.raises(Interrupted) as err:
+        hookrun.run(overrides, model=model, dataset=SignalsItself(signal.SIGTERM), run_dir=tmp_path)
+    assert err.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the caller's handler is back
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+        assert not module._backward_hooks and not module._backward_pre_hooks
+    state = attrs(tmp_path / "captures.h5")
+    # Row 5 was read in batch [4, 5]: that batch finishes and is written, nothing after it.
+    assert state["status"] == "interrupted" and state["completed"] == 6
+    assert "SIGTERM" in state["error"]
+    resumed = hookrun.run(
+        [*overrides, "resume=true"], model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path
+    )
+    clean = hookrun.run(
+        overrides, model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path / "clean"
+    )
+    assert_same_bytes(resumed.path, read(clean.path))
