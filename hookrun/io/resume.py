@@ -38,6 +38,7 @@ RESUME_IGNORES = (
     "sink.overwrite",
     "sink.queue_depth",
     "sink.path",
+    "sink.checksum",  # a resumed file keeps the filters its datasets were created with
 )
 
 

@@ -45,3 +45,12 @@ def test_throughput_after_resume_counts_only_the_rows_computed(tmp_path):
     seconds, rate = re.search(r"time: ([\d.]+) s, ([\d.]+) samples/s", resumed.summary).groups()
     # rate × time ≈ 32 rows, not 64 (the time is printed to 0.1 s: midway as the bound)
     assert float(rate) * float(seconds) < 48
+
+
+def test_checksums_on_by_default_and_off_when_asked(tmp_path):
+    small = ["model=seed_mlp", "dataset=constant", "dataset.shape=[3]", "dataset.size=2"]
+    for flag, expected in (([], True), (["sink.checksum=false"], False)):
+        path = run_config(tmp_path / str(expected), [*small, *flag, "render=false"]).path
+        with h5py.File(path) as f:
+            filters = [f[name].fletcher32 for name in ("model/output", "samples/index")]
+        assert filters == [expected, expected]
