@@ -144,7 +144,7 @@ def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, signum, code):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "signalled"
     path = run_dir / "captures.h5"
     proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -155,7 +155,7 @@ def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, sig
     assert signal.Signals(signum).name in one_line(err)
     state = attrs(path)
     assert state["status"] == "interrupted" and signal.Signals(signum).name in state["error"]
-    assert seen <= int(state["completed"]) < 200
+    assert seen <= int(state["completed"]) < 60
     if signum != signal.SIGTERM:
         return  # one resume is enough to show the rows continue to the same bytes
     reference = read(run_config(tmp_path / "reference", args).path)
@@ -165,7 +165,7 @@ def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, sig
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=100"]
     run_dir = tmp_path / "run"
     first = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
@@ -194,7 +194,7 @@ def test_two_runs_racing_for_one_sink_path_one_wins(tmp_path):
 
 
 def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
     proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
