@@ -1,3 +1,3 @@
-"""hookrun's version (one place; pyproject.toml reads it too)."""
+"""hookrun's version, in one place (pyproject.toml reads it from here)."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""The house rules the restructure set up, checked on every test run: one module owns the
+captures.h5 layout, no import cycle, at most 6 parameters, at most 400 lines, and nothing in
+the repository points outside it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = sorted((ROOT / "hookrun").rglob("*.py"))
+# A captures.h5 path or a root attribute, spelled out.
+LAYOUT = re.compile(
+    r"""f?["'](captures|samples|derived)/|\.attrs\[|\.attrs\.get\(|attrs\.update\("""
+)
+
+
+def _name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_one_module_spells_the_captures_layout():
+    owners = [p.relative_to(ROOT).as_posix() for p in MODULES if LAYOUT.search(p.read_text())]
+    assert owners == ["hookrun/io/layout.py"]
+
+
+def test_no_import_cycles():
+    names = {_name(p): p for p in MODULES}
+    graph: dict[str, set[str]] = {n: set() for n in names}
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module in names:
+                targets = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                graph[name] |= {t for t in targets if t in names and t != name}
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        assert node not in stack, " -> ".join([*stack, node])
+        if node in done:
+            return
+        for nxt in graph[node]:
+            visit(nxt, [*stack, node])
+        done.add(node)
+
+    for name in graph:
+        visit(name, [])
+
+
+def test_functions_take_at_most_six_parameters_and_modules_stay_small():
+    wide, long = [], []
+    for path in MODULES:
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            long.append(path.name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                if len([p for p in params if p not in ("self", "cls")]) > 6:
+                    wide.append(f"{path.name}:{node.name}")
+    assert not wide and not long
+
+
+def test_nothing_points_outside_the_repository():
+    files = [*MODULES, *(ROOT / "conf").rglob("*.yaml"), *(ROOT / "tests").rglob("*.py")]
+    files += [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / ".ci" / "run"]
+    outside = "../" + "shared"  # split so this file does not name it
+    assert [p.name for p in files if outside in p.read_text()] == []
