@@ -67,7 +67,8 @@ def finish(run: Prepared, rows_here: int) -> Result:
         if not render(run.final_path, images, spec.render_max, tensorboard, run.plan_text):
             images = None
     seconds = time.perf_counter() - run.started
-    text = summary(run.final_path, seconds, class_names(spec.model), images)
+    computed = rows_here if spec.resume or world.parallel else None
+    text = summary(run.final_path, seconds, class_names(spec.model), images, computed=computed)
     if spec.profile:
         text += "\n" + run.timer.report(seconds)
     log.info("\n%s", text)

@@ -118,6 +118,7 @@ def stream(run: Prepared) -> int:
         queue_depth=spec.sink.queue_depth,
         overwrite=spec.sink.overwrite,
         expected_rows=len(mine),
+        checksum=spec.sink.checksum,
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))

@@ -359,7 +359,9 @@ class CapturesFile:
             else:
                 self.file.attrs["status"] = "interrupted" if interrupted else "failed"
                 self.file.attrs["error"] = f"{type(error).__name__}: {error}"
+            path = Path(self.file.filename)
             self.file.close()
+            storage.trim(path)
         except (OSError, RuntimeError):
             self.broken = True
             storage.abandon(self.file)

@@ -34,6 +34,11 @@ class WriterLock:
         self._fd: int | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise HookrunError(
+                f"sink.path: cannot create folder {self.path.parent} ({err.strerror})"
+            ) from None
+        try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise HookrunError(

@@ -95,9 +95,16 @@ def open_results(path: str | Path) -> Results:
 
 
 def summary(
-    path: Path, seconds: float, class_names: list[str] | None, images: Path | None, show: int = 8
+    path: Path,
+    seconds: float,
+    class_names: list[str] | None,
+    images: Path | None,
+    show: int = 8,
+    computed: int | None = None,
 ) -> str:
-    """The end-of-run text: where things are, rows, top-1 classes, time and throughput."""
+    """The end-of-run text: where things are, rows, top-1 classes, time and throughput.
+    `computed`: the rows this process computed (a resumed run found the others done), which
+    is what the throughput counts."""
     with Results(path) as res:
         rows = res.completed
         lines = [
@@ -124,8 +131,10 @@ def summary(
             lines.append(f"selected but never ran (nothing stored there): {never_ran}")
         for name, ds in layout.gaps_of(res.file).items():
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
-    rate = rows / seconds if seconds > 0 else float("inf")
-    lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s")
+    done_here = rows if computed is None else computed
+    rate = done_here / seconds if seconds > 0 else float("inf")
+    note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
+    lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s{note}")
     return "\n".join(lines)
 
 

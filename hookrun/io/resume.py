@@ -38,6 +38,7 @@ RESUME_IGNORES = (
     "sink.overwrite",
     "sink.queue_depth",
     "sink.path",
+    "sink.checksum",  # a resumed file keeps the filters its datasets were created with
 )
 
 
@@ -52,10 +53,11 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
     return config
 
 
-def resume_point(path: Path, config_yaml: str) -> int:
+def resume_point(path: Path, config_yaml: str, complete_ok: bool = False) -> int:
     """Rows already complete in the captures.h5 a resumed run continues (0: none, the run
     starts it, or starts it over); HookrunError for a cut, foreign, complete or differently
-    configured file."""
+    configured file. `complete_ok`: a complete file is fine (a torchrun shard that finished
+    before another rank was killed) and gives all its rows."""
     if not path.exists():
         # A requeued job killed before its file existed: nothing to continue, so start.
         log.warning("resume: there is no %s yet; starting it", path)
@@ -69,7 +71,7 @@ def resume_point(path: Path, config_yaml: str) -> int:
         raise HookrunError(f"resume: {path} is not a readable HDF5 file ({err})") from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
-    if state.status == "complete":
+    if state.status == "complete" and not complete_ok:
         raise HookrunError(
             f"resume: {path} is already complete ({state.completed} rows); nothing to do"
         )

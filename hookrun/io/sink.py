@@ -38,10 +38,11 @@ class SinkOptions:
     queue_depth: int = 4
     overwrite: bool = False
     expected_rows: int | None = None
+    checksum: bool = True  # fletcher32 per chunk (off only to measure what it costs)
 
     @property
     def file_options(self) -> FileOptions:
-        return FileOptions(self.dtype, self.compression, self.expected_rows)
+        return FileOptions(self.dtype, self.compression, self.expected_rows, self.checksum)
 
 
 def check_sink_path(path: Path, overwrite: bool) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "abandon",
     "stored_eof",
     "cut_short",
+    "trim",
 ]
 
 # Chunks of about 1 MiB along the sample axis: large enough for fast appends, small
@@ -116,6 +117,14 @@ def stored_eof(path: Path) -> int | None:
     if len(head) < 36 or head[:8] != _SIGNATURE or head[8] not in (2, 3, 4) or head[9] != 8:
         return None
     return int.from_bytes(head[28:36], "little")
+
+
+def trim(path: Path) -> None:
+    """Give back the room `reserve` took and HDF5 did not use: cut a cleanly closed file at
+    the end its superblock records (HDF5 itself only shrinks to its own idea of the end)."""
+    eof = stored_eof(path)
+    if eof is not None and path.stat().st_size > eof:
+        os.truncate(path, eof)
 
 
 def cut_short(path: Path) -> str | None:

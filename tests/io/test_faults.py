@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from conftest import hook, read, run_config
 
 from hookrun.errors import HookrunError
@@ -118,9 +119,32 @@ def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path)
     assert attrs(path)["status"] == "complete"
 
 
+def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
+    """ENOSPC on a real 3 MiB tmpfs (mounting needs root: skipped where it cannot)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_file_size_limit covers EFBIG")
+    try:
+        args = [*RUN, "dataset.size=96", f"sink.path={disk / 'captures.h5'}"]
+        reference = read(run_config(tmp_path / "reference", RUN + ["dataset.size=96"]).path)
+        code, err = finish(spawn([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
+        assert code == 1 and "[Errno 28] No space left on device" in one_line(err), err[-2000:]
+        state = attrs(disk / "captures.h5")
+        assert state["status"] == "failed" and 0 < state["completed"] < 96
+        subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)  # room made
+        resume = [*args, f"hydra.run.dir={tmp_path / 'run'}", "resume=true"]
+        code, err = finish(spawn(resume, tmp_path))
+        assert code == 0, err[-2000:]
+        assert_same_bytes(disk / "captures.h5", reference)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, signum, code):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "signalled"
     path = run_dir / "captures.h5"
     proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -131,7 +155,7 @@ def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, sig
     assert signal.Signals(signum).name in one_line(err)
     state = attrs(path)
     assert state["status"] == "interrupted" and signal.Signals(signum).name in state["error"]
-    assert seen <= int(state["completed"]) < 200
+    assert seen <= int(state["completed"]) < 60
     if signum != signal.SIGTERM:
         return  # one resume is enough to show the rows continue to the same bytes
     reference = read(run_config(tmp_path / "reference", args).path)
@@ -141,7 +165,7 @@ def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, sig
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=100"]
     run_dir = tmp_path / "run"
     first = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
@@ -170,7 +194,7 @@ def test_two_runs_racing_for_one_sink_path_one_wins(tmp_path):
 
 
 def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
-    args = [*RUN, "dataset.size=200"]
+    args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
     proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -232,3 +256,48 @@ def test_killed_before_its_first_row_resume_starts_it_over(tmp_path):
     rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
     assert rc == 0, err[-2000:]
     assert_same_bytes(path, read(run_config(tmp_path / "reference", args).path))
+
+
+class SignalsItself(torch.utils.data.Dataset):
+    """Eight rows of width 4; reading row `at` sends this process `signum` (once)."""
+
+    def __init__(self, signum: int | None, at: int = 5) -> None:
+        self.signum, self.at = signum, at
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.at and self.signum is not None:
+            os.kill(os.getpid(), self.signum)
+            self.signum = None
+        return torch.linspace(-1, 1, 4) * (index + 1)
+
+
+def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
+    from models_for_tests import TwiceNet
+
+    import hookrun
+    from hookrun.errors import Interrupted
+
+    overrides = ["batch_size=2", "render=false", "progress=false"]
+    overrides += hook("c", "fc", "output", "capture") + hook("g", "relu", "grad_input", "capture")
+    model = TwiceNet()
+    with pytest.raises(Interrupted) as err:
+        hookrun.run(overrides, model=model, dataset=SignalsItself(signal.SIGTERM), run_dir=tmp_path)
+    assert err.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the caller's handler is back
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+        assert not module._backward_hooks and not module._backward_pre_hooks
+    state = attrs(tmp_path / "captures.h5")
+    # Row 5 was read in batch [4, 5]: that batch finishes and is written, nothing after it.
+    assert state["status"] == "interrupted" and state["completed"] == 6
+    assert "SIGTERM" in state["error"]
+    resumed = hookrun.run(
+        [*overrides, "resume=true"], model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path
+    )
+    clean = hookrun.run(
+        overrides, model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path / "clean"
+    )
+    assert_same_bytes(resumed.path, read(clean.path))
