@@ -305,10 +305,7 @@ def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dic
                     f"{key}.{what}, and no other hook applies the same rule; valid: a "
                     "function the model calls, or modules it has (see dry_run=true)"
                 )
-            idle[hook.name] = [
-                f"no call of {', '.join(hook.functions)}" if hook.functions else "no module"
-            ]
-            continue
+            continue  # the other hook of the same rule acts: nothing is missing
         missing = [layer for layer in hook.layers if not _reached(hook, layer, shapes)]
         named = [layer for layer in missing if layer in hook.exact]
         if named:
