@@ -2,9 +2,10 @@
 
 The pick is the last module to finish (in forward order) whose output is a spatial map —
 a layout `decide_grid` can tell — and through which the target logit's gradient reaches
-more than one cell of the grid (or the grid is a single cell), up to the first adaptive
-(global) pooling module: what follows it is the head. Pooling modules and Linear layers
-(projections such as a ViT block's qkv, not the token stream) are skipped.
+more than one cell of the grid (or the grid is a single cell), up to the global pooling
+(the first adaptive pooling after which no map has more than one cell): then the head.
+Pooling modules and Linear layers (projections such as a ViT block's qkv, not the token
+stream) are skipped.
 So a CNN gets its last feature maps (resnet: layer4), Swin its channels-last `norm`/`permute`,
 and ViT the last module before the final attention (encoder_layer_11.ln_1): after that
 attention only the class token reaches the head, and Grad-CAM there would be all zeros.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -43,13 +45,13 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
     image = (int(sample.shape[-2]), int(sample.shape[-1]))
     prefix = prefix_tokens_of(model)
     found: list[tuple[str, Any, torch.Tensor]] = []
-    head: list[int] = []  # where the head begins: the first adaptive pooling
+    pools: list[int] = []  # where adaptive poolings happened, as positions in `found`
     handles = []
 
     def keep(name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if type(module).__name__.startswith("Adaptive") and not head:
-                head.append(len(found))
+            if type(module).__name__.startswith("Adaptive"):
+                pools.append(len(found))
             if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
                 return
             if "Pool" in type(module).__name__ or not output.requires_grad or output.dim() < 3:
@@ -85,7 +87,12 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
     finally:
         for handle in handles:
             handle.remove()
-    return found[: head[0]] if head else found
+    # The head begins at the first adaptive pooling after which no map has more than one
+    # cell (a squeeze-excitation block's pooling is followed by more maps).
+    for at in pools:
+        if all(math.prod(grid.size) == 1 for _, grid, _ in found[at:]):
+            return found[:at]
+    return found
 
 
 def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from any_models import family, images
+from any_models import Functional, family, images
 from conftest import read
 from torch import nn
 
@@ -131,3 +131,12 @@ def test_module_named_exactly_that_never_runs_is_refused(tmp_path):
     model.spare = nn.Linear(6, 6)  # registered, never called, its weight never used
     with pytest.raises(HookrunError, match=r"hooks.s.select.name: 'spare' never runs"):
         _run(model, _vectors(), tmp_path, *_hook("s", "output", name="spare"))
+
+
+def test_function_sites_are_layers_of_the_reader_and_the_pictures(tmp_path):
+    overrides = ["experiment=saliency", "render=true", *_hook("g", "output", function="gelu")]
+    result = hookrun.run(overrides, model=Functional(), dataset=images(10, n=1), run_dir=tmp_path)
+    with result.open() as res:
+        assert {"model/gelu.0", "input"} <= set(res.layers)
+        assert res.layers["model/gelu.0"]["output"] == (1, 6, 10, 10)
+    assert result.images is not None and any(result.images.glob("*.png"))

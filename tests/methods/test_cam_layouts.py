@@ -165,7 +165,12 @@ def test_bad_layout_word_lists_the_choices(tmp_path):
 
 @pytest.mark.parametrize(
     "name,expected",
-    [("resnet18", "layer4"), ("convnext_tiny", "features"), ("vit_b_16", "ln_1")],
+    [
+        ("resnet18", "layer4"),
+        ("convnext_tiny", "features"),
+        ("mobilenet_v3_small", "features"),  # its squeeze-excitation poolings are not the head
+        ("vit_b_16", "ln_1"),
+    ],
 )
 def test_auto_cam_layer_is_the_last_map_the_gradient_reaches(name, expected):
     model = family_vit(64) if name == "vit_b_16" else family(name)
