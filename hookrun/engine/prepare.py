@@ -106,7 +106,7 @@ def prepare(
     spec = resolve_cam_layer(spec, model, sample)
     plan = compile_plan(spec.hooks, model)
     shapes, output_shape, plan = probe_shapes(model, plan, sample)
-    idle = check_reached(plan, shapes)
+    plan, idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:
         log.warning("selected modules that never run (nothing captured there): %s", never_ran)

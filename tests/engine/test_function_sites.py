@@ -140,3 +140,12 @@ def test_function_sites_are_layers_of_the_reader_and_the_pictures(tmp_path):
         assert {"model/gelu.0", "input"} <= set(res.layers)
         assert res.layers["model/gelu.0"]["output"] == (1, 6, 10, 10)
     assert result.images is not None and any(result.images.glob("*.png"))
+
+
+def test_swin_bulk_capture_skips_and_lists_what_it_cannot_store(tmp_path):
+    overrides = ["experiment=capture", "render=false", "++hooks.capture.select.type=Linear"]
+    result = hookrun.run(overrides, model=family("swin_t"), dataset=images(32), run_dir=tmp_path)
+    assert "features.1.0.attn.qkv (no per-sample axis)" in result.summary
+    with result.open() as res:
+        assert res.layers["features.1.0.mlp.0"]["output"][0] == 2  # the rest is stored
+        assert "features.1.0.attn.qkv" not in res.layers
