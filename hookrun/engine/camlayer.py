@@ -98,15 +98,22 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
 def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:
     """The module `model.cam_layer: auto` stands for; HookrunError when none has a spatial
     output the target's gradient reaches."""
-    for name, grid, grad in reversed(_candidates(model, sample)):
+    candidates = _candidates(model, sample)
+    for name, grid, grad in reversed(candidates):
         cells = to_channels_first(grad, grid.layout, grid.prefix_tokens, grid.size)
         reached = cells.abs().sum(dim=1) > 0  # (1, H, W)
         if reached.numel() == 1 or int(reached.sum()) > 1:
             return name
+    why = (
+        f"the target's gradient is zero on all {len(candidates)} spatial maps (an all-zero "
+        "head, as torchvision's default init of ViT's, gives every method zeros)"
+        if candidates and not any(bool(g.any()) for _, _, g in candidates)
+        else "no module has a spatial output ((N, C, H, W), (N, H, W, C) or (N, L, D) "
+        "tokens) that the target's gradient reaches"
+    )
     raise HookrunError(
-        "model.cam_layer: auto found no module with a spatial output ((N, C, H, W), "
-        "(N, H, W, C) or (N, L, D) tokens) that the target's gradient reaches; valid: "
-        "model.cam_layer=NAME (see dry_run=true for the module names)"
+        f"model.cam_layer: 'auto' cannot pick a layer: {why}; valid: model.cam_layer=NAME "
+        "(see dry_run=true for the module names)"
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import pytorch_grad_cam.base_cam
 import torch
+import torchvision
 from any_models import family, images
 from conftest import read
 from pytorch_grad_cam import GradCAM
@@ -80,8 +81,6 @@ def test_grad_cam_any_layout_equals_pytorch_grad_cam(tmp_path, monkeypatch, name
 
 
 def family_vit(size: int) -> nn.Module:
-    import torchvision
-
     torch.manual_seed(2)
     model = torchvision.models.vit_b_16(weights=None, image_size=size)
     with torch.no_grad():
@@ -189,3 +188,10 @@ def test_auto_cam_layer_end_to_end_on_swin(tmp_path, monkeypatch):
     target = data["samples/target"]
     expected = _reference(reference_model, "permute", torch.stack(xs), target, None, monkeypatch)
     np.testing.assert_allclose(data[key], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_auto_cam_layer_refuses_a_blind_model():
+    # torchvision's own init: ViT's head is zero, so every gradient is zero.
+    blind = torchvision.models.vit_b_16(weights=None, image_size=32).eval()
+    with pytest.raises(HookrunError, match=r"model.cam_layer: 'auto' .*gradient is zero on all"):
+        pick_cam_layer(blind, images(32)[0])
