@@ -101,6 +101,7 @@ class WeightUser(nn.Module):
 
 def test_module_used_through_its_weight_is_captured_at_that_call(tmp_path):
     hooks = [*_hook("p", "output", name="proj"), *_hook("pg", "grad_output", name="proj")]
+    hooks += _hook("pi", "input", name="proj")
     data = _run(WeightUser(), _vectors(), tmp_path, *hooks)
     model = WeightUser().eval()
     x = torch.stack(_vectors())
@@ -108,6 +109,7 @@ def test_module_used_through_its_weight_is_captured_at_that_call(tmp_path):
     h.retain_grad()
     out = model.head(torch.relu(h))
     out.gather(1, out.argmax(dim=1)[:, None]).sum().backward()
+    np.testing.assert_allclose(data["captures/proj/input"], x, rtol=1e-6)  # not the weight
     np.testing.assert_allclose(data["captures/proj/output"], h.detach(), rtol=1e-5)
     np.testing.assert_allclose(data["captures/proj/grad_output"], h.grad, rtol=1e-5, atol=1e-7)
 
