@@ -2,9 +2,10 @@
 
 The pick is the last module to finish (in forward order) whose output is a spatial map —
 a layout `decide_grid` can tell — and through which the target logit's gradient reaches
-more than one cell of the grid (or the grid is a single cell), up to the first adaptive
-(global) pooling module: what follows it is the head. Pooling modules and Linear layers
-(projections such as a ViT block's qkv, not the token stream) are skipped.
+more than one cell of the grid (or the grid is a single cell), up to the global pooling
+(the first adaptive pooling after which no map has more than one cell): then the head.
+Pooling modules and Linear layers (projections such as a ViT block's qkv, not the token
+stream) are skipped.
 So a CNN gets its last feature maps (resnet: layer4), Swin its channels-last `norm`/`permute`,
 and ViT the last module before the final attention (encoder_layer_11.ln_1): after that
 attention only the class token reaches the head, and Grad-CAM there would be all zeros.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -43,13 +45,13 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
     image = (int(sample.shape[-2]), int(sample.shape[-1]))
     prefix = prefix_tokens_of(model)
     found: list[tuple[str, Any, torch.Tensor]] = []
-    head: list[int] = []  # where the head begins: the first adaptive pooling
+    pools: list[int] = []  # where adaptive poolings happened, as positions in `found`
     handles = []
 
     def keep(name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if type(module).__name__.startswith("Adaptive") and not head:
-                head.append(len(found))
+            if type(module).__name__.startswith("Adaptive"):
+                pools.append(len(found))
             if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
                 return
             if "Pool" in type(module).__name__ or not output.requires_grad or output.dim() < 3:
@@ -85,21 +87,33 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
     finally:
         for handle in handles:
             handle.remove()
-    return found[: head[0]] if head else found
+    # The head begins at the first adaptive pooling after which no map has more than one
+    # cell (a squeeze-excitation block's pooling is followed by more maps).
+    for at in pools:
+        if all(math.prod(grid.size) == 1 for _, grid, _ in found[at:]):
+            return found[:at]
+    return found
 
 
 def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:
     """The module `model.cam_layer: auto` stands for; HookrunError when none has a spatial
     output the target's gradient reaches."""
-    for name, grid, grad in reversed(_candidates(model, sample)):
+    candidates = _candidates(model, sample)
+    for name, grid, grad in reversed(candidates):
         cells = to_channels_first(grad, grid.layout, grid.prefix_tokens, grid.size)
         reached = cells.abs().sum(dim=1) > 0  # (1, H, W)
         if reached.numel() == 1 or int(reached.sum()) > 1:
             return name
+    why = (
+        f"the target's gradient is zero on all {len(candidates)} spatial maps (an all-zero "
+        "head, as torchvision's default init of ViT's, gives every method zeros)"
+        if candidates and not any(bool(g.any()) for _, _, g in candidates)
+        else "no module has a spatial output ((N, C, H, W), (N, H, W, C) or (N, L, D) "
+        "tokens) that the target's gradient reaches"
+    )
     raise HookrunError(
-        "model.cam_layer: auto found no module with a spatial output ((N, C, H, W), "
-        "(N, H, W, C) or (N, L, D) tokens) that the target's gradient reaches; valid: "
-        "model.cam_layer=NAME (see dry_run=true for the module names)"
+        f"model.cam_layer: 'auto' cannot pick a layer: {why}; valid: model.cam_layer=NAME "
+        "(see dry_run=true for the module names)"
     )
 
 

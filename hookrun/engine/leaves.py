@@ -5,7 +5,7 @@ Suffixes: a lone tensor has none; a flat tuple/list of several tensors numbers i
 floating-point ones `_0`, `_1`, ... (as since 0.1); a dict, a namedtuple or a Hugging Face
 style `ModelOutput` (a dict subclass) names each entry `.<key>`; nested structures join
 their suffixes (`.hidden_0`). Non-float leaves (masks, indices) are neither captured nor
-changed.
+changed, nor are parameters passed as arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from hookrun.errors import HookrunError
 
@@ -21,7 +22,9 @@ __all__ = ["leaves", "rebuild", "model_logits"]
 
 
 def _is_float(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
+    # Parameters handed to a function (F.linear's weight) are the model's state, not a site.
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return floating and not isinstance(value, nn.Parameter)
 
 
 def _is_namedtuple(value: Any) -> bool:

@@ -292,11 +292,16 @@ def _reached(hook: PlannedHook, layer: str, shapes: Mapping[str, list[CallShapes
     return any(call.at(hook.site) for call in shapes.get(layer, []))
 
 
-def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dict[str, list[str]]:
+def check_reached(
+    plan: HookPlan, shapes: Mapping[str, list[CallShapes]]
+) -> tuple[HookPlan, dict[str, list[str]]]:
     """Refuse a hook that would never act: a module named exactly that never runs, or a
     selection none of whose modules runs with a floating-point tensor at the site (a guided
-    clamp that touches nothing would silently give the plain gradient). Returns, per hook,
-    the glob/type/regex matches that never ran (listed in the summary and the file)."""
+    clamp that touches nothing would silently give the plain gradient). Returns the plan
+    without the glob/type/regex matches a capture cannot store (no per-sample first axis,
+    as Swin's qkv calls on windows) and, per hook, those and the matches that never ran
+    (listed in the summary and the file)."""
+    plan, unstored = _drop_unstorable(plan, shapes)
     idle: dict[str, list[str]] = {}
     for hook in plan.hooks:
         key = f"hooks.{hook.name}"
@@ -314,10 +319,7 @@ def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dic
                     f"{key}.{what}, and no other hook applies the same rule; valid: a "
                     "function the model calls, or modules it has (see dry_run=true)"
                 )
-            idle[hook.name] = [
-                f"no call of {', '.join(hook.functions)}" if hook.functions else "no module"
-            ]
-            continue
+            continue  # the other hook of the same rule acts: nothing is missing
         missing = [layer for layer in hook.layers if not _reached(hook, layer, shapes)]
         named = [layer for layer in missing if layer in hook.exact]
         if named:
@@ -333,6 +335,29 @@ def check_reached(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> dic
                 f"floating-point tensor at {hook.site.value}, so this hook would act on "
                 "nothing; valid: select modules that run in forward (see dry_run=true)"
             )
+        missing += [f"{layer} (no per-sample axis)" for layer in unstored.get(hook.name, [])]
         if missing:
             idle[hook.name] = missing
-    return idle
+    return plan, idle
+
+
+def _drop_unstorable(
+    plan: HookPlan, shapes: Mapping[str, list[CallShapes]]
+) -> tuple[HookPlan, dict[str, list[str]]]:
+    """Capture hooks without the layers (matched by glob/type/regex, not named exactly)
+    whose tensors at the site have no per-sample first axis; capture_shapes refuses the
+    exactly named ones."""
+    hooks, dropped = [], {}
+    for hook in plan.hooks:
+        bad = [
+            layer
+            for layer in hook.layers
+            if hook.action.captures
+            and layer not in hook.exact
+            and any(not leaf.batched for c in shapes.get(layer, []) for leaf in c.at(hook.site))
+        ]
+        if bad and len(bad) < len(hook.layers):
+            hook = dataclasses.replace(hook, layers=tuple(x for x in hook.layers if x not in bad))
+            dropped[hook.name] = bad
+        hooks.append(hook)
+    return HookPlan(hooks, plan.weighted), dropped

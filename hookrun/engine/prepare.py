@@ -151,7 +151,7 @@ def _prepare(
             f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
             f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
         ) from None
-    idle = check_reached(plan, shapes)
+    plan, idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:
         log.warning("selected modules that never run (nothing captured there): %s", never_ran)

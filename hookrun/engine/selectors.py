@@ -92,7 +92,7 @@ def select_layers(select: SelectConfig, model: nn.Module, key: str) -> list[str]
         all_names = [n for n, _ in model.named_modules() if n] + [INPUT_LAYER]
         probe = (names or regexes or types or [""])[0]
         hint = nearest(probe, all_names, n=8) or all_names[:8]
-        shown = {k: v for k, v in vars(select).items() if v is not None}
+        shown = {k: v for k, v in vars(select).items() if v is not None and k[0] != "_"}
         raise HookrunError(
             f"{key}: {shown} matches no module of the model; nearest names: {', '.join(hint)}"
         )

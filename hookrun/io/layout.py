@@ -208,9 +208,20 @@ def read_provenance(path: Path) -> dict[str, str]:
 
 
 def captures_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
-    """Every captured layer → its sites → dataset."""
-    group = f.get("captures", {})
-    return {layer: dict(g.items()) for layer, g in group.items()}
+    """Every captured layer → its sites → dataset. A function call site's layer holds a
+    slash (`block/gelu.0`), so layers are the groups that hold datasets, at any depth."""
+    out: dict[str, dict[str, h5py.Dataset]] = {}
+    group = f.get("captures")
+    if group is None:
+        return out
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            layer, site = name.rsplit("/", 1)
+            out.setdefault(layer, {})[site] = obj
+
+    group.visititems(visit)
+    return out
 
 
 def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:

@@ -156,7 +156,9 @@ def render(
                     )
             for layer, ds in features.items():
                 maps = ds[row].astype(np.float32)
-                drawn.append((layer, f"features_{layer}", feature_grid(maps)))
+                # A function call site's name has a slash (block/gelu.0): not a folder.
+                stem = f"features_{layer}".replace("/", "_")
+                drawn.append((layer, stem, feature_grid(maps)))
             for kind, stem, image in drawn:
                 target = out_dir / f"{index:05d}_{stem}.png"
                 out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from any_models import family, images
+from any_models import Functional, family, images
 from conftest import read
 from torch import nn
 
@@ -101,6 +101,7 @@ class WeightUser(nn.Module):
 
 def test_module_used_through_its_weight_is_captured_at_that_call(tmp_path):
     hooks = [*_hook("p", "output", name="proj"), *_hook("pg", "grad_output", name="proj")]
+    hooks += _hook("pi", "input", name="proj")
     data = _run(WeightUser(), _vectors(), tmp_path, *hooks)
     model = WeightUser().eval()
     x = torch.stack(_vectors())
@@ -108,6 +109,7 @@ def test_module_used_through_its_weight_is_captured_at_that_call(tmp_path):
     h.retain_grad()
     out = model.head(torch.relu(h))
     out.gather(1, out.argmax(dim=1)[:, None]).sum().backward()
+    np.testing.assert_allclose(data["captures/proj/input"], x, rtol=1e-6)  # not the weight
     np.testing.assert_allclose(data["captures/proj/output"], h.detach(), rtol=1e-5)
     np.testing.assert_allclose(data["captures/proj/grad_output"], h.grad, rtol=1e-5, atol=1e-7)
 
@@ -131,3 +133,21 @@ def test_module_named_exactly_that_never_runs_is_refused(tmp_path):
     model.spare = nn.Linear(6, 6)  # registered, never called, its weight never used
     with pytest.raises(HookrunError, match=r"hooks.s.select.name: 'spare' never runs"):
         _run(model, _vectors(), tmp_path, *_hook("s", "output", name="spare"))
+
+
+def test_function_sites_are_layers_of_the_reader_and_the_pictures(tmp_path):
+    overrides = ["experiment=saliency", "render=true", *_hook("g", "output", function="gelu")]
+    result = hookrun.run(overrides, model=Functional(), dataset=images(10, n=1), run_dir=tmp_path)
+    with result.open() as res:
+        assert {"model/gelu.0", "input"} <= set(res.layers)
+        assert res.layers["model/gelu.0"]["output"] == (1, 6, 10, 10)
+    assert result.images is not None and any(result.images.glob("*.png"))
+
+
+def test_swin_bulk_capture_skips_and_lists_what_it_cannot_store(tmp_path):
+    overrides = ["experiment=capture", "render=false", "++hooks.capture.select.type=Linear"]
+    result = hookrun.run(overrides, model=family("swin_t"), dataset=images(32), run_dir=tmp_path)
+    assert "features.1.0.attn.qkv (no per-sample axis)" in result.summary
+    with result.open() as res:
+        assert res.layers["features.1.0.mlp.0"]["output"][0] == 2  # the rest is stored
+        assert "features.1.0.attn.qkv" not in res.layers

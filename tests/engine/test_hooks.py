@@ -120,9 +120,7 @@ def test_run_that_raises_leaves_model_as_it_came_and_file_not_complete(tmp_path)
     with pytest.raises(RuntimeError, match="boom in batch 2"):
         run_config(tmp_path, overrides)
     net = m.BUILT[-1]
-    assert (
-        isinstance(net, m.ExplodingNet) and net.calls == 2
-    )  # forward passes in gradient mode: batch 1, then batch 2 raised
+    assert isinstance(net, m.ExplodingNet) and net.calls == 2  # forward passes with grad
     assert _hook_counts(net) == [0] * len(list(net.modules()))
     assert net.training  # run_mode switched to eval for the run and back afterwards
     assert all(p.requires_grad for p in net.parameters())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import pytorch_grad_cam.base_cam
 import torch
+import torchvision
 from any_models import family, images
 from conftest import read
 from pytorch_grad_cam import GradCAM
@@ -80,8 +81,6 @@ def test_grad_cam_any_layout_equals_pytorch_grad_cam(tmp_path, monkeypatch, name
 
 
 def family_vit(size: int) -> nn.Module:
-    import torchvision
-
     torch.manual_seed(2)
     model = torchvision.models.vit_b_16(weights=None, image_size=size)
     with torch.no_grad():
@@ -165,7 +164,12 @@ def test_bad_layout_word_lists_the_choices(tmp_path):
 
 @pytest.mark.parametrize(
     "name,expected",
-    [("resnet18", "layer4"), ("convnext_tiny", "features"), ("vit_b_16", "ln_1")],
+    [
+        ("resnet18", "layer4"),
+        ("convnext_tiny", "features"),
+        ("mobilenet_v3_small", "features"),  # its squeeze-excitation poolings are not the head
+        ("vit_b_16", "ln_1"),
+    ],
 )
 def test_auto_cam_layer_is_the_last_map_the_gradient_reaches(name, expected):
     model = family_vit(64) if name == "vit_b_16" else family(name)
@@ -206,3 +210,10 @@ def test_grad_cam_pp_and_layer_cam_on_tokens_and_channels_last(tmp_path, monkeyp
         expected = cam(torch.stack(xs), targets=targets)
     assert got.shape == expected.shape and np.abs(expected).max() > 0
     np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max())
+
+
+def test_auto_cam_layer_refuses_a_blind_model():
+    # torchvision's own init: ViT's head is zero, so every gradient is zero.
+    blind = torchvision.models.vit_b_16(weights=None, image_size=32).eval()
+    with pytest.raises(HookrunError, match=r"model.cam_layer: 'auto' .*gradient is zero on all"):
+        pick_cam_layer(blind, images(32)[0])
