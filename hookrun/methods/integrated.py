@@ -5,7 +5,8 @@ quadrature Captum's IntegratedGradients uses (Gauss–Legendre, or a Riemann sum
 `derive.integrated_gradients`: steps (50), baseline x' (zeros | mean: each sample's channel
 means | blur: each sample Gaussian-blurred | a number), method (gausslegendre |
 riemann_left | riemann_right | riemann_middle | riemann_trapezoid), internal_batch_size
-(rows per extra pass, 64; null: one batch — steps × batch never has to fit at once).
+(rows per extra pass; null: as many as 8M input values allow, 682 rows of 3×64×64, 55 of
+3×224×224 — steps × batch never has to fit at once).
 
 Results: /derived/integrated_gradients/input (the input's shape) and its completeness gap
 Σ attributions − (f(x) − f(x')) per sample (0 for an exact integral; the summary prints the
@@ -47,9 +48,8 @@ class IGArgs(Frozen):
     steps: int = 50
     baseline: str = "zeros"  # zeros | mean | blur | a number (e.g. 0.5)
     method: str = "gausslegendre"
-    # Rows per extra forward/backward pass: small passes are slow on CPU (~3x at 8 rows),
-    # large ones cost memory; null: one batch.
-    internal_batch_size: int | None = 64
+    # Rows per extra forward/backward pass; null: by input size (methods/gradients.py).
+    internal_batch_size: int | None = None
 
 
 def quadrature(method: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ class IntegratedGradients(Method):
         if args.internal_batch_size is not None and args.internal_batch_size < 1:
             raise HookrunError(
                 f"{key}.internal_batch_size: {args.internal_batch_size} is out of range; "
-                "valid: >= 1, or null (one batch)"
+                "valid: >= 1, or null (by input size)"
             )
 
     def requires(self, args: IGArgs) -> list[str]:
@@ -136,7 +136,7 @@ class IntegratedGradients(Method):
         alphas, weights = (t.to(x.device, x.dtype) for t in quadrature(args.method, args.steps))
         n, ones = len(x), (1,) * (x.dim() - 1)
         total = torch.zeros_like(x)
-        rows = rows_per_pass(args.internal_batch_size, n)
+        rows = rows_per_pass(args.internal_batch_size, x)
         # Rows (step, sample) in step-major order, `rows` of them per pass.
         for start in range(0, args.steps * n, rows):
             index = torch.arange(start, min(start + rows, args.steps * n), device=x.device)

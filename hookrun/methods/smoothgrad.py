@@ -4,7 +4,8 @@ averages the squared gradients instead (SmoothGrad-squared, Hooker et al. 2019).
 
 `derive.smoothgrad`: samples (25), sigma (0.15, a fraction of each sample's value range; 0
 gives exactly the plain input gradient), squared (false), internal_batch_size (rows per
-extra pass, 64; null: one batch). The noise comes from a generator seeded by (run seed,
+extra pass; null: as many as 8M input values allow, 682 rows of 3×64×64, 55 of
+3×224×224). The noise comes from a generator seeded by (run seed,
 "smoothgrad", the batch's first row): draw s is one `randn` of the batch's shape, in order.
 
 Result: /derived/smoothgrad/input, the input's shape.
@@ -30,9 +31,8 @@ class SmoothGradArgs(Frozen):
     samples: int = 25
     sigma: float = 0.15
     squared: bool = False
-    # Rows per extra forward/backward pass: small passes are slow on CPU (~3x at 8 rows),
-    # large ones cost memory; null: one batch.
-    internal_batch_size: int | None = 64
+    # Rows per extra forward/backward pass; null: by input size (methods/gradients.py).
+    internal_batch_size: int | None = None
 
 
 @register_method("smoothgrad")
@@ -49,7 +49,7 @@ class SmoothGrad(Method):
         if args.internal_batch_size is not None and args.internal_batch_size < 1:
             raise HookrunError(
                 f"{key}.internal_batch_size: {args.internal_batch_size} is out of range; "
-                "valid: >= 1, or null (one batch)"
+                "valid: >= 1, or null (by input size)"
             )
 
     def requires(self, args: SmoothGradArgs) -> list[str]:
@@ -70,7 +70,7 @@ class SmoothGrad(Method):
         )
         gen = batch.generator(self.name)
         total = torch.zeros_like(x)
-        draws = max(1, rows_per_pass(args.internal_batch_size, n) // n)
+        draws = max(1, rows_per_pass(args.internal_batch_size, x) // n)
         for start in range(0, args.samples, draws):
             count = min(draws, args.samples - start)
             # One draw at a time, so the noise does not depend on internal_batch_size.
