@@ -39,6 +39,7 @@ RESUME_IGNORES = (
     "sink.queue_depth",
     "sink.path",
     "sink.checksum",  # a resumed file keeps the filters its datasets were created with
+    "model.preset",  # only guards a preset's name; files from before it have no such key
 )
 
 

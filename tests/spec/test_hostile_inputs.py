@@ -227,6 +227,10 @@ def test_an_internal_error_is_one_line_with_the_traceback_in_the_log(tmp_path):
             "render=false",
             "progress=false",
             "hydra.run.dir=run",
+            # A gradient site, so the batches run in gradient mode, where ExplodingNet counts.
+            "++hooks.x.select.name=input",
+            "++hooks.x.at=grad_output",
+            "++hooks.x.action=capture",
         ],
         tmp_path,
     )
