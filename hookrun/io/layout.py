@@ -45,15 +45,14 @@ __all__ = [
     "capture_key",
     "derived_key",
     "gap_key",
+    "GAP_SUFFIX",
     "chunk_shape",
     "open_readonly",
-    "never_written",
     "read_state",
     "read_provenance",
     "captures_of",
     "dataset_names",
     "derived_of",
-    "gaps_of",
     "rewrite_rows",
     "write_header",
     "mark_complete",
@@ -91,12 +90,12 @@ def derived_key(method: str, layer: str) -> str:
     return f"derived/{method}/{layer}"
 
 
-_GAP = ".completeness_gap"
+GAP_SUFFIX = ".completeness_gap"
 
 
 def gap_key(method: str, layer: str) -> str:
     """The path of a result's completeness gap (N,): Σ attributions − (f(x) − f(baseline))."""
-    return f"{derived_key(method, layer)}{_GAP}"
+    return f"{derived_key(method, layer)}{GAP_SUFFIX}"
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -165,13 +164,6 @@ def open_readonly(path: Path) -> h5py.File:
         return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
 
 
-def never_written(err: OSError) -> bool:
-    """Whether opening failed because the writer died before its first row: it had not yet
-    switched to SWMR (which it does once the first batch's datasets exist), so no row can
-    be in the file and it may be started over."""
-    return "not already open for SWMR writing" in str(err)
-
-
 def _state(f: h5py.File) -> FileState:
     attrs = f.attrs
     config = attrs.get("config")
@@ -228,12 +220,6 @@ def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     """Every derived method → its layers → dataset."""
     group = f.get("derived", {})
     return {method: dict(g.items()) for method, g in group.items()}
-
-
-def gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
-    """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
-    found = [(m, k, ds) for m, group in derived_of(f).items() for k, ds in group.items()]
-    return {f"{m}/{k.removesuffix(_GAP)}": ds for m, k, ds in found if k.endswith(_GAP)}
 
 
 def dataset_names(f: h5py.File) -> list[str]:
@@ -296,7 +282,7 @@ class CapturesFile:
             try:
                 rewrite_rows(path)
             except OSError as err:
-                if header is None or not never_written(err):
+                if header is None or not storage.never_written(err):
                     raise
                 return cls.create(path, header, options, overwrite=True)
             f = h5py.File(path, "r+", libver="latest")

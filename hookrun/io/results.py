@@ -129,7 +129,7 @@ def summary(
         never_ran = layout.read_state(res.file).never_ran
         if never_ran:
             lines.append(f"selected but never ran (nothing stored there): {never_ran}")
-        for name, ds in layout.gaps_of(res.file).items():
+        for name, ds in _gaps_of(res.file).items():
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
@@ -147,3 +147,13 @@ def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
         f"{name}: worst completeness gap {float(gap[worst]):+.3g} (sample {int(index[worst])}; "
         "sum of attributions minus f(x) - f(baseline); more steps make it smaller)"
     )
+
+
+def _gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
+    """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
+    found = [(m, k, ds) for m, group in layout.derived_of(f).items() for k, ds in group.items()]
+    return {
+        f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}": ds
+        for m, k, ds in found
+        if k.endswith(layout.GAP_SUFFIX)
+    }

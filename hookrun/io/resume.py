@@ -9,7 +9,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
-from hookrun.io.layout import Provenance, never_written, read_provenance, read_state
+from hookrun.io.layout import Provenance, read_provenance, read_state
+from hookrun.io.storage import never_written
 
 __all__ = ["RESUME_IGNORES", "resume_point", "check_sources"]
 

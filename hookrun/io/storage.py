@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 
 __all__ = [
+    "never_written",
     "missing_rows",
     "CHUNK_BYTES",
     "chunk_shape",
@@ -159,3 +160,10 @@ def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | No
                 f"the file is cut short: {ds.name} row {min(past)} lies past its end ({size} bytes)"
             )
     return None
+
+
+def never_written(err: OSError) -> bool:
+    """Whether opening failed because the writer died before its first row: it had not yet
+    switched to SWMR (which it does once the first batch's datasets exist), so no row can
+    be in the file and it may be started over."""
+    return "not already open for SWMR writing" in str(err)
