@@ -192,8 +192,8 @@ def _call_site(plan: HookPlan, recorder: Recorder):
     def handle(layer: str, func, args: tuple, kwargs: dict) -> Any:
         on_input, on_grad_in = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
         on_output, on_grad_out = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
-        if not (on_input or on_grad_in or on_output or on_grad_out):
-            return func(*args, **kwargs)
+        if recorder.paused or not (on_input or on_grad_in or on_output or on_grad_out):
+            return func(*args, **kwargs)  # paused: a derived method's own passes
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
         original = args[0] if args else None

@@ -227,3 +227,24 @@ def test_bad_smoothgrad_arguments_are_refused(resnet, tmp_path):
         run(tmp_path, [*overrides, "derive.smoothgrad.sigma=-0.1"], "smoothgrad")
     with pytest.raises(HookrunError, match=r"derive.smoothgrad.samples: 0 is out of range"):
         run(tmp_path, [*overrides, "derive.smoothgrad.samples=0"], "smoothgrad")
+
+
+def test_function_site_hooks_stand_aside_during_integrated_gradients_passes(run_hookrun):
+    """IG explains the bare model: a clamp at every functional relu (a function-level site)
+    changes the run's own backward pass but none of IG's interpolation passes."""
+    small = [
+        "experiment=integrated_gradients",
+        "model=torchvision",
+        "model.name=densenet121",  # its forward ends in F.relu: a function-level site
+        "dataset=fake",
+        "dataset.size=2",
+        "dataset.image_size=32",
+        "derive.integrated_gradients.steps=4",
+        "render=false",
+    ]
+    clamp = ["++hooks.f.select.function=relu", "++hooks.f.at=grad_input"]
+    clamp += ["++hooks.f.action=clamp", "++hooks.f.args.min=0"]
+    _, plain = run_hookrun(small)
+    _, hooked = run_hookrun([*small, *clamp])
+    key = "derived/integrated_gradients/input"
+    np.testing.assert_array_equal(hooked[key], plain[key])
