@@ -25,6 +25,7 @@ RESUME_IGNORES = (
     "sink.overwrite",
     "sink.queue_depth",
     "sink.path",
+    "model.preset",  # only guards model.name against another preset's weights (0.1 had none)
 )
 
 
