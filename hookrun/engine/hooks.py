@@ -142,6 +142,32 @@ def _forward_site(
     return rebuild(value, new) if found else value
 
 
+def _grad_input_clones(
+    layer: str, call: int, args: Any, hooks: list[PlannedHook], recorder: Recorder
+) -> Any:
+    """`args` with each input that requires grad replaced by a clone only this site consumes,
+    its gradient hooked: the gradient through this module (or call) alone, and an in-place
+    op changes the clone, never the caller's tensor."""
+    clones = {}
+    for leaf, t in leaves(args):
+        if t.requires_grad:
+            clones[leaf] = t.clone()
+            key = capture_key(layer, Site.grad_input, call, leaf=leaf)
+            _hook_gradient(clones[leaf], hooks, recorder, key)
+    return rebuild(args, clones)
+
+
+def _hook_grad_outputs(
+    layer: str, call: int, output: Any, hooks: list[PlannedHook], recorder: Recorder
+) -> None:
+    """Hook the gradient w.r.t. every output tensor that requires grad."""
+    for leaf, t in leaves(output):
+        if t.requires_grad:
+            _hook_gradient(
+                t, hooks, recorder, capture_key(layer, Site.grad_output, call, leaf=leaf)
+            )
+
+
 def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
     on_input, on_grad = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
 
@@ -153,13 +179,7 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_input:
             args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad and torch.is_grad_enabled():
-            clones = {}
-            for leaf, t in leaves(args):
-                if t.requires_grad:
-                    clones[leaf] = t.clone()
-                    key = capture_key(layer, Site.grad_input, call, leaf=leaf)
-                    _hook_gradient(clones[leaf], on_grad, recorder, key)
-            args = rebuild(args, clones)
+            args = _grad_input_clones(layer, call, args, on_grad, recorder)
         return args if (on_input or on_grad) else None
 
     return hook
@@ -175,10 +195,7 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)
         if on_grad and torch.is_grad_enabled():
-            for leaf, t in leaves(output):
-                if t.requires_grad:
-                    key = capture_key(layer, Site.grad_output, call, leaf=leaf)
-                    _hook_gradient(t, on_grad, recorder, key)
+            _hook_grad_outputs(layer, call, output, on_grad, recorder)
         return output if on_output else None
 
     return hook
@@ -200,21 +217,12 @@ def _call_site(plan: HookPlan, recorder: Recorder):
         if on_input:
             args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad_in and torch.is_grad_enabled():
-            clones = {}
-            for leaf, t in leaves(args):
-                if t.requires_grad:
-                    clones[leaf] = t.clone()
-                    key = capture_key(layer, Site.grad_input, call, leaf=leaf)
-                    _hook_gradient(clones[leaf], on_grad_in, recorder, key)
-            args = rebuild(args, clones)
+            args = _grad_input_clones(layer, call, args, on_grad_in, recorder)
         output = func(*args, **kwargs)
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)
         if on_grad_out and torch.is_grad_enabled():
-            for leaf, t in leaves(output):
-                if t.requires_grad:
-                    key = capture_key(layer, Site.grad_output, call, leaf=leaf)
-                    _hook_gradient(t, on_grad_out, recorder, key)
+            _hook_grad_outputs(layer, call, output, on_grad_out, recorder)
         if (
             is_inplace(func, kwargs)
             and isinstance(original, torch.Tensor)
