@@ -91,3 +91,26 @@ def run_hookrun(tmp_path: Path):
         return result, (read(result.path) if result.path else {})
 
     return _run
+
+
+def resnet18_file(folder: Path, seed: int) -> tuple:
+    """A resnet18 (10 classes) with seeded random weights saved to a file, and the overrides
+    that run it on 3 small fake images: (model, overrides)."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    torch.save(model.state_dict(), folder / "resnet18.pt")
+    overrides = [
+        "model=resnet18",
+        f"model.weights={folder / 'resnet18.pt'}",
+        "+model.kwargs.num_classes=10",
+        "dataset=fake",
+        "dataset.size=3",
+        "dataset.image_size=32",
+        "dataset.num_classes=10",
+        "batch_size=2",
+        "render=false",
+    ]
+    return model, overrides

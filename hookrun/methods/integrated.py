@@ -25,7 +25,7 @@ from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.methods.gradients import input_gradient, rows_per_pass
+from hookrun.methods.gradients import check_rows_per_pass, input_gradient, rows_per_pass
 from hookrun.methods.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
@@ -113,11 +113,7 @@ class IntegratedGradients(Method):
             raise HookrunError(
                 f"{key}.baseline: {args.baseline!r}; valid: {', '.join(BASELINES)}, or a number"
             )
-        if args.internal_batch_size is not None and args.internal_batch_size < 1:
-            raise HookrunError(
-                f"{key}.internal_batch_size: {args.internal_batch_size} is out of range; "
-                "valid: >= 1, or null (by input size)"
-            )
+        check_rows_per_pass(key, args.internal_batch_size)
 
     def requires(self, args: IGArgs) -> list[str]:
         return []

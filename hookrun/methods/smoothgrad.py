@@ -19,7 +19,7 @@ import torch
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.methods.gradients import input_gradient, rows_per_pass
+from hookrun.methods.gradients import check_rows_per_pass, input_gradient, rows_per_pass
 from hookrun.methods.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
@@ -46,11 +46,7 @@ class SmoothGrad(Method):
             raise HookrunError(f"{key}.samples: {args.samples} is out of range; valid: >= 1")
         if not args.sigma >= 0:
             raise HookrunError(f"{key}.sigma: {args.sigma} is negative; valid: >= 0")
-        if args.internal_batch_size is not None and args.internal_batch_size < 1:
-            raise HookrunError(
-                f"{key}.internal_batch_size: {args.internal_batch_size} is out of range; "
-                "valid: >= 1, or null (by input size)"
-            )
+        check_rows_per_pass(key, args.internal_batch_size)
 
     def requires(self, args: SmoothGradArgs) -> list[str]:
         return []

@@ -13,8 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-import torchvision
-from conftest import hook, hookrun_cli, read, run_config
+from conftest import hook, hookrun_cli, read, resnet18_file, run_config
 
 from hookrun.errors import HookrunError
 
@@ -22,21 +21,8 @@ from hookrun.errors import HookrunError
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """(model, overrides, clean run's file, its datasets): layer3 and the logits stored."""
-    torch.manual_seed(5)
-    model = torchvision.models.resnet18(num_classes=10).eval()
     root = tmp_path_factory.mktemp("patch")
-    torch.save(model.state_dict(), root / "resnet18.pt")
-    overrides = [
-        "model=resnet18",
-        f"model.weights={root / 'resnet18.pt'}",
-        "+model.kwargs.num_classes=10",
-        "dataset=fake",
-        "dataset.size=3",
-        "dataset.image_size=32",
-        "dataset.num_classes=10",
-        "batch_size=2",
-        "render=false",
-    ]
+    model, overrides = resnet18_file(root, seed=5)
     result = run_config(root / "clean", [*overrides, *hook("l3", "layer3", "output", "capture")])
     return model, overrides, result.path, read(result.path)
 

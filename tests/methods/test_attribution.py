@@ -10,9 +10,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
-import torchvision
 from captum.attr import IntegratedGradients
-from conftest import run_config
+from conftest import resnet18_file, run_config
 from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
@@ -21,22 +20,7 @@ from hookrun.errors import HookrunError
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory):
     """(model, overrides) for resnet18 with seeded random weights, loaded without hookrun."""
-    torch.manual_seed(3)
-    model = torchvision.models.resnet18(num_classes=10).eval()
-    path = tmp_path_factory.mktemp("weights") / "resnet18.pt"
-    torch.save(model.state_dict(), path)
-    overrides = [
-        "model=resnet18",
-        f"model.weights={path}",
-        "+model.kwargs.num_classes=10",
-        "dataset=fake",
-        "dataset.size=3",
-        "dataset.image_size=32",
-        "dataset.num_classes=10",
-        "batch_size=2",
-        "render=false",
-    ]
-    return model, overrides
+    return resnet18_file(tmp_path_factory.mktemp("weights"), seed=3)
 
 
 def run(tmp_path, overrides: list[str], name: str) -> dict[str, np.ndarray]:
