@@ -13,7 +13,6 @@ import torch
 from hookrun.engine.prepare import Prepared
 from hookrun.io.results import Results, summary
 from hookrun.models.sources import class_names
-from hookrun.render.draw import render
 from hookrun.scale import distributed
 
 __all__ = ["Result", "finish", "dry_result"]
@@ -62,6 +61,9 @@ def finish(run: Prepared, rows_here: int) -> Result:
         distributed.merge_shards(run.final_path, world, total, spec.batch_size, run.header, replace)
     images = None
     if spec.render:
+        # Imported here: matplotlib costs a run that draws nothing 0.2-0.3 s of start-up.
+        from hookrun.render.draw import render
+
         images = run.run_dir / "images" / (spec.experiment or "run")
         tensorboard = run.run_dir / "tensorboard" if spec.logger == "tensorboard" else None
         if not render(run.final_path, images, spec.render_max, tensorboard, run.plan_text):

@@ -1,0 +1,90 @@
+"""The CLI ends a successful run without the interpreter's module teardown
+(hookrun/__main__.py: _leave_quickly), and still gives every exit handler, profiler and
+log what the ordinary exit would."""
+
+from __future__ import annotations
+
+import os
+import pstats
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+from conftest import SEED_MLP, hookrun_cli
+
+# A model module of the user's that registers an exit handler (as wandb or a logger would)
+# and starts a worker thread that is still writing when the run ends.
+USER_MODULE = """
+import atexit, os, threading, time
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        atexit.register(lambda: open(os.environ["MARKER"], "a").write("atexit ran\\n"))
+        def late():
+            time.sleep(1.5)
+            open(os.environ["MARKER"], "a").write("thread finished\\n")
+        threading.Thread(target=late).start()
+
+    def forward(self, x):
+        return self.fc(x)
+"""
+
+CUSTOM = [
+    "model=custom",
+    "model._target_=user_net.Net",
+    "dataset=constant",
+    "dataset.shape=[3]",
+    "dataset.size=2",
+    "render=false",
+]
+
+
+def test_exit_handlers_threads_and_the_log_are_honoured(tmp_path, monkeypatch):
+    (tmp_path / "user_net.py").write_text(USER_MODULE)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    marker = tmp_path / "marker.txt"
+    monkeypatch.setenv("MARKER", str(marker))
+    run_dir = tmp_path / "run"
+    proc = hookrun_cli([*CUSTOM, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    # The live thread kept the ordinary exit, which waits for it; the handler ran after it.
+    assert marker.read_text().splitlines() == ["thread finished", "atexit ran"]
+    assert "time:" in (run_dir / "hookrun.log").read_text()  # the summary reached the log
+    with h5py.File(run_dir / "captures.h5", "r") as f:
+        assert f.attrs["status"] == "complete" and f.attrs["completed"] == 2
+
+
+def test_quick_exit_runs_exit_handlers_and_flushes_output(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = hookrun_cli([*SEED_MLP, "render=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    log = (run_dir / "hookrun.log").read_text()
+    assert "time:" in log and log.endswith("\n")
+    assert "time:" in proc.stdout + proc.stderr
+    with h5py.File(run_dir / "captures.h5", "r") as f:
+        assert f.attrs["status"] == "complete"
+
+
+def test_a_profiler_still_gets_its_report(tmp_path):
+    """`python -m cProfile -o F -m hookrun`: the profile is written after the run returns,
+    so a process that skipped straight to its end would lose it."""
+    out = tmp_path / "run.prof"
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    args = [*SEED_MLP, "render=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "hookrun", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert pstats.Stats(str(out)).total_calls > 0
