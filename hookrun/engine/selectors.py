@@ -89,11 +89,18 @@ def select_layers(select: SelectConfig, model: nn.Module, key: str) -> list[str]
         chosen.append(qualified)
     chosen = [n for n in chosen if not any(_glob(p, n) for p in excludes)]
     if not chosen:
-        all_names = [n for n, _ in model.named_modules() if n] + [INPUT_LAYER]
-        probe = (names or regexes or types or [""])[0]
-        hint = nearest(probe, all_names, n=8) or all_names[:8]
         shown = {k: v for k, v in vars(select).items() if v is not None and k[0] != "_"}
-        raise HookrunError(
-            f"{key}: {shown} matches no module of the model; nearest names: {', '.join(hint)}"
-        )
+        raise HookrunError(f"{key}: {shown} matches no module of the model; {_hint(select, model)}")
     return chosen
+
+
+def _hint(select: SelectConfig, model: nn.Module) -> str:
+    """What the model does have: its module classes for a type selector (a grad_scale
+    written for ReLU on a SiLU model), else the module names nearest the pattern."""
+    if select.type and not (select.name or select.regex):
+        present = dict.fromkeys(type(m).__name__ for n, m in model.named_modules() if n)
+        return f"the model's module types: {', '.join(present)}"
+    all_names = [n for n, _ in model.named_modules() if n] + [INPUT_LAYER]
+    probe = (_as_list(select.name, "") or _as_list(select.regex, "") or [""])[0]
+    hint = nearest(probe, all_names, n=8) or all_names[:8]
+    return f"nearest names: {', '.join(hint)}"

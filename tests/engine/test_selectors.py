@@ -89,3 +89,10 @@ def test_empty_select_is_an_error(resnet):
 def test_non_module_type_is_an_error(resnet):
     with pytest.raises(HookrunError, match="not a subclass of torch.nn"):
         names(resnet, type="collections.OrderedDict")
+
+
+def test_a_type_that_matches_nothing_lists_the_types_the_model_has():
+    # grad_scale's ReLU selector on a SiLU network: the message says what to select instead.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(), nn.Flatten())
+    with pytest.raises(HookrunError, match="the model's module types: Conv2d, SiLU, Flatten$"):
+        names(model, type=["ReLU", "ReLU6"])
