@@ -125,14 +125,14 @@ class CapturesFile:
         if len(n) != 1 or any(len(a) != 1 for k, a in arrays.items() if self.batch[k]):
             raise RuntimeError(f"records of one batch differ in length: {n}")
         count = n.pop()
-        # A record with no batch axis is one row per batch (they all share the run's size).
-        batch = self.rows // self.options.batch_size
-        spans = {k: (batch, 1) if b else (self.rows, count) for k, b in self.batch.items()}
+        # A record with no batch axis is one row per batch: its index comes from the batch
+        # size the dataset itself records (a reopened file needs no options to continue).
+        spans = {k: (self.rows // b, 1) if b else (self.rows, count) for k, b in self.batch.items()}
         plain = [self.file[k] for k in arrays if not self.batch[k]]
         need = storage.batch_need(plain, self.rows, count)
-        once = [self.file[k] for k in arrays if self.batch[k]]
+        once = [k for k in arrays if self.batch[k]]
         if once:
-            need += storage.batch_need(once, batch, 1)
+            need += storage.batch_need([self.file[k] for k in once], spans[once[0]][0], 1)
         storage.reserve(self.file, need)  # refused: HDF5 untouched
         try:
             for key, array in arrays.items():

