@@ -13,7 +13,7 @@ from pathlib import Path
 
 import h5py
 
-from hookrun.io.layout import dataset_names, open_readonly, read_state
+from hookrun.io.layout import dataset_names, open_readonly, read_state, rows_for
 from hookrun.io.storage import cut_short, missing_rows
 
 __all__ = ["verify", "main"]
@@ -45,14 +45,18 @@ def verify(path: Path) -> tuple[bool, list[str]]:
     with f:
         state = read_state(f)
         names = dataset_names(f)
-        cut = missing_rows([f[n] for n in names], state.completed, path.stat().st_size)
-        if cut:
-            damage.append(cut)
         for name in names:
             ds = f[name]
             rows = ds.shape[0] if ds.shape else 0
-            if rows < state.completed:
-                damage.append(f"{name}: {rows} rows, fewer than completed={state.completed}")
+            # A record stored once per batch holds a row per batch of the completed samples.
+            need = rows_for(ds, state.completed)
+            cut = missing_rows([ds], need, path.stat().st_size)
+            if cut:
+                damage.append(cut)
+            if rows < need:
+                damage.append(
+                    f"{name}: {rows} rows, fewer than the {need} completed={state.completed} needs"
+                )
             try:
                 _read_all(ds)
             except (OSError, RuntimeError, ValueError) as err:

@@ -77,3 +77,54 @@ class WatchedConvNet(nn.Module):
         self.forwards.append(any(p.requires_grad for p in self.parameters()))
         self.deterministic.append(torch.are_deterministic_algorithms_enabled())
         return self.fc(self.features(x).mean(dim=(2, 3)))
+
+
+class BiasTable(nn.Module):
+    """Returns the same (3, 5) table whatever the batch (as a relative-position bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self) -> torch.Tensor:
+        return self.table * 2.0
+
+
+class Windows(nn.Module):
+    """Cuts (N, C, H, W) into 2x2 windows folded into the batch axis: (N * 4, H/2 * W/2, C),
+    sample by sample (as torchvision's Swin), or window by window with `window_major`."""
+
+    def __init__(self, window_major: bool = False) -> None:
+        super().__init__()
+        self.window_major = window_major
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        x = x.view(n, c, 2, h // 2, 2, w // 2).permute(0, 2, 4, 3, 5, 1)  # N, 2, 2, h, w, C
+        x = x.reshape(n, 4, (h // 2) * (w // 2), c)
+        if self.window_major:
+            x = x.transpose(0, 1)
+        return x.reshape(n * 4, (h // 2) * (w // 2), c)
+
+
+class WindowNet(nn.Module):
+    """A conv, windows folded into the batch axis, a Linear on each window token, and a bias
+    table added to the logits: every row layout the probe tells apart."""
+
+    def __init__(self, window_major: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.windows = Windows(window_major)
+        self.proj = nn.Linear(4, 6)
+        self.bias = BiasTable()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = torch.relu(self.proj(self.windows(self.conv(x))))  # (N * 4, L, 6)
+        pooled = tokens.mean(dim=1)
+        if self.windows.window_major:
+            pooled = pooled.view(4, x.shape[0], 6).mean(dim=0)
+        else:
+            pooled = pooled.view(x.shape[0], 4, 6).mean(dim=1)
+        return self.head(pooled) + self.bias()[0, :3]

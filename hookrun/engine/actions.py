@@ -54,6 +54,8 @@ class Action:
     name: ClassVar[str]
     Args: ClassVar[type]
     captures: ClassVar[bool] = False
+    # Puts stored rows in per sample (patch): needs a site with one row per sample.
+    reads_rows: ClassVar[bool] = False
 
     def __init__(self, args: Any) -> None:
         self.args = args

@@ -35,6 +35,7 @@ __all__ = [
     "is_inplace",
     "CallSites",
     "watch_calls",
+    "refuse_fused",
 ]
 
 ROOT = "model"
@@ -173,3 +174,20 @@ def watch_calls(model: nn.Module, mode: CallSites) -> Iterator[None]:
         mode.stack.clear()
         for handle in handles:
             handle.remove()
+
+
+def refuse_fused(model: nn.Module, names: tuple[str, ...], key: str) -> None:
+    """Refuse modules named exactly that run only inside a fused torch function: an
+    nn.MultiheadAttention's out_proj is applied inside F.multi_head_attention_forward, whose
+    inner calls no module hook sees and no TorchFunctionMode is handed (the mode sees the
+    whole function as one call)."""
+    modules = dict(model.named_modules())
+    for name in names:
+        owner, _, last = name.rpartition(".")
+        if last == "out_proj" and isinstance(modules.get(owner), nn.MultiheadAttention):
+            raise HookrunError(
+                f"{key}: {name!r} runs only inside torch's fused "
+                "F.multi_head_attention_forward, where no hook and no function mode reaches "
+                f"it; valid: {owner!r} at output (its first output is out_proj's output) or "
+                "grad_output, or leave it out (a glob lists it in never_ran)"
+            )

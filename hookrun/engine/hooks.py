@@ -29,15 +29,15 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from hookrun.engine.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
-from hookrun.engine.leaves import leaves, model_logits, rebuild
-from hookrun.engine.plan import CallShapes, HookPlan, Leaf, PlannedHook, bind_calls
+from hookrun.engine.leaves import leaves, rebuild
+from hookrun.engine.plan import HookPlan, PlannedHook
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.layout import INPUT_GRAD, capture_key
 from hookrun.spec.schema import Site
 
-__all__ = ["Recorder", "attach", "prepare_input", "run_mode", "probe_shapes"]
+__all__ = ["Recorder", "attach", "prepare_input", "run_mode"]
 
 
 class Recorder:
@@ -49,8 +49,12 @@ class Recorder:
         store_dtype: torch.dtype,
         copier: HostCopier | None = None,
         timer: StageTimer | None = None,
+        folds: dict[str, int] | None = None,
     ) -> None:
         self.seed = seed
+        # Capture path → rows per sample for tensors not one row per sample (engine/probe.py):
+        # k > 1 folded sample by sample, 0 no batch axis (stored as one row per batch).
+        self.folds = folds or {}
         self.store_dtype = store_dtype
         self.copier = copier or HostCopier()
         self.timer = timer or StageTimer(enabled=False)
@@ -76,6 +80,9 @@ class Recorder:
         if key in self.records:
             raise RuntimeError(f"{key} captured twice in one batch")
         dtype = self.store_dtype if tensor.is_floating_point() else tensor.dtype
+        fold = self.folds.get(key, 1)
+        if fold != 1:
+            tensor = tensor[None] if fold == 0 else tensor.reshape(-1, fold, *tensor.shape[1:])
         with self.timer.stage("copy"):
             self.records[key], event = self.copier.copy(tensor, dtype)
         if event is not None:
@@ -291,77 +298,3 @@ def run_mode(model: nn.Module) -> Iterator[None]:
             m.training = training[name]
         for name, p in model.named_parameters():
             p.requires_grad_(grads[name])
-
-
-def _per_sample(value: Any) -> tuple[Leaf, ...]:
-    """Leaves of a value from the probe's batch of two: a first axis of 2 is the batch."""
-    return tuple(
-        Leaf(name, tuple(t.shape[1:]), True)
-        if t.dim() and t.shape[0] == 2
-        else Leaf(name, tuple(t.shape), False)
-        for name, t in leaves(value)
-    )
-
-
-def _probe_calls(
-    model: nn.Module, plan: HookPlan, batch: torch.Tensor, shapes: dict[str, list[CallShapes]]
-) -> tuple[str, ...]:
-    """Second probe pass, only for plans with function selectors or selected Linear/Conv
-    modules that never ran: every intercepted call's leaves; the weight-used modules."""
-    idle = [layer for layer in plan.layers if layer not in shapes]
-    weights = weights_of(model, idle)
-    if not (plan.words or weights):
-        return ()
-    words = resolve_words(list(plan.words), "select.function")
-
-    def record(name: str, func, args: tuple, kwargs: dict) -> Any:
-        output = func(*args, **kwargs)
-        shapes.setdefault(name, []).append(CallShapes(_per_sample(args), _per_sample(output)))
-        return output
-
-    mode = CallSites(words, weights, record)
-    with watch_calls(model, mode), run_mode(model), torch.no_grad():
-        model(batch)
-    return tuple(name for name in weights.values() if name in shapes)
-
-
-def probe_shapes(
-    model: nn.Module, plan: HookPlan, sample: torch.Tensor
-) -> tuple[dict[str, list[CallShapes]], tuple[int, ...], HookPlan]:
-    """Run `sample` (no batch axis) through the model as a batch of two; per-sample shapes of
-    every floating-point leaf of every call of the plan's modules (and, when the plan has
-    function selectors or modules used through their weights, of those calls), the model's
-    output shape, and the plan with its call sites bound. A leaf whose first axis is not
-    the batch of two has no batch axis of its own (a bias table)."""
-    shapes: dict[str, list[CallShapes]] = defaultdict(list)
-    pending: dict[str, list[tuple]] = defaultdict(list)
-    modules = dict(model.named_modules())
-    handles: list[RemovableHandle] = []
-
-    def pre(layer: str):
-        def hook(module: nn.Module, args: tuple) -> None:
-            pending[layer].append(_per_sample(args))
-
-        return hook
-
-    def post(layer: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            shapes[layer].append(CallShapes(pending[layer].pop(), _per_sample(output)))
-
-        return hook
-
-    batch = torch.stack([sample, sample])
-    try:
-        for layer in plan.layers:
-            handles.append(modules[layer].register_forward_pre_hook(pre(layer)))
-            handles.append(modules[layer].register_forward_hook(post(layer)))
-        with run_mode(model), torch.no_grad():
-            output = model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    shapes = dict(shapes)
-    weighted = _probe_calls(model, plan, batch, shapes)
-    plan = bind_calls(HookPlan(plan.hooks, weighted), shapes)
-    shapes[INPUT_LAYER] = [CallShapes((), (Leaf("", tuple(sample.shape), True),))]
-    return shapes, tuple(model_logits(output).shape[1:]), plan

@@ -64,6 +64,7 @@ class Patch(Action):
 
     name = "patch"
     Args = PatchArgs
+    reads_rows = True
 
     def __init__(self, args: PatchArgs) -> None:
         super().__init__(args)

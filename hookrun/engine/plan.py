@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hookrun.engine.actions import Action
-from hookrun.engine.functions import resolve_words
+from hookrun.engine.functions import refuse_fused, resolve_words
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
@@ -56,12 +56,16 @@ class PlannedHook:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One floating-point tensor of a call: its name suffix (engine/leaves.py), its shape per
-    sample, and whether it has a batch axis (False: the same tensor whatever the batch)."""
+    """One floating-point tensor of a call, as the probe measured it (engine/probe.py): its
+    name suffix (engine/leaves.py), the shape of one stored row, and how its rows map to
+    samples — `fold` 1: one row per sample; k > 1: k rows per sample folded into the batch
+    axis, sample by sample (stored (N, k, ...)); 0: no batch axis (the whole tensor, stored
+    once per batch). `refused`: why it cannot be stored ('' when it can)."""
 
     name: str
     shape: tuple[int, ...]
-    batched: bool = True
+    fold: int = 1
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,46 +132,64 @@ class HookPlan:
 
     def sites(
         self, shapes: Mapping[str, list[CallShapes]]
-    ) -> Iterator[tuple[PlannedHook, str, tuple[int, ...]]]:
-        """(hook, capture path, per-sample shape) of every tensor a hook acts on in the probe.
+    ) -> Iterator[tuple[PlannedHook, str, Leaf]]:
+        """(hook, capture path, leaf) of every tensor a hook acts on in the probe.
 
-        A capture needs a row per sample: a leaf with no per-sample first axis is refused.
+        A capture needs rows the probe could map to samples (or to batches): other leaves
+        are refused, as are stored per-sample rows (`patch`) at a site without them.
         """
         for hook in self.hooks:
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     for leaf in call_shapes.at(hook.site):
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
-                        if hook.action.captures and not leaf.batched:
+                        if hook.action.captures and leaf.refused:
                             raise HookrunError(
-                                f"hooks.{hook.name}: /{key} has no per-sample first axis "
-                                f"(shape {list(leaf.shape)} for a batch of 2: no batch axis, "
-                                "or windows/heads folded into it), so it has no row per sample;"
-                                " valid: leave it out with select.exclude, capture the module "
-                                "around it, or act on it without capturing"
+                                f"hooks.{hook.name}: /{key} cannot be stored row by row "
+                                f"({leaf.refused}; shape {list(leaf.shape)} per sample or "
+                                "batch); valid: leave it out with select.exclude, capture the "
+                                "module around it, or act on it without capturing"
                             )
-                        yield hook, key, leaf.shape
+                        if hook.action.reads_rows and leaf.fold != 1:
+                            raise HookrunError(
+                                f"hooks.{hook.name}: /{key} {_rows_text(leaf)}, and "
+                                f"{hook.action.name} puts stored rows in per sample; valid: a "
+                                "site with one row per sample"
+                            )
+                        yield hook, key, leaf
 
     def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
-        """Per-sample shape of every capture dataset, from a probe's shapes."""
-        return {
-            key: hook.action.stored_shape(shape, f"hooks.{hook.name}")
-            for hook, key, shape in self.sites(shapes)
-            if hook.action.captures
-        }
+        """The shape of one row of every capture dataset, from a probe's shapes."""
+        out = {}
+        for hook, key, leaf in self.sites(shapes):
+            if hook.action.captures:
+                out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
+                if leaf.fold != 1 and out[key] != leaf.shape:
+                    raise HookrunError(
+                        f"hooks.{hook.name}.args.pool: /{key} {_rows_text(leaf)}, not feature "
+                        "maps of one sample; valid: null (store it whole)"
+                    )
+        return out
+
+    def folds(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, int]:
+        """Capture path → `Leaf.fold` of every capture not stored one row per sample."""
+        found = self.sites(shapes)
+        return {key: leaf.fold for h, key, leaf in found if h.action.captures and leaf.fold != 1}
 
     def describe(
         self,
         shapes: Mapping[str, list[CallShapes]],
         output_shape: tuple[int, ...],
-        samples: int,
+        samples: tuple[int, int],
         itemsize: int,
         target: str,
     ) -> str:
-        """The dry-run text: hooks → modules, shapes, bytes per sample, estimated file size."""
+        """The dry-run text: hooks → modules, shapes, bytes per sample (per batch for tensors
+        with no batch axis), estimated file size. `samples`: (samples, batch size)."""
         backward = f"yes, from target.kind={target}" if self.needs_backward else "no"
         lines = [f"HookPlan: {len(self.hooks)} hook(s); backward pass: {backward}"]
         stored = self.capture_shapes(shapes)
+        folds = self.folds(shapes)
         for hook in self.hooks:
             in_pass = f" (backward pass {hook.backward})" if len(self.backward_passes) > 1 else ""
             if not hook.site.is_grad:
@@ -183,20 +205,30 @@ class HookPlan:
                         size = math.prod(shape) * itemsize
                         where = f"/{key}" if hook.action.captures else "(not stored)"
                         label = f"{layer} (call {call})" if call else layer
+                        per = "batch" if folds.get(key) == 0 else "sample"
                         lines.append(
                             f"    {label:<32} {str(list(shape)):<20} "
-                            f"{format_bytes(size):>11}/sample  {where}"
+                            f"{format_bytes(size):>11}/{per}  {where}"
                         )
                 if not shapes.get(layer):
                     lines.append(f"    {layer:<32} (not called in the probe forward pass)")
-        per_sample = sum(math.prod(s) for s in stored.values()) * itemsize
+        count, batch_size = samples
+        once = sum(math.prod(s) for k, s in stored.items() if folds.get(k) == 0) * itemsize
+        per_sample = sum(math.prod(s) for k, s in stored.items() if folds.get(k) != 0) * itemsize
         per_sample += math.prod(output_shape) * itemsize + 3 * 8  # output; index/label/target
+        total = per_sample * count + once * -(-count // batch_size)
         lines.append(
             f"Stored per sample: {format_bytes(per_sample)} (captures and /model/output "
-            f"{list(output_shape)}); {samples} sample(s) → estimated file size "
-            f"{format_bytes(per_sample * samples)} before compression"
+            f"{list(output_shape)}); {count} sample(s) → estimated file size "
+            f"{format_bytes(total)} before compression"
         )
         return "\n".join(lines)
+
+
+def _rows_text(leaf: Leaf) -> str:
+    if leaf.fold == 0:
+        return "has no batch axis (it is stored once per batch)"
+    return f"holds {leaf.fold} rows per sample folded into the batch axis"
 
 
 def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
@@ -238,6 +270,7 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                         "already captures; keep one of them"
                     )
         exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
+        refuse_fused(model, exact, f"{key}.select.name")
         plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
 
@@ -335,7 +368,7 @@ def check_reached(
                 f"floating-point tensor at {hook.site.value}, so this hook would act on "
                 "nothing; valid: select modules that run in forward (see dry_run=true)"
             )
-        missing += [f"{layer} (no per-sample axis)" for layer in unstored.get(hook.name, [])]
+        missing += unstored.get(hook.name, [])
         if missing:
             idle[hook.name] = missing
     return plan, idle
@@ -345,19 +378,18 @@ def _drop_unstorable(
     plan: HookPlan, shapes: Mapping[str, list[CallShapes]]
 ) -> tuple[HookPlan, dict[str, list[str]]]:
     """Capture hooks without the layers (matched by glob/type/regex, not named exactly)
-    whose tensors at the site have no per-sample first axis; capture_shapes refuses the
-    exactly named ones."""
+    whose tensors at the site cannot be stored row by row, and per hook 'layer (why)' of
+    each; capture_shapes refuses the exactly named ones."""
     hooks, dropped = [], {}
     for hook in plan.hooks:
-        bad = [
-            layer
-            for layer in hook.layers
-            if hook.action.captures
-            and layer not in hook.exact
-            and any(not leaf.batched for c in shapes.get(layer, []) for leaf in c.at(hook.site))
-        ]
+        bad = {}
+        for layer in hook.layers:
+            calls = shapes.get(layer, []) if hook.action.captures else []
+            why = [leaf.refused for c in calls for leaf in c.at(hook.site) if leaf.refused]
+            if why and layer not in hook.exact:
+                bad[layer] = f"{layer} (not stored: {why[0]})"
         if bad and len(bad) < len(hook.layers):
             hook = dataclasses.replace(hook, layers=tuple(x for x in hook.layers if x not in bad))
-            dropped[hook.name] = bad
+            dropped[hook.name] = list(bad.values())
         hooks.append(hook)
     return HookPlan(hooks, plan.weighted), dropped

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ from torch.utils.data import Dataset
 
 from hookrun.data.loader import build_dataset, files_fingerprint, has_labels, wrap_dataset
 from hookrun.engine.camlayer import resolve_cam_layer
-from hookrun.engine.hooks import probe_shapes, run_mode
+from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
+from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
@@ -69,6 +70,8 @@ class Prepared:
     timer: StageTimer
     started: float
     lock: WriterLock | None = None  # held from the path checks to the end of the run
+    # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
+    folds: dict[str, int] = field(default_factory=dict)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -156,8 +159,8 @@ def _prepare(
     if never_ran:
         log.warning("selected modules that never run (nothing captured there): %s", never_ran)
     check_target(spec.target, output_shape, has_labels(data))
-    for hook, site, shape in plan.sites(shapes):  # e.g. patch: its source file against the site
-        hook.action.prepare(shape, site, f"hooks.{hook.name}", len(data))
+    for hook, site, leaf in plan.sites(shapes):  # e.g. patch: its source file against the site
+        hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data))
     sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
     with run_mode(model):
         derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
@@ -170,7 +173,7 @@ def _prepare(
     )
     if spec.resume:
         check_sources(sink_path, header)
-    plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind)
+    plan_text = plan.describe(shapes, output_shape, (len(data), spec.batch_size), itemsize, kind)
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -188,4 +191,5 @@ def _prepare(
         timer=StageTimer(spec.profile, device),
         started=started,
         lock=lock,
+        folds=plan.folds(shapes),
     )

@@ -109,7 +109,7 @@ def stream(run: Prepared) -> int:
         return 0
     todo = Subset(run.data, range(mine.start + run.done, mine.stop))
     copier = HostCopier()
-    recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer)
+    recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, has_labels(run.data))
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
     options = SinkOptions(
@@ -119,6 +119,8 @@ def stream(run: Prepared) -> int:
         overwrite=spec.sink.overwrite,
         expected_rows=len(mine),
         checksum=spec.sink.checksum,
+        folds=run.folds,
+        batch_size=spec.batch_size,
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))

@@ -11,9 +11,10 @@
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
 
-Crash safety: SWMR mode once the first batch's datasets exist, a flush every batch; a killed
-writer's file opens read-only (`open_readonly`) with every row up to `completed` intact, and
-`rewrite_rows` copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
+Captures not stored one row per sample carry a dataset attribute: PER_BATCH (no batch
+axis: one row per batch) or FOLDED (k rows per sample folded into the batch axis, (N, k, ...)).
+
+How rows are appended, crash-safely, is io/appender.py's job; the names it writes are here.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from hookrun.io import storage
-from hookrun.io.storage import CHUNK_BYTES, chunk_shape
+from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
 
 __all__ = [
     "CHUNK_BYTES",
@@ -40,8 +40,12 @@ __all__ = [
     "INPUT_GRAD",
     "Provenance",
     "FileState",
-    "FileOptions",
-    "CapturesFile",
+    "PER_BATCH",
+    "FOLDED",
+    "per_batch",
+    "rows_for",
+    "rows_note",
+    "copy_attrs",
     "capture_key",
     "derived_key",
     "gap_key",
@@ -53,8 +57,10 @@ __all__ = [
     "captures_of",
     "dataset_names",
     "derived_of",
-    "rewrite_rows",
     "write_header",
+    "mark_status",
+    "mark_completed",
+    "mark_rows",
     "mark_complete",
 ]
 
@@ -96,6 +102,38 @@ GAP_SUFFIX = ".completeness_gap"
 def gap_key(method: str, layer: str) -> str:
     """The path of a result's completeness gap (N,): Σ attributions − (f(x) − f(baseline))."""
     return f"{derived_key(method, layer)}{GAP_SUFFIX}"
+
+
+# Dataset attributes of captures not stored one row per sample (engine/probe.py): a tensor
+# with no batch axis has one row per batch of PER_BATCH samples (the last may be shorter);
+# one with k rows per sample folded into the batch axis is stored (N, k, ...), FOLDED = k.
+PER_BATCH = "per_batch"
+FOLDED = "folded_rows"
+
+
+def per_batch(ds: h5py.Dataset) -> int:
+    """The batch size of a dataset stored one row per batch; 0 for one row per sample."""
+    return int(ds.attrs.get(PER_BATCH, 0))
+
+
+def rows_for(ds: h5py.Dataset, completed: int) -> int:
+    """The rows `ds` holds once `completed` samples are: one per sample, or one per batch."""
+    size = per_batch(ds)
+    return -(-completed // size) if size else completed
+
+
+def rows_note(ds: h5py.Dataset) -> str:
+    """How a dataset's rows map to samples, when not one row per sample ('' otherwise)."""
+    if per_batch(ds):
+        return f"one row per batch of {per_batch(ds)} samples (no batch axis)"
+    fold = int(ds.attrs.get(FOLDED, 0))
+    return f"axis 1: the {fold} rows per sample folded into the batch axis" if fold else ""
+
+
+def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
+    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join)."""
+    for name, value in src.attrs.items():
+        dst.attrs[name] = value
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -140,30 +178,6 @@ class FileState:
     never_ran: str = ""
 
 
-@dataclass(frozen=True)
-class FileOptions:
-    """How new datasets are stored: float dtype, compression, the rows expected (which
-    keeps a small run from allocating a whole 1 MiB chunk per dataset), and HDF5's
-    fletcher32 checksum on every chunk (a damaged chunk then fails loudly on read)."""
-
-    dtype: str = "float32"
-    compression: str | None = None
-    expected_rows: int | None = None
-    checksum: bool = True
-
-
-def open_readonly(path: Path) -> h5py.File:
-    """Open a captures.h5 for reading, also one whose writer was killed mid-run; OSError
-    with the reason for a cut or damaged file."""
-    try:
-        return h5py.File(path, "r")
-    except OSError:
-        reason = storage.cut_short(Path(path))  # SWMR reading skips HDF5's own EOF check
-        if reason:
-            raise OSError(reason) from None
-        return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
-
-
 def _state(f: h5py.File) -> FileState:
     attrs = f.attrs
     config = attrs.get("config")
@@ -185,10 +199,11 @@ def read_state(source: Path | h5py.File) -> FileState:
         return _state(source)
     with open_readonly(source) as f:
         state = _state(f)
-        datasets = [f[name] for name in dataset_names(f)]
-        reason = storage.missing_rows(datasets, state.completed, Path(source).stat().st_size)
-    if reason:
-        raise OSError(reason)
+        size = Path(source).stat().st_size
+        for ds in (f[name] for name in dataset_names(f)):
+            reason = storage.missing_rows([ds], rows_for(ds, state.completed), size)
+            if reason:
+                raise OSError(reason)
     return state
 
 
@@ -236,163 +251,26 @@ def write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
         f.attrs[key] = value
 
 
-class CapturesFile:
-    """A captures.h5 open for appending rows, batch by batch (one writer thread at a time).
-
-    `create` makes a new file with every attribute up front (SWMR forbids new attributes
-    later); `reopen` continues an interrupted one from `completed`, dropping rows past it.
-    `close(error)` sets the final status. Room for each batch is reserved before HDF5
-    writes it (io/storage.py): a full disk then fails cleanly and the file still closes as
-    `failed`; a write HDF5 itself failed leaves the file as it was after the last batch.
-    """
-
-    def __init__(self, file: h5py.File, options: FileOptions) -> None:
-        self.file = file
-        self.options = options
-        self.rows = int(file.attrs["completed"])
-        self.keys = set(dataset_names(file))
-        self.broken = False  # HDF5 failed a write: the handle must not flush again
-
-    @classmethod
-    def create(
-        cls,
-        path: Path,
-        header: Provenance | Mapping[str, Any],
-        options: FileOptions,
-        overwrite: bool = False,
-    ) -> CapturesFile:
-        # 'w-' refuses an existing file even if one appeared after the path was checked.
-        f = h5py.File(path, "w" if overwrite else "w-", libver="latest")
-        write_header(f, header)
-        f.attrs["error"] = ""
-        f.attrs["status"] = "running"
-        f.attrs["completed"] = 0
-        f.flush()
-        return cls(f, options)
-
-    @classmethod
-    def reopen(
-        cls, path: Path, options: FileOptions, header: Provenance | None = None
-    ) -> CapturesFile:
-        """Continue an interrupted file; one whose writer died before its first row is
-        started over with `header` (there is nothing in it to keep)."""
-        try:
-            f = h5py.File(path, "r+", libver="latest")
-        except OSError:  # the writer was killed: HDF5 still marks the file open for writing
-            try:
-                rewrite_rows(path)
-            except OSError as err:
-                if header is None or not storage.never_written(err):
-                    raise
-                return cls.create(path, header, options, overwrite=True)
-            f = h5py.File(path, "r+", libver="latest")
-        out = cls(f, options)
-        for key in out.keys:  # rows past `completed` may be half written: drop them
-            f[key].resize(out.rows, axis=0)
-        f.attrs["status"] = "running"
-        f.attrs["error"] = ""
-        f.flush()
-        if out.keys:
-            f.swmr_mode = True
-        return out
-
-    def append(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Write one batch (every key, same row count), then flush and advance `completed`."""
-        if not self.keys:
-            for key, array in arrays.items():
-                self._create(key, array)
-            self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
-        if set(arrays) != self.keys:
-            raise RuntimeError(
-                f"batch keys changed: missing {sorted(self.keys - set(arrays))}, "
-                f"new {sorted(set(arrays) - self.keys)}"
-            )
-        n = {len(a) for a in arrays.values()}
-        if len(n) != 1:
-            raise RuntimeError(f"records of one batch differ in length: {n}")
-        count = n.pop()
-        datasets = [self.file[key] for key in arrays]
-        storage.reserve(
-            self.file, storage.batch_need(datasets, self.rows, count)
-        )  # refused: HDF5 untouched
-        try:
-            for ds, array in zip(datasets, arrays.values(), strict=True):
-                ds.resize(self.rows + count, axis=0)
-                ds[self.rows : self.rows + count] = array
-            self.file.flush()  # the data is on its way to disk before `completed` says so
-            self.file.attrs["completed"] = self.rows + count
-            self.file.flush()
-        except (OSError, RuntimeError):
-            self.broken = True
-            raise
-        self.rows += count
-
-    def _create(self, key: str, array: np.ndarray) -> None:
-        floating = np.issubdtype(array.dtype, np.floating)
-        dtype = np.dtype(self.options.dtype) if floating else array.dtype
-        row = tuple(array.shape[1:])
-        self.keys.add(key)
-        self.file.create_dataset(
-            key,
-            shape=(0, *row),
-            maxshape=(None, *row),
-            chunks=chunk_shape(row, dtype.itemsize, self.options.expected_rows),
-            dtype=dtype,
-            compression=self.options.compression,
-            fletcher32=self.options.checksum,
-            track_times=False,  # same numbers → same bytes, whenever the run happened
-        )
-
-    def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
-        """Final status (`complete`; `failed` or `interrupted` with the error recorded), then
-        close. A broken handle is closed without writing: the file stays `running` with
-        every row up to `completed` intact, which `resume=true` continues."""
-        if self.broken:
-            storage.abandon(self.file)
-            return
-        try:
-            if error is None:
-                self.file.attrs["status"] = "complete"
-            else:
-                self.file.attrs["status"] = "interrupted" if interrupted else "failed"
-                self.file.attrs["error"] = f"{type(error).__name__}: {error}"
-            path = Path(self.file.filename)
-            self.file.close()
-            storage.trim(path)
-        except (OSError, RuntimeError):
-            self.broken = True
-            storage.abandon(self.file)
-            raise
+def mark_status(f: h5py.File, status: str, error: str = "") -> None:
+    """The file's `status` (running, complete, failed, interrupted) and its `error`."""
+    f.attrs["error"] = error
+    f.attrs["status"] = status
 
 
-def rewrite_rows(path: Path) -> None:
-    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
-    `completed`, keeping every dataset's dtype, chunks and compression."""
-    fresh = path.with_name(f".{path.name}.resume")
-    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
-        rows = int(src.attrs["completed"])
-        write_header(dst, dict(src.attrs.items()))
-        for key in dataset_names(src):
-            ds = src[key]
-            out = dst.create_dataset(
-                key,
-                shape=(rows, *ds.shape[1:]),
-                maxshape=ds.maxshape,
-                chunks=ds.chunks,
-                dtype=ds.dtype,
-                compression=ds.compression,
-                compression_opts=ds.compression_opts,
-                fletcher32=ds.fletcher32,
-                track_times=False,
-            )
-            step = max(1, ds.chunks[0])
-            for start in range(0, rows, step):
-                out[start : start + step] = ds[start : min(rows, start + step)]
-    fresh.replace(path)  # atomic: the old file stays whole until the copy is
+def mark_completed(f: h5py.File, rows: int) -> None:
+    """`completed`: the rows written; set only once they are flushed, never ahead of them."""
+    f.attrs["completed"] = rows
+
+
+def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
+    """Say how a new dataset's rows map to samples (`fold` as in FOLDED; 0: one row per
+    batch of `batch_size`); set before SWMR starts, which allows no new attributes."""
+    if fold != 1:
+        ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:
     """The final attributes of a file written whole in one go (the torchrun join)."""
     f.attrs["error"] = ""
-    f.attrs["completed"] = rows
+    mark_completed(f, rows)
     f.attrs["status"] = "complete"

@@ -21,7 +21,8 @@ __all__ = ["Results", "open_results", "summary"]
 class Results:
     """A finished (or interrupted) run's captures.h5, opened read-only.
 
-    `results.layers` lists `{layer: {site: shape}}`; `results[path]` (a path such as
+    `results.layers` lists `{layer: {site: shape}}` (`repr` also says which datasets are
+    not one row per sample: layout.rows_note); `results[path]` (a path such as
     captures/layer4/output, or `results.capture("layer4", "output")`) is an h5py dataset,
     read lazily by slicing;
     `results.config` is the resolved run config.
@@ -83,9 +84,11 @@ class Results:
 
     def __repr__(self) -> str:
         lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]
-        for layer, sites in {**self.layers, **self.derived}.items():
-            for site, shape in sites.items():
-                lines.append(f"  {layer}/{site}: {shape}")
+        found = {**layout.captures_of(self.file), **layout.derived_of(self.file)}
+        for layer, sites in found.items():
+            for site, ds in sites.items():
+                note = layout.rows_note(ds)
+                lines.append(f"  {layer}/{site}: {ds.shape}" + (f" ({note})" if note else ""))
         return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -22,7 +22,8 @@ import torch
 
 from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
-from hookrun.io.layout import CapturesFile, FileOptions, Provenance
+from hookrun.io.appender import CapturesFile, FileOptions
+from hookrun.io.layout import Provenance
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
 
@@ -39,10 +40,20 @@ class SinkOptions:
     overwrite: bool = False
     expected_rows: int | None = None
     checksum: bool = True  # fletcher32 per chunk (off only to measure what it costs)
+    # Records not stored one row per sample: path → rows per sample (0: one row per batch).
+    folds: Mapping[str, int] = field(default_factory=dict)
+    batch_size: int = 1
 
     @property
     def file_options(self) -> FileOptions:
-        return FileOptions(self.dtype, self.compression, self.expected_rows, self.checksum)
+        return FileOptions(
+            self.dtype,
+            self.compression,
+            self.expected_rows,
+            self.checksum,
+            dict(self.folds),
+            self.batch_size,
+        )
 
 
 def check_sink_path(path: Path, overwrite: bool) -> None:

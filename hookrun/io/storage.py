@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 
 __all__ = [
+    "open_readonly",
     "never_written",
     "missing_rows",
     "CHUNK_BYTES",
@@ -160,6 +161,18 @@ def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | No
                 f"the file is cut short: {ds.name} row {min(past)} lies past its end ({size} bytes)"
             )
     return None
+
+
+def open_readonly(path: Path) -> h5py.File:
+    """Open a captures.h5 for reading, also one whose writer was killed mid-run; OSError
+    with the reason for a cut or damaged file."""
+    try:
+        return h5py.File(path, "r")
+    except OSError:
+        reason = cut_short(Path(path))  # SWMR reading skips HDF5's own EOF check
+        if reason:
+            raise OSError(reason) from None
+        return h5py.File(path, "r", swmr=True)  # still marked open by a killed SWMR writer
 
 
 def never_written(err: OSError) -> bool:

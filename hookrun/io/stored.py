@@ -14,10 +14,12 @@ import numpy as np
 from hookrun.io.layout import (
     FileState,
     Provenance,
+    copy_attrs,
     dataset_names,
     mark_complete,
     open_readonly,
     read_state,
+    rows_for,
     write_header,
 )
 
@@ -58,7 +60,10 @@ def join_shards(
             write_header(out, header)
             for key in dataset_names(opened[0]):
                 first = opened[0][key]
-                virtual = h5py.VirtualLayout(shape=(samples, *first.shape[1:]), dtype=first.dtype)
+                # Shards hold whole batches in order, so a record stored once per batch
+                # joins in global batch order too.
+                total = rows_for(first, samples)
+                virtual = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
                 offset = 0
                 for shard, f in zip(shards, opened, strict=True):
                     rows = f[key].shape[0]
@@ -68,7 +73,9 @@ def join_shards(
                         shard.name, key, shape=f[key].shape
                     )
                     offset += rows
-                out.create_virtual_dataset(key, virtual)
+                if offset != total:
+                    raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
+                copy_attrs(first, out.create_virtual_dataset(key, virtual))
             mark_complete(out, samples)
     finally:
         for f in opened:

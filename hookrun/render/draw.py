@@ -95,7 +95,9 @@ def _feature_layers(f: h5py.File, derived_layers: set[str]) -> dict[str, h5py.Da
     out = {}
     for layer in sorted(captured, key=_natural):
         ds = captured[layer].get("output")
-        if layer != "input" and layer not in derived_layers and ds is not None and ds.ndim == 4:
+        # Rows per batch, or windows folded per sample, are not one sample's feature maps.
+        maps = ds is not None and ds.ndim == 4 and not layout.rows_note(ds)
+        if layer != "input" and layer not in derived_layers and maps:
             out[layer] = ds
     return out
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections import OrderedDict, namedtuple
 
 import numpy as np
-import pytest
 import torch
 from conftest import read
 from torch import nn
 
 import hookrun
-from hookrun.errors import HookrunError
 
 Pair = namedtuple("Pair", ["low", "high"])
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # batches of 2 + 1 here, of 3 in the reference
@@ -141,11 +139,11 @@ def test_an_action_on_one_leaf_changes_that_leaf_only(tmp_path):
     assert np.all(head_input[:, 8:] != 0)  # the bias part is untouched
 
 
-def test_a_tensor_without_batch_axis_is_refused_not_cut_into_rows(tmp_path):
-    with pytest.raises(
-        HookrunError, match=r"hooks.bias: /captures/table/output has no per-sample first axis"
-    ):
-        _run(tmp_path, *_hook("bias", "table", "output"))
+def test_a_tensor_without_batch_axis_is_stored_per_batch_not_cut_into_rows(tmp_path):
+    data = _run(tmp_path, *_hook("bias", "table", "output"))
+    table = Structured().table.table.detach().numpy()  # the module's own tensor, directly
+    assert data["captures/table/output"].shape == (2, 3, 5)  # batches [0, 1] and [2]
+    np.testing.assert_allclose(data["captures/table/output"], np.stack([table] * 2), rtol=1e-6)
 
 
 def test_a_glob_match_that_never_runs_is_listed(tmp_path):

@@ -237,7 +237,7 @@ def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
 KILL_BEFORE_FIRST_ROW = """
 import os, signal, sys
 from pathlib import Path
-from hookrun.io.layout import CapturesFile, FileOptions
+from hookrun.io.appender import CapturesFile, FileOptions
 kept = CapturesFile.create(Path(sys.argv[1]), {"config": "x"}, FileOptions())
 os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -258,3 +258,58 @@ def test_slurm_preset_builds_the_resuming_launcher():
     launcher = cfg.hydra.launcher
     assert launcher.array_parallelism == 16 and launcher.gpus_per_node == 1
     assert isinstance(instantiate(launcher), ResumingSlurmLauncher)
+
+
+def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
+    # WindowNet's bias table has no batch axis: one row per batch, in every shard and in
+    # the joined file, next to per-sample windows (N, 4, 16, 6).
+    overrides = [
+        "model=custom",
+        "model._target_=models_for_tests.WindowNet",
+        "dataset=fake",
+        "dataset.size=7",
+        "dataset.image_size=8",
+        "batch_size=2",
+        "render=false",
+        "progress=false",
+        "experiment=capture",
+        *hook("t", "bias", "output", "capture"),  # the experiment captures proj (a Linear)
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[1])] + [os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "hookrun",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
+    single = hookrun_cli([*overrides, "hydra.run.dir=single"], tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    reference = read(tmp_path / "single" / "captures.h5")
+    with h5py.File(merged) as f:
+        table = f["captures/bias/output"]
+        assert table.is_virtual and table.shape == (4, 3, 5)  # batches of 2, 2, 2, 1
+        assert table.attrs["per_batch"] == 2
+        with h5py.File(merged.parent / "captures.rank0-of-2.h5") as s0:
+            assert s0["captures/bias/output"].shape[0] == 2  # rank 0: batches 0 and 1
+    data = read(merged)
+    assert data.keys() == reference.keys() and data["captures/proj/output"].shape == (7, 4, 16, 6)
+    for key in reference:
+        np.testing.assert_allclose(data[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -1,0 +1,219 @@
+"""Appending rows to a captures.h5, batch by batch, so that a fault at any moment loses
+nothing already counted in `completed`.
+
+SWMR mode once the first batch's datasets exist, a flush every batch, `completed` advanced
+only after the data is flushed; a killed writer's file opens read-only (`open_readonly`) with
+every row up to `completed` intact, and `rewrite_rows` copies them into a fresh file (HDF5
+cannot clear a dead writer's mark). Every path and attribute name comes from io/layout.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hookrun.io import storage
+from hookrun.io.layout import (
+    Provenance,
+    copy_attrs,
+    dataset_names,
+    mark_completed,
+    mark_rows,
+    mark_status,
+    per_batch,
+    read_state,
+    rows_for,
+    write_header,
+)
+from hookrun.io.storage import chunk_shape, open_readonly
+
+__all__ = ["FileOptions", "CapturesFile", "rewrite_rows"]
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """How new datasets are stored: float dtype, compression, the rows expected (which
+    keeps a small run from allocating a whole 1 MiB chunk per dataset), and HDF5's
+    fletcher32 checksum on every chunk (a damaged chunk then fails loudly on read)."""
+
+    dtype: str = "float32"
+    compression: str | None = None
+    expected_rows: int | None = None
+    checksum: bool = True
+    # Records not stored one row per sample: path → rows per sample (0: one row per batch).
+    folds: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    batch_size: int = 1
+
+
+class CapturesFile:
+    """A captures.h5 open for appending rows, batch by batch (one writer thread at a time).
+
+    `create` makes a new file with every attribute up front (SWMR forbids new attributes
+    later); `reopen` continues an interrupted one from `completed`, dropping rows past it.
+    `close(error)` sets the final status. Room for each batch is reserved before HDF5
+    writes it (io/storage.py): a full disk then fails cleanly and the file still closes as
+    `failed`; a write HDF5 itself failed leaves the file as it was after the last batch.
+    """
+
+    def __init__(self, file: h5py.File, options: FileOptions) -> None:
+        self.file = file
+        self.options = options
+        self.rows = read_state(file).completed
+        self.keys = set(dataset_names(file))
+        self.batch = {k: per_batch(file[k]) for k in self.keys}  # 0: one row per sample
+        self.broken = False  # HDF5 failed a write: the handle must not flush again
+
+    @classmethod
+    def create(
+        cls,
+        path: Path,
+        header: Provenance | Mapping[str, Any],
+        options: FileOptions,
+        overwrite: bool = False,
+    ) -> CapturesFile:
+        # 'w-' refuses an existing file even if one appeared after the path was checked.
+        f = h5py.File(path, "w" if overwrite else "w-", libver="latest")
+        write_header(f, header)
+        mark_status(f, "running")
+        mark_completed(f, 0)
+        f.flush()
+        return cls(f, options)
+
+    @classmethod
+    def reopen(
+        cls, path: Path, options: FileOptions, header: Provenance | None = None
+    ) -> CapturesFile:
+        """Continue an interrupted file; one whose writer died before its first row is
+        started over with `header` (there is nothing in it to keep)."""
+        try:
+            f = h5py.File(path, "r+", libver="latest")
+        except OSError:  # the writer was killed: HDF5 still marks the file open for writing
+            try:
+                rewrite_rows(path)
+            except OSError as err:
+                if header is None or not storage.never_written(err):
+                    raise
+                return cls.create(path, header, options, overwrite=True)
+            f = h5py.File(path, "r+", libver="latest")
+        out = cls(f, options)
+        for key in out.keys:  # rows past `completed` may be half written: drop them
+            f[key].resize(rows_for(f[key], out.rows), axis=0)
+        mark_status(f, "running")
+        f.flush()
+        if out.keys:
+            f.swmr_mode = True
+        return out
+
+    def append(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write one batch (every key, same row count), then flush and advance `completed`."""
+        if not self.keys:
+            for key, array in arrays.items():
+                self._create(key, array)
+            self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
+        if set(arrays) != self.keys:
+            raise RuntimeError(
+                f"batch keys changed: missing {sorted(self.keys - set(arrays))}, "
+                f"new {sorted(set(arrays) - self.keys)}"
+            )
+        n = {len(a) for k, a in arrays.items() if not self.batch[k]}
+        if len(n) != 1 or any(len(a) != 1 for k, a in arrays.items() if self.batch[k]):
+            raise RuntimeError(f"records of one batch differ in length: {n}")
+        count = n.pop()
+        # A record with no batch axis is one row per batch: its index comes from the batch
+        # size the dataset itself records (a reopened file needs no options to continue).
+        spans = {k: (self.rows // b, 1) if b else (self.rows, count) for k, b in self.batch.items()}
+        plain = [self.file[k] for k in arrays if not self.batch[k]]
+        need = storage.batch_need(plain, self.rows, count)
+        once = [k for k in arrays if self.batch[k]]
+        if once:
+            need += storage.batch_need([self.file[k] for k in once], spans[once[0]][0], 1)
+        storage.reserve(self.file, need)  # refused: HDF5 untouched
+        try:
+            for key, array in arrays.items():
+                start, rows = spans[key]
+                self.file[key].resize(start + rows, axis=0)
+                self.file[key][start : start + rows] = array
+            self.file.flush()  # the data is on its way to disk before `completed` says so
+            mark_completed(self.file, self.rows + count)
+            self.file.flush()
+        except (OSError, RuntimeError):
+            self.broken = True
+            raise
+        self.rows += count
+
+    def _create(self, key: str, array: np.ndarray) -> None:
+        floating = np.issubdtype(array.dtype, np.floating)
+        dtype = np.dtype(self.options.dtype) if floating else array.dtype
+        row = tuple(array.shape[1:])
+        fold = self.options.folds.get(key, 1)
+        self.batch[key] = self.options.batch_size if fold == 0 else 0
+        expected = self.options.expected_rows
+        if expected and fold == 0:
+            expected = -(-expected // self.options.batch_size)
+        self.keys.add(key)
+        ds = self.file.create_dataset(
+            key,
+            shape=(0, *row),
+            maxshape=(None, *row),
+            chunks=chunk_shape(row, dtype.itemsize, expected),
+            dtype=dtype,
+            compression=self.options.compression,
+            fletcher32=self.options.checksum,
+            track_times=False,  # same numbers → same bytes, whenever the run happened
+        )
+        mark_rows(ds, fold, self.options.batch_size)
+
+    def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
+        """Final status (`complete`; `failed` or `interrupted` with the error recorded), then
+        close. A broken handle is closed without writing: the file stays `running` with
+        every row up to `completed` intact, which `resume=true` continues."""
+        if self.broken:
+            storage.abandon(self.file)
+            return
+        try:
+            if error is None:
+                mark_status(self.file, "complete")
+            else:
+                status = "interrupted" if interrupted else "failed"
+                mark_status(self.file, status, f"{type(error).__name__}: {error}")
+            path = Path(self.file.filename)
+            self.file.close()
+            storage.trim(path)
+        except (OSError, RuntimeError):
+            self.broken = True
+            storage.abandon(self.file)
+            raise
+
+
+def rewrite_rows(path: Path) -> None:
+    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
+    `completed`, keeping every dataset's dtype, chunks and compression."""
+    fresh = path.with_name(f".{path.name}.resume")
+    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
+        completed = read_state(src).completed
+        copy_attrs(src, dst)
+        for key in dataset_names(src):
+            ds = src[key]
+            rows = rows_for(ds, completed)
+            out = dst.create_dataset(
+                key,
+                shape=(rows, *ds.shape[1:]),
+                maxshape=ds.maxshape,
+                chunks=ds.chunks,
+                dtype=ds.dtype,
+                compression=ds.compression,
+                compression_opts=ds.compression_opts,
+                fletcher32=ds.fletcher32,
+                track_times=False,
+            )
+            copy_attrs(ds, out)
+            step = max(1, ds.chunks[0])
+            for start in range(0, rows, step):
+                out[start : start + step] = ds[start : min(rows, start + step)]
+    fresh.replace(path)  # atomic: the old file stays whole until the copy is
