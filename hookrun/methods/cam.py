@@ -115,6 +115,11 @@ class GradCAM(Method):
     def compute(self, args: CamArgs, state: Grid, records: Mapping[str, torch.Tensor]) -> Any:
         return _grad_cam(*self.maps(args, state, records))
 
+    def stored_shapes(
+        self, args: CamArgs, state: Grid, key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        return {key: state.size}  # (N, H, W) at the layer's grid
+
 
 @register_method("cam")
 class CAM(Method):
@@ -137,6 +142,11 @@ class CAM(Method):
         activation = _channels_first(records, layout.capture_key(args.layer, "output"), grid)
         return torch.einsum("nc,nchw->nhw", w, activation)
 
+    def stored_shapes(
+        self, args: CamArgs, state: tuple[torch.Tensor, Grid], key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        return {key: state[1].size}
+
 
 @register_method("guided_grad_cam")
 class GuidedGradCAM(GradCAM):
@@ -150,6 +160,11 @@ class GuidedGradCAM(GradCAM):
         guided = records[layout.INPUT_GRAD].float()
         up = F.interpolate(cam[:, None], size=guided.shape[-2:], mode="bilinear")
         return guided * up
+
+    def stored_shapes(
+        self, args: LayerArgs, state: Any, key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        return {key: sample}  # the input's guided gradient, weighted
 
 
 def linear_head(

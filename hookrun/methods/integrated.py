@@ -125,6 +125,11 @@ class IntegratedGradients(Method):
                 f"is {list(sample.shape)}; valid here: zeros, mean, or a number"
             )
 
+    def stored_shapes(
+        self, args: IGArgs, state: None, key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        return {key: sample, layout.gap_key(self.name, "input"): ()}
+
     def passes(self, args: IGArgs, state: None, batch: BatchContext) -> dict[str, torch.Tensor]:
         x = batch.inputs.detach()
         base = baseline_of(args.baseline, x)

@@ -84,6 +84,14 @@ class Method:
         """A `runs_passes` method's results for one batch, keyed by HDF5 path (host tensors)."""
         raise NotImplementedError
 
+    def stored_shapes(
+        self, args: Any, state: Any, key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each dataset the method writes, `key` being its main one and
+        `sample` the model input's shape (the dry run's size estimate); by default one
+        result shaped like the input."""
+        return {key: sample}
+
 
 METHODS: Registry[Method] = Registry("a method")
 
@@ -111,6 +119,10 @@ class Derivation:
     def key(self) -> str:
         # Methods that attribute the model input store at /derived/<method>/input.
         return layout.derived_key(self.method.name, getattr(self.args, "layer", None) or "input")
+
+    def stored_shapes(self, sample: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each dataset this derivation writes (`sample`: the input's)."""
+        return self.method.stored_shapes(self.args, self.state, self.key, sample)
 
 
 def plan_derivations(

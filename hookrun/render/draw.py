@@ -15,6 +15,7 @@ and one contact sheet per run with a row per sample.
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +176,13 @@ def render(
     return [p.path for p in pictures] + [sheet]
 
 
+def _wrapped(title: str, width: int = 32) -> str:
+    """A column title in lines of at most `width` characters, broken at spaces and after
+    dots: a column is 2.6 inches wide, and long module names (ViT's
+    encoder.layers.encoder_layer_11.ln_1) ran into the next column's title."""
+    return "\n".join(textwrap.wrap(title.replace(".", ". "), width)).replace(". ", ".")
+
+
 def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, title: str) -> Path:
     """One figure: a row per sample, a column per picture kind (at most 6 columns)."""
     kinds = list(dict.fromkeys(p.kind for p in pictures))
@@ -194,7 +202,7 @@ def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, ti
             if pic is not None:
                 ax.imshow(pic.image)
             if r == 0:
-                ax.set_title(kind, fontsize=9)
+                ax.set_title(_wrapped(kind), fontsize=9)
             if c == 0 and r < len(labels):
                 ax.text(
                     -0.05,
@@ -206,7 +214,7 @@ def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, ti
                     fontsize=8,
                 )
     fig.suptitle(title.replace("_", " "))
-    fig.tight_layout()
+    fig.tight_layout(h_pad=1.5)  # rows of square pictures stay apart
     fig.savefig(target, dpi=100)
     plt.close(fig)
     return target
