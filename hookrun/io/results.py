@@ -134,11 +134,31 @@ def summary(
             lines.append(f"selected but never ran (nothing stored there): {never_ran}")
         for name, ds in _gaps_of(res.file).items():
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
+        lines += _vanished(res.file, min(rows, show))
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
     note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
     lines.append(f"time: {seconds:.1f} s, {rate:.1f} samples/s{note}")
     return "\n".join(lines)
+
+
+def _vanished(f: h5py.File, rows: int) -> list[str]:
+    """A warning for each attribution that is exactly zero in its first `rows` rows: the
+    target's gradient vanished (torchvision ViT's zero-initialised head with random weights
+    gives zeros everywhere); numbers that are right but say nothing should not pass unseen."""
+    found = [ds for group in layout.derived_of(f).values() for ds in group.values()]
+    if layout.INPUT_GRAD in f:
+        found.append(f[layout.INPUT_GRAD])
+    return [
+        f"warning: /{ds.name.lstrip('/')} is exactly zero in its first {rows} rows: the "
+        "target's gradient vanishes there (a zero-initialised head, as in torchvision's ViT "
+        "with model.weights=null, gives zeros)"
+        for ds in found
+        if rows
+        and not ds.name.endswith(layout.GAP_SUFFIX)
+        and ds.dtype.kind == "f"
+        and not np.any(ds[:rows])
+    ]
 
 
 def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
