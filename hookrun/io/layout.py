@@ -13,7 +13,7 @@ failed | interrupted) and `completed` (rows written *and flushed*, never ahead o
 
 Crash safety: SWMR mode once the first batch's datasets exist, a flush every batch; a killed
 writer's file opens read-only (`open_readonly`) with every row up to `completed` intact, and
-`rewrite_rows` copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
+io/stored.py copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ __all__ = [
     "captures_of",
     "dataset_names",
     "derived_of",
-    "rewrite_rows",
     "write_header",
     "mark_complete",
 ]
@@ -271,21 +270,10 @@ class CapturesFile:
         return cls(f, options)
 
     @classmethod
-    def reopen(
-        cls, path: Path, options: FileOptions, header: Provenance | None = None
-    ) -> CapturesFile:
-        """Continue an interrupted file; one whose writer died before its first row is
-        started over with `header` (there is nothing in it to keep)."""
-        try:
-            f = h5py.File(path, "r+", libver="latest")
-        except OSError:  # the writer was killed: HDF5 still marks the file open for writing
-            try:
-                rewrite_rows(path)
-            except OSError as err:
-                if header is None or not storage.never_written(err):
-                    raise
-                return cls.create(path, header, options, overwrite=True)
-            f = h5py.File(path, "r+", libver="latest")
+    def reopen(cls, path: Path, options: FileOptions) -> CapturesFile:
+        """Continue an interrupted, cleanly closed file (io/stored.py's `reopen` first
+        copies a killed writer's file into one)."""
+        f = h5py.File(path, "r+", libver="latest")
         out = cls(f, options)
         for key in out.keys:  # rows past `completed` may be half written: drop them
             f[key].resize(out.rows, axis=0)
@@ -363,32 +351,6 @@ class CapturesFile:
             self.broken = True
             storage.abandon(self.file)
             raise
-
-
-def rewrite_rows(path: Path) -> None:
-    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
-    `completed`, keeping every dataset's dtype, chunks and compression."""
-    fresh = path.with_name(f".{path.name}.resume")
-    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
-        rows = int(src.attrs["completed"])
-        write_header(dst, dict(src.attrs.items()))
-        for key in dataset_names(src):
-            ds = src[key]
-            out = dst.create_dataset(
-                key,
-                shape=(rows, *ds.shape[1:]),
-                maxshape=ds.maxshape,
-                chunks=ds.chunks,
-                dtype=ds.dtype,
-                compression=ds.compression,
-                compression_opts=ds.compression_opts,
-                fletcher32=ds.fletcher32,
-                track_times=False,
-            )
-            step = max(1, ds.chunks[0])
-            for start in range(0, rows, step):
-                out[start : start + step] = ds[start : min(rows, start + step)]
-    fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:

@@ -23,6 +23,7 @@ import torch
 from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.layout import CapturesFile, FileOptions, Provenance
+from hookrun.io.stored import reopen
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
 
@@ -107,7 +108,7 @@ class HDF5Sink:
     def __enter__(self) -> HDF5Sink:
         options = self.options.file_options
         if self.resume and self.path.exists():  # a requeued job may not have one yet
-            self._file = CapturesFile.reopen(self.path, options, self.header)
+            self._file = reopen(self.path, options, self.header)
         else:
             header = self.header or {}  # files written outside a run (tests, benchmarks)
             self._file = CapturesFile.create(self.path, header, options, self.options.overwrite)
