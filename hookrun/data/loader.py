@@ -8,6 +8,7 @@ import itertools
 import os
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ __all__ = [
     "make_loader",
     "worker_init",
     "files_fingerprint",
+    "SourceFiles",
+    "source_files",
 ]
 
 
@@ -104,25 +107,57 @@ def has_labels(data: Dataset) -> bool:
     return bool(getattr(data, "has_labels", False))
 
 
-def files_fingerprint(data: Dataset) -> str:
-    """sha256 over every source file's (path, size, label) in row order, for datasets read
-    from files (an image folder); "" for others. A resumed run compares it, so a folder
-    whose files were added, removed, renamed or rewritten is not continued."""
+def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
+    """(dataset index, source path, label) of every row, in row order, for datasets read
+    from files (an image folder); None for others."""
     rows: Any = range(len(data))  # type: ignore[arg-type]
     while isinstance(data, Subset):
         rows, data = [data.indices[i] for i in rows], data.dataset
     samples = getattr(data, "samples", None)
     if not isinstance(samples, list):
+        return None
+    return [(i, *samples[i]) for i in rows]
+
+
+def files_fingerprint(data: Dataset) -> str:
+    """sha256 over every source file's (path, size, label) in row order, for datasets read
+    from files (an image folder); "" for others. A resumed run compares it, so a folder
+    whose files were added, removed, renamed or rewritten is not continued."""
+    rows = _file_rows(data)
+    if rows is None:
         return ""
     digest = hashlib.sha256()
-    for i in rows:
-        path, label = samples[i]
+    for _, path, label in rows:
         try:
             size = os.stat(path).st_size
         except OSError:
             size = -1  # unreadable now: the read names it
         digest.update(f"{path}\t{size}\t{label}\n".encode())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """Each row's source file (absolute), for datasets read from files: /samples/path."""
+
+    by_index: dict[int, str]
+    # UTF-8 bytes of the longest path of the whole run, known before its first batch: one
+    # width for every batch, every torchrun shard and every resumed run.
+    width: int
+
+    def of(self, index: torch.Tensor) -> list[str]:
+        """The source files of a batch's rows, by dataset index."""
+        return [self.by_index[int(i)] for i in index]
+
+
+def source_files(data: Dataset) -> SourceFiles | None:
+    """The run's source files (every row, not one rank's share), or None when the dataset
+    is not read from files."""
+    rows = _file_rows(data)
+    if rows is None:
+        return None
+    by_index = {i: os.path.abspath(path) for i, path, _ in rows}
+    return SourceFiles(by_index, max((len(os.fsencode(p)) for p in by_index.values()), default=1))
 
 
 def worker_init(worker_id: int) -> None:

@@ -163,8 +163,10 @@ class HookPlan:
         samples: int,
         itemsize: int,
         target: str,
+        path_bytes: int = 0,
     ) -> str:
-        """The dry-run text: hooks → modules, shapes, bytes per sample, estimated file size."""
+        """The dry-run text: hooks → modules, shapes, bytes per sample, estimated file size
+        (`path_bytes`: the width of /samples/path, for file datasets)."""
         backward = f"yes, from target.kind={target}" if self.needs_backward else "no"
         lines = [f"HookPlan: {len(self.hooks)} hook(s); backward pass: {backward}"]
         stored = self.capture_shapes(shapes)
@@ -191,9 +193,11 @@ class HookPlan:
                     lines.append(f"    {layer:<32} (not called in the probe forward pass)")
         per_sample = sum(math.prod(s) for s in stored.values()) * itemsize
         per_sample += math.prod(output_shape) * itemsize + 3 * 8  # output; index/label/target
+        per_sample += path_bytes
+        paths = f", source path {path_bytes} B" if path_bytes else ""
         lines.append(
             f"Stored per sample: {format_bytes(per_sample)} (captures and /model/output "
-            f"{list(output_shape)}); {samples} sample(s) → estimated file size "
+            f"{list(output_shape)}{paths}); {samples} sample(s) → estimated file size "
             f"{format_bytes(per_sample * samples)} before compression"
         )
         return "\n".join(lines)

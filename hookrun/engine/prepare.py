@@ -16,7 +16,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hookrun.data.loader import build_dataset, files_fingerprint, has_labels, wrap_dataset
+from hookrun.data.loader import (
+    SourceFiles,
+    build_dataset,
+    files_fingerprint,
+    has_labels,
+    source_files,
+    wrap_dataset,
+)
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import probe_shapes, run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
@@ -59,6 +66,7 @@ class Prepared:
     device: torch.device
     model: nn.Module
     data: Dataset  # every row of the run (after `limit`)
+    files: SourceFiles | None  # every row's source file, for file datasets
     plan: HookPlan
     derivations: list[Derivation]
     plan_text: str
@@ -170,7 +178,9 @@ def _prepare(
     )
     if spec.resume:
         check_sources(sink_path, header)
-    plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind)
+    files = source_files(data)
+    path_bytes = files.width if files is not None else 0
+    plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind, path_bytes)
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -178,6 +188,7 @@ def _prepare(
         device=device,
         model=model,
         data=data,
+        files=files,
         plan=plan,
         derivations=derivations,
         plan_text=plan_text,

@@ -4,6 +4,7 @@
 |---|---|---|
 | /captures/<layer>/<site>[_<i>][.call<k>] | (N, ...) | one row per sample, in dataset order |
 | /samples/index, /samples/label, /samples/target | (N,) int64 | dataset index, label, target |
+| /samples/path | (N,) UTF-8, fixed width | source file of each row (file datasets) |
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
 | /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
@@ -19,6 +20,7 @@ io/stored.py copies them into a fresh file (HDF5 cannot clear a dead writer's ma
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,9 @@ __all__ = [
     "SAMPLES_INDEX",
     "SAMPLES_LABEL",
     "SAMPLES_TARGET",
+    "SAMPLES_PATH",
+    "path_rows",
+    "read_paths",
     "MODEL_OUTPUT",
     "INPUT_PHOTO",
     "INPUT_GRAD",
@@ -60,6 +65,7 @@ __all__ = [
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
+SAMPLES_PATH = "samples/path"
 MODEL_OUTPUT = "model/output"
 
 
@@ -95,6 +101,22 @@ GAP_SUFFIX = ".completeness_gap"
 def gap_key(method: str, layer: str) -> str:
     """The path of a result's completeness gap (N,): Σ attributions − (f(x) − f(baseline))."""
     return f"{derived_key(method, layer)}{GAP_SUFFIX}"
+
+
+def path_rows(paths: list[str], width: int) -> np.ndarray:
+    """Rows of /samples/path: UTF-8 of `width` bytes each. One width for the whole run,
+    from every file it reads, so resumed rows and torchrun shards share one dtype (HDF5
+    virtual datasets cannot hold variable-length strings). A file name that is not UTF-8
+    keeps its bytes (os.fsencode), and `read_paths` gives back the same str."""
+    return np.array([os.fsencode(p) for p in paths], dtype=h5py.string_dtype("utf-8", width))
+
+
+def read_paths(f: h5py.File) -> list[str] | None:
+    """The source file of each complete row, or None for a dataset not read from files."""
+    if SAMPLES_PATH not in f:
+        return None
+    rows = f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]
+    return [str(p) for p in rows]
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -318,6 +340,8 @@ class CapturesFile:
     def _create(self, key: str, array: np.ndarray) -> None:
         floating = np.issubdtype(array.dtype, np.floating)
         dtype = np.dtype(self.options.dtype) if floating else array.dtype
+        if dtype.kind == "S":  # stored as UTF-8, not HDF5's default ASCII
+            dtype = h5py.string_dtype("utf-8", dtype.itemsize)
         row = tuple(array.shape[1:])
         self.keys.add(key)
         self.file.create_dataset(

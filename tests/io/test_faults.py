@@ -16,8 +16,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, read, run_config
+from conftest import hook, photo_folder, read, run_config
 
+import hookrun
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
 
@@ -74,6 +75,17 @@ def wait_rows(proc: subprocess.Popen, path: Path, rows: int, timeout: float = 12
         except (OSError, KeyError):
             pass  # not created yet, or not yet in SWMR mode
     return completed
+
+
+def killed_after(args: list[str], cwd: Path, run_dir: Path, rows: int) -> int:
+    """`python -m hookrun ARGS` into `run_dir`, SIGKILLed once its file holds `rows` rows;
+    the rows seen before the kill."""
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], cwd)
+    seen = wait_rows(proc, run_dir / "captures.h5", rows)
+    proc.kill()
+    proc.wait()
+    assert seen >= rows
+    return seen
 
 
 def attrs(path: Path) -> dict:
@@ -197,10 +209,7 @@ def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
     args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
-    proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    assert wait_rows(proc, path, 20) >= 20
-    proc.kill()
-    proc.wait()
+    killed_after(args, tmp_path, run_dir, 20)
     with open_readonly(path) as f:  # cut through rows the file counts as complete
         first = f["captures/layer1/output"].id.get_chunk_info(0)
     os.truncate(path, first.byte_offset + first.size // 2)
@@ -301,3 +310,56 @@ def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
         overrides, model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path / "clean"
     )
     assert_same_bytes(resumed.path, read(clean.path))
+
+
+def folder_run(root: Path) -> list[str]:
+    return [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=image_folder",
+        f"dataset.root={root}",
+        "dataset.resize=24",
+        "dataset.crop=24",
+        "batch_size=1",
+        *hook("c", "layer1", "output", "capture"),
+        "progress=false",
+        "render=false",
+    ]
+
+
+def test_samples_path_holds_each_rows_file_also_after_a_kill_and_resume(tmp_path):
+    files = photo_folder(tmp_path / "photos", 48)
+    args = folder_run(tmp_path / "photos")
+    reference = run_config(tmp_path / "reference", args)
+    with h5py.File(reference.path) as f:  # plain h5py: UTF-8 strings, one per row
+        assert [p.decode() for p in f["samples/path"][:]] == files
+        assert f["samples/path"].dtype.itemsize == max(len(p.encode()) for p in files)
+    with reference.open() as res:
+        assert res.paths == files
+    verified = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(reference.path)], capture_output=True
+    )
+    assert verified.returncode == 0, verified.stdout
+
+    run_dir = tmp_path / "killed"
+    path = run_dir / "captures.h5"
+    seen = killed_after(args, tmp_path, run_dir, 3)
+    done = int(attrs(path)["completed"])
+    assert seen <= done < 48
+    with hookrun.open(path) as res:  # the killed file's rows name their files already
+        assert res.status == "running" and res.paths == files[:done]
+    code, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert code == 0, err[-2000:]
+    assert_same_bytes(path, read(reference.path))
+    with hookrun.open(path) as res:
+        assert res.paths == files
+
+
+def test_the_dry_run_estimate_counts_the_path_width(tmp_path):
+    files = photo_folder(tmp_path / "photos", 5)
+    width = max(len(p.encode()) for p in files)
+    run = run_config(tmp_path / "run", [*folder_run(tmp_path / "photos"), "dry_run=true"])
+    # layer1 at 24 px: 64 x 6 x 6 floats; the output 1000 floats; index, label, target int64.
+    per_row = (64 * 6 * 6 + 1000) * 4 + 3 * 8 + width
+    assert f"source path {width} B" in run.plan_text
+    assert f"estimated file size {per_row * 5 / 1024:.1f} KiB" in run.plan_text
