@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hookrun.data.kinds import DATASETS, NO_LABEL
+from hookrun.data.kinds import DATASETS, NO_LABEL, check_image
 from hookrun.errors import HookrunError
 
 __all__ = [
@@ -31,8 +31,13 @@ __all__ = [
 
 
 def build_dataset(cfg: Any, seed: int, limit: int | None) -> Dataset:
-    """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples."""
-    return _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+    """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples;
+    every image file of the run checked up front (a bad last file stops the run before
+    its first batch, not after hours)."""
+    data = _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+    for _, path, _ in _file_rows(data) or ():
+        check_image(path)
+    return data
 
 
 def _limited(data: Dataset, limit: int | None) -> Dataset:
