@@ -296,3 +296,39 @@ def test_a_bad_image_past_limit_is_not_read(tmp_path):
     result = run_config(tmp_path / "run", [*_folder_ending_in(tmp_path, None), "limit=4"])
     with h5py.File(result.path) as f:
         assert f.attrs["status"] == "complete" and f.attrs["completed"] == 4
+
+
+@pytest.mark.parametrize(
+    "experiment,reader",
+    [
+        ("grad_cam", "hooks.cam_activation.select.name"),
+        ("cam", "hooks.cam_activation.select.name"),
+        ("layer_cam", "hooks.cam_activation.select.name"),
+        ("patch", "hooks.ablate.select.name"),
+    ],
+)
+def test_cam_layer_null_where_the_experiment_reads_it(tmp_path, experiment, reader):
+    overrides = [f"experiment={experiment}", "model=resnet18", "model.cam_layer=null"]
+    if experiment == "patch":
+        overrides.append(f"hooks.ablate.args.file={tmp_path / 'x.h5'}")
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", overrides, experiment)
+    assert str(err.value) == (
+        f"model.cam_layer: null, but {reader} reads it; valid: auto (a probe picks the layer) "
+        "or a module name of the model, e.g. layer4 (see dry_run=true)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_cam_layer_null_on_the_cli_is_one_line(tmp_path):
+    proc = hookrun_cli(["experiment=grad_cam", "model.cam_layer=null"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookrun: error: model.cam_layer: null, but hooks.")
+
+
+def test_cam_layer_null_where_nothing_reads_it_is_fine(tmp_path):
+    overrides = ["model=resnet18", "model.weights=null", "model.cam_layer=null", "render=false"]
+    overrides += ["dataset=fake", "dataset.size=1", "dataset.image_size=32"]
+    result = run_config(tmp_path / "run", [*overrides, *hook("o", "fc", "output", "capture")])
+    assert result.rows == 1
