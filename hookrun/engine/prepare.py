@@ -87,7 +87,8 @@ def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World)
     """Rows already done (resume), after refusing paths that exist or cannot be written."""
     if spec.resume and sink_path.exists():
         # Under torchrun a shard may have finished before another rank was killed.
-        return resume_point(sink_path, spec.config_yaml, complete_ok=world.parallel)
+        render = spec.render_max if spec.render else 0
+        return resume_point(sink_path, spec.config_yaml, world.parallel, render)
     if spec.resume:
         sizes = distributed.shard_world_sizes(final_path) - {world.size}
         if sizes:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hook, photo_folder, read, run_config
+from PIL import Image
 
 import hookrun
 from hookrun.errors import HookrunError
@@ -363,3 +364,82 @@ def test_the_dry_run_estimate_counts_the_path_width(tmp_path):
     per_row = (64 * 6 * 6 + 1000) * 4 + 3 * 8 + width
     assert f"source path {width} B" in run.plan_text
     assert f"estimated file size {per_row * 5 / 1024:.1f} KiB" in run.plan_text
+
+
+# Integrated gradients with 96 steps: the derived passes take ~99% of each batch's time, so a
+# kill that follows a batch landing on disk falls inside the next batch's derive.
+DERIVE = [
+    "experiment=integrated_gradients",
+    "model=resnet18",
+    "model.weights=null",
+    "dataset=fake",
+    "dataset.image_size=32",
+    "dataset.size=10",
+    "batch_size=2",
+    "derive.integrated_gradients.steps=96",
+    "progress=false",
+    "render=false",
+]
+
+
+def test_killed_during_derive_resumes_to_the_clean_bytes(tmp_path):
+    run_dir = tmp_path / "killed"
+    path = run_dir / "captures.h5"
+    killed_after(DERIVE, tmp_path, run_dir, 2)
+    state = attrs(path)
+    assert state["status"] == "running" and 2 <= state["completed"] < 10
+    with open_readonly(path) as f:  # the derived rows are there up to `completed`, no further
+        assert f["derived/integrated_gradients/input"].shape[0] >= state["completed"]
+    code, err = finish(spawn([*DERIVE, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert code == 0, err[-2000:]
+    clean = run_config(tmp_path / "clean", DERIVE, "integrated_gradients")
+    assert_same_bytes(path, read(clean.path))
+
+
+FEATURE_MAPS = [
+    "experiment=feature_maps",
+    "model=resnet18",
+    "model.weights=null",
+    "dataset=fake",
+    "dataset.image_size=32",
+    "dataset.size=12",
+    "render_max=12",
+    "progress=false",
+]
+
+
+def test_killed_while_drawing_the_file_is_complete_and_resume_says_how_to_draw(tmp_path):
+    """Pictures are drawn from the complete file: a kill there leaves a complete, intact
+    file, only whole PNGs, and a resume that says so and names the command that draws them."""
+    run_dir = tmp_path / "killed"
+    path, images = run_dir / "captures.h5", run_dir / "images" / "feature_maps"
+    proc = spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}"], tmp_path)
+    deadline = time.monotonic() + 300
+    while not list(images.glob("*.png")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert attrs(path)["status"] == "complete"
+    verified = subprocess.run([sys.executable, "-m", "hookrun.verify", str(path)])
+    assert verified.returncode == 0
+    drawn = sorted(images.glob("*.png"))
+    assert len(drawn) > 0 and not (images / "contact_sheet.png").exists()
+    for picture in drawn:  # every picture there is whole (written under another name first)
+        Image.open(picture).load()
+
+    code, err = finish(spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert code == 2
+    assert one_line(err) == (
+        f"hookrun: error: resume: {path} is already complete (12 rows); nothing to compute; "
+        f"to draw its pictures: python -m hookrun.render {path} --max 12"
+    )
+    assert attrs(path)["status"] == "complete"
+    render = [sys.executable, "-m", "hookrun.render", str(path), "--max", "12"]
+    assert subprocess.run(render, capture_output=True).returncode == 0
+    clean = run_config(tmp_path / "clean", FEATURE_MAPS, "feature_maps")
+    expected = sorted(p.name for p in clean.images.glob("*.png"))
+    assert sorted(p.name for p in images.glob("*.png")) == expected
+    assert len(expected) == 12 * 21 + 1  # the input and 20 conv layers per sample, the sheet
+    for name in expected[:-1]:
+        assert (images / name).read_bytes() == (clean.images / name).read_bytes(), name
