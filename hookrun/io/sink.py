@@ -23,6 +23,7 @@ import torch
 from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.layout import CapturesFile, FileOptions, Provenance
+from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
@@ -153,8 +154,9 @@ class HDF5Sink:
         err = self._error
         if err is None:
             return
-        if isinstance(err, OSError):  # the disk's fault, not the data's: one line, resumable
-            reason = f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else str(err)
+        code = disk_errno(err)
+        if code or isinstance(err, OSError):  # the disk's fault, not the data's: resumable
+            reason = f"[Errno {code}] {os.strerror(code)}" if code else str(err)
             rows = self._file.rows if self._file is not None else 0
             raise RunFault(
                 f"writing {self.path} failed: {reason.splitlines()[0]}; its first {rows} "

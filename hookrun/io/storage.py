@@ -16,11 +16,13 @@ import contextlib
 import errno
 import math
 import os
+import re
 from pathlib import Path
 
 import h5py
 
 __all__ = [
+    "disk_errno",
     "never_written",
     "missing_rows",
     "CHUNK_BYTES",
@@ -105,6 +107,20 @@ def abandon(f: h5py.File) -> None:
         pass  # the handle is already gone: nothing left to flush
     with contextlib.suppress(OSError, RuntimeError, ValueError):
         f.close()  # what it still writes goes to /dev/null; the file on disk is unchanged
+
+
+# How HDF5 reports a failed write() of its own (h5py raises it as a RuntimeError, not an
+# OSError): "... (file write failed: ..., errno = 5, error message = 'Input/output error', ...".
+_HDF5_WRITE_ERRNO = re.compile(r"file (?:write|read) failed: .*?errno = (\d+)", re.DOTALL)
+
+
+def disk_errno(err: BaseException) -> int | None:
+    """The errno of a failed disk operation (full disk, file-size limit, I/O error), whether
+    the OS raised it or HDF5 reported it from its own write; None for any other error."""
+    if isinstance(err, OSError):
+        return err.errno or None
+    found = _HDF5_WRITE_ERRNO.search(str(err)) if isinstance(err, RuntimeError) else None
+    return int(found.group(1)) if found else None
 
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
