@@ -1,6 +1,7 @@
 """Resume refuses what changes the bytes but the config cannot show: the weights file's
-contents (re-hashed), an image folder's files, the number of torchrun processes. A refused
-resume leaves the file byte for byte as it was."""
+contents (re-hashed), an image folder's files (the number of torchrun processes: with real
+shards in tests/scale/test_torchrun_faults.py). A refused resume leaves the file byte for
+byte as it was."""
 
 from __future__ import annotations
 
@@ -84,15 +85,3 @@ def test_changed_image_folder_is_refused(tmp_path):
     with pytest.raises(HookrunError, match=r"resume refused: dataset files \(path, size, label\)"):
         run_config(tmp_path / "run", [*args, "resume=true"])
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
-
-
-def test_changed_world_size_is_refused(tmp_path):
-    args = ["dataset.size=2", "dataset.image_size=32", "render=false"]
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    # What `torchrun --nproc_per_node=2` left behind: a shard of a two-process run.
-    shard = run_dir / "captures.rank0-of-2.h5"
-    shard.write_bytes(b"")
-    with pytest.raises(HookrunError, match=r"resume refused: the number of processes changed"):
-        run_config(run_dir, [*args, "resume=true"])
-    assert not (run_dir / "captures.h5").exists() and shard.read_bytes() == b""
