@@ -30,10 +30,11 @@ from hookrun.engine.plan import HookPlan, check_reached, compile_plan
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
-from hookrun.io.layout import Provenance
+from hookrun.io.layout import SAMPLES_PATH, Provenance
 from hookrun.io.lock import WriterLock
 from hookrun.io.resume import check_sources, resume_point
 from hookrun.io.sink import check_sink_path
+from hookrun.io.stored import stored_record
 from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
@@ -180,6 +181,11 @@ def _prepare(
     if spec.resume:
         check_sources(sink_path, header)
     files = source_files(data)
+    if files is not None and done and stored_record(sink_path, SAMPLES_PATH)[1] is None:
+        # Started by a hookrun before /samples/path: continued as it began, so its rows
+        # keep one layout (a dataset added half-way would have no rows for the first part).
+        log.warning("resume: %s was started without /samples/path; continuing without", sink_path)
+        files = None
     path_bytes = files.width if files is not None else 0
     plan_text = plan.describe(shapes, output_shape, len(data), itemsize, kind, path_bytes)
     return Prepared(

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, run_config
+from conftest import hook, photo_folder, read, run_config
 from PIL import Image
 
 import hookrun
@@ -85,3 +85,41 @@ def test_changed_image_folder_is_refused(tmp_path):
     with pytest.raises(HookrunError, match=r"resume refused: dataset files \(path, size, label\)"):
         run_config(tmp_path / "run", [*args, "resume=true"])
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_a_file_begun_before_samples_path_resumes_without_it(tmp_path):
+    """An interrupted image-folder file from a hookrun that wrote no /samples/path (its
+    layout rebuilt here from a new run: the first 4 of 8 rows, every other dataset) is
+    continued as it began: no new dataset half-way, the other rows the uninterrupted ones."""
+    files = photo_folder(tmp_path / "photos", 8)
+    args = [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=image_folder",
+        f"dataset.root={tmp_path / 'photos'}",
+        "dataset.resize=16",
+        "dataset.crop=16",
+        "batch_size=2",
+        "render=false",
+        *hook("c", "layer1", "output", "capture"),
+    ]
+    whole = run_config(tmp_path / "whole", args).path
+    reference = read(whole)
+    assert [p.decode() for p in reference["samples/path"]] == files
+    old = tmp_path / "old" / "captures.h5"
+    old.parent.mkdir()
+    with h5py.File(whole) as src, h5py.File(old, "w", libver="latest") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        dst.attrs["completed"], dst.attrs["status"] = 4, "interrupted"
+        for key, value in reference.items():
+            if key != "samples/path":
+                ds = src[key]
+                dst.create_dataset(
+                    key, data=value[:4], maxshape=ds.maxshape, chunks=ds.chunks, fletcher32=True
+                )
+    run_config(tmp_path / "old", [*args, "resume=true"])
+    resumed = read(old)
+    assert set(resumed) == set(reference) - {"samples/path"}
+    for key, value in resumed.items():
+        assert value.tobytes() == reference[key].tobytes(), key
