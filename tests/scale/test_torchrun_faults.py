@@ -195,3 +195,5 @@ def test_one_rank_killed_resumes_to_the_single_bytes_and_another_world_size_is_r
         assert value.tobytes() == single[key].tobytes(), key
     with hookrun.open(run_dir / "captures.h5") as res:  # virtual datasets over the shards
         assert res.paths == files
+    verify = [sys.executable, "-m", "hookrun.verify", str(run_dir / "captures.h5")]
+    assert subprocess.run(verify, capture_output=True).returncode == 0
