@@ -132,3 +132,20 @@ def photo_folder(root: Path, count: int) -> list[str]:
         for folder in sorted(p for p in root.iterdir())
         for name in sorted(os.listdir(folder))
     ]
+
+
+def folder_resnet(root: Path, pixels: int, batch_size: int) -> list[str]:
+    """Overrides that run a random resnet18 over the image folder `root` at `pixels` px,
+    capturing layer1's output (no pictures)."""
+    return [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=image_folder",
+        f"dataset.root={root}",
+        f"dataset.resize={pixels}",
+        f"dataset.crop={pixels}",
+        f"batch_size={batch_size}",
+        "render=false",
+        "progress=false",
+        *hook("c", "layer1", "output", "capture"),
+    ]

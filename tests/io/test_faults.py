@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, photo_folder, read, run_config
+from conftest import folder_resnet, hook, photo_folder, read, run_config
 from PIL import Image
 
 import hookrun
@@ -356,24 +356,9 @@ def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
     assert_same_bytes(resumed.path, read(clean.path))
 
 
-def folder_run(root: Path) -> list[str]:
-    return [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={root}",
-        "dataset.resize=24",
-        "dataset.crop=24",
-        "batch_size=1",
-        *hook("c", "layer1", "output", "capture"),
-        "progress=false",
-        "render=false",
-    ]
-
-
 def test_samples_path_holds_each_rows_file_also_after_a_kill_and_resume(tmp_path):
     files = photo_folder(tmp_path / "photos", 48)
-    args = folder_run(tmp_path / "photos")
+    args = folder_resnet(tmp_path / "photos", 24, 1)
     reference = run_config(tmp_path / "reference", args)
     with h5py.File(reference.path) as f:  # plain h5py: UTF-8 strings, one per row
         assert [p.decode() for p in f["samples/path"][:]] == files
@@ -402,7 +387,7 @@ def test_samples_path_holds_each_rows_file_also_after_a_kill_and_resume(tmp_path
 def test_the_dry_run_estimate_counts_the_path_width(tmp_path):
     files = photo_folder(tmp_path / "photos", 5)
     width = max(len(p.encode()) for p in files)
-    run = run_config(tmp_path / "run", [*folder_run(tmp_path / "photos"), "dry_run=true"])
+    run = run_config(tmp_path / "run", [*folder_resnet(tmp_path / "photos", 24, 1), "dry_run=true"])
     # layer1 at 24 px: 64 x 6 x 6 floats; the output 1000 floats; index, label, target int64.
     per_row = (64 * 6 * 6 + 1000) * 4 + 3 * 8 + width
     assert f"source path {width} B" in run.plan_text

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, photo_folder, read, run_config
+from conftest import folder_resnet, hook, photo_folder, read, run_config
 from PIL import Image
 
 import hookrun
@@ -68,16 +68,7 @@ def _folder(root: Path, files: int) -> None:
 def test_changed_image_folder_is_refused(tmp_path):
     root = tmp_path / "photos"
     _folder(root, 4)
-    args = [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={root}",
-        "dataset.resize=16",
-        "dataset.crop=16",
-        "render=false",
-        *hook("c", "layer1", "output", "capture"),
-    ]
+    args = folder_resnet(root, 16, 8)
     path = run_config(tmp_path / "run", args).path
     digest = interrupted(path)
     # The same names, one picture rewritten with another size: rows would not match.
@@ -92,17 +83,7 @@ def test_a_file_begun_before_samples_path_resumes_without_it(tmp_path):
     layout rebuilt here from a new run: the first 4 of 8 rows, every other dataset) is
     continued as it began: no new dataset half-way, the other rows the uninterrupted ones."""
     files = photo_folder(tmp_path / "photos", 8)
-    args = [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={tmp_path / 'photos'}",
-        "dataset.resize=16",
-        "dataset.crop=16",
-        "batch_size=2",
-        "render=false",
-        *hook("c", "layer1", "output", "capture"),
-    ]
+    args = folder_resnet(tmp_path / "photos", 16, 2)
     whole = run_config(tmp_path / "whole", args).path
     reference = read(whole)
     assert [p.decode() for p in reference["samples/path"]] == files

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import h5py
 import torch
-from conftest import hook, photo_folder, read, run_config
+from conftest import folder_resnet, hook, photo_folder, read, run_config
 
 import hookrun
 from hookrun.io.layout import open_readonly
@@ -137,19 +137,8 @@ def test_one_rank_killed_resumes_to_the_single_bytes_and_another_world_size_is_r
     resume=true finishes both shards and joins them to the single-process bytes, /samples/path
     included; the same killed shards resumed with 1 or 3 processes are refused, untouched."""
     files = photo_folder(tmp_path / "photos", 64)
-    overrides = [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={tmp_path / 'photos'}",
-        "dataset.resize=24",
-        "dataset.crop=24",
-        "batch_size=2",
-        "render=false",
-        "progress=false",
-        *hook("c", "layer1", "output", "capture"),
-        *hook("x", "input", "grad_output", "capture"),
-    ]
+    overrides = folder_resnet(tmp_path / "photos", 24, 2)
+    overrides += hook("x", "input", "grad_output", "capture")
     single = single_process(tmp_path / "single", overrides)
     run_dir = tmp_path / "run"
     args = [*overrides, f"hydra.run.dir={run_dir}"]

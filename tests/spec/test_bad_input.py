@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import SEED_MLP, hook, hookrun_cli, run_config
+from conftest import SEED_MLP, folder_resnet, hook, hookrun_cli, run_config
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from PIL import Image
@@ -259,16 +259,7 @@ def _folder_ending_in(tmp_path: Path, last: bytes | None) -> list[str]:
         Image.fromarray(np.full((16, 16), 60000, np.uint16)).save(root / "z" / "last.png")
     else:
         (root / "z" / "last.png").write_bytes(last)
-    return [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={root}",
-        "dataset.resize=16",
-        "dataset.crop=16",
-        "batch_size=2",
-        "render=false",
-    ]
+    return folder_resnet(root, 16, 2)
 
 
 @pytest.mark.parametrize(
