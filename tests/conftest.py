@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
+from PIL import Image
 
 from hookrun.engine.finish import Result
 from hookrun.engine.runner import execute
@@ -114,3 +115,37 @@ def resnet18_file(folder: Path, seed: int) -> tuple:
         "render=false",
     ]
     return model, overrides
+
+
+def photo_folder(root: Path, count: int) -> list[str]:
+    """`count` small PNGs in two class folders, names of several lengths and one non-ASCII
+    letter; the files in dataset order, worked out here from the folder (classes sorted,
+    files sorted within each), as absolute paths."""
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        folder = root / ("cats" if i % 2 else "dogs")
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{'é' * (i % 3)}{i:0{1 + i % 4}d}.png"
+        Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / name)
+    return [
+        os.path.abspath(folder / name)
+        for folder in sorted(p for p in root.iterdir())
+        for name in sorted(os.listdir(folder))
+    ]
+
+
+def folder_resnet(root: Path, pixels: int, batch_size: int) -> list[str]:
+    """Overrides that run a random resnet18 over the image folder `root` at `pixels` px,
+    capturing layer1's output (no pictures)."""
+    return [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=image_folder",
+        f"dataset.root={root}",
+        f"dataset.resize={pixels}",
+        f"dataset.crop={pixels}",
+        f"batch_size={batch_size}",
+        "render=false",
+        "progress=false",
+        *hook("c", "layer1", "output", "capture"),
+    ]

@@ -40,6 +40,7 @@ __all__ = [
     "SamplePhotos",
     "Digits",
     "digits_split",
+    "check_image",
 ]
 
 # Label stored for datasets without labels (never written to /samples/label).
@@ -211,15 +212,31 @@ class _IndexedImageFolder(datasets.ImageFolder):
 _EIGHT_BIT = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
+def _refuse_mode(path: str, mode: str) -> None:
+    if mode not in _EIGHT_BIT:
+        raise HookrunError(
+            f"dataset.root: {path} has {mode} pixels (more than 8 bits per channel); "
+            "valid: 8-bit images (convert it, e.g. to 8-bit PNG)"
+        )
+
+
 def _eight_bit_rgb(path: str) -> Image.Image:
     with open(path, "rb") as fh:
         image = Image.open(fh)
-        if image.mode not in _EIGHT_BIT:
-            raise HookrunError(
-                f"dataset.root: {path} has {image.mode} pixels (more than 8 bits per channel); "
-                "valid: 8-bit images (convert it, e.g. to 8-bit PNG)"
-            )
+        _refuse_mode(path, image.mode)
         return image.convert("RGB")
+
+
+def check_image(path: str) -> None:
+    """Refuse, from its header alone (PIL reads no pixels here), an image file the run could
+    not read or would read wrong — before the first batch, not when streaming reaches it.
+    Damage past the header still shows only when the pixels are read."""
+    try:
+        with Image.open(path) as image:
+            mode = image.mode
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise HookrunError(f"dataset.root: cannot read image {path} ({err})") from None
+    _refuse_mode(path, mode)
 
 
 def _photo_transform(cfg: PhotoTransformConfig) -> transforms.Compose:

@@ -8,13 +8,14 @@ import itertools
 import os
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hookrun.data.kinds import DATASETS, NO_LABEL
+from hookrun.data.kinds import DATASETS, NO_LABEL, check_image
 from hookrun.errors import HookrunError
 
 __all__ = [
@@ -24,12 +25,19 @@ __all__ = [
     "make_loader",
     "worker_init",
     "files_fingerprint",
+    "SourceFiles",
+    "source_files",
 ]
 
 
 def build_dataset(cfg: Any, seed: int, limit: int | None) -> Dataset:
-    """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples."""
-    return _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+    """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples;
+    every image file of the run checked up front (a bad last file stops the run before
+    its first batch, not after hours)."""
+    data = _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+    for _, path, _ in _file_rows(data) or ():
+        check_image(path)
+    return data
 
 
 def _limited(data: Dataset, limit: int | None) -> Dataset:
@@ -104,25 +112,57 @@ def has_labels(data: Dataset) -> bool:
     return bool(getattr(data, "has_labels", False))
 
 
-def files_fingerprint(data: Dataset) -> str:
-    """sha256 over every source file's (path, size, label) in row order, for datasets read
-    from files (an image folder); "" for others. A resumed run compares it, so a folder
-    whose files were added, removed, renamed or rewritten is not continued."""
+def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
+    """(dataset index, source path, label) of every row, in row order, for datasets read
+    from files (an image folder); None for others."""
     rows: Any = range(len(data))  # type: ignore[arg-type]
     while isinstance(data, Subset):
         rows, data = [data.indices[i] for i in rows], data.dataset
     samples = getattr(data, "samples", None)
     if not isinstance(samples, list):
+        return None
+    return [(i, *samples[i]) for i in rows]
+
+
+def files_fingerprint(data: Dataset) -> str:
+    """sha256 over every source file's (path, size, label) in row order, for datasets read
+    from files (an image folder); "" for others. A resumed run compares it, so a folder
+    whose files were added, removed, renamed or rewritten is not continued."""
+    rows = _file_rows(data)
+    if rows is None:
         return ""
     digest = hashlib.sha256()
-    for i in rows:
-        path, label = samples[i]
+    for _, path, label in rows:
         try:
             size = os.stat(path).st_size
         except OSError:
             size = -1  # unreadable now: the read names it
         digest.update(f"{path}\t{size}\t{label}\n".encode())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """Each row's source file (absolute), for datasets read from files: /samples/path."""
+
+    by_index: dict[int, str]
+    # UTF-8 bytes of the longest path of the whole run, known before its first batch: one
+    # width for every batch, every torchrun shard and every resumed run.
+    width: int
+
+    def of(self, index: torch.Tensor) -> list[str]:
+        """The source files of a batch's rows, by dataset index."""
+        return [self.by_index[int(i)] for i in index]
+
+
+def source_files(data: Dataset) -> SourceFiles | None:
+    """The run's source files (every row, not one rank's share), or None when the dataset
+    is not read from files."""
+    rows = _file_rows(data)
+    if rows is None:
+        return None
+    by_index = {i: os.path.abspath(path) for i, path, _ in rows}
+    return SourceFiles(by_index, max((len(os.fsencode(p)) for p in by_index.values()), default=1))
 
 
 def worker_init(worker_id: int) -> None:

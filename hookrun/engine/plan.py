@@ -7,7 +7,6 @@ The plan is data, not behaviour: `hooks.attach()` turns it into registrations, a
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -27,7 +26,6 @@ __all__ = [
     "Leaf",
     "HookPlan",
     "compile_plan",
-    "format_bytes",
     "check_reached",
     "bind_calls",
 ]
@@ -77,15 +75,6 @@ class CallShapes:
 
     def at(self, site: Site) -> tuple[Leaf, ...]:
         return self.inputs if site in (Site.input, Site.grad_input) else self.outputs
-
-
-def format_bytes(n: float) -> str:
-    """1536 → '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -175,54 +164,6 @@ class HookPlan:
         """Capture path → `Leaf.fold` of every capture not stored one row per sample."""
         found = self.sites(shapes)
         return {key: leaf.fold for h, key, leaf in found if h.action.captures and leaf.fold != 1}
-
-    def describe(
-        self,
-        shapes: Mapping[str, list[CallShapes]],
-        output_shape: tuple[int, ...],
-        samples: tuple[int, int],
-        itemsize: int,
-        target: str,
-    ) -> str:
-        """The dry-run text: hooks → modules, shapes, bytes per sample (per batch for tensors
-        with no batch axis), estimated file size. `samples`: (samples, batch size)."""
-        backward = f"yes, from target.kind={target}" if self.needs_backward else "no"
-        lines = [f"HookPlan: {len(self.hooks)} hook(s); backward pass: {backward}"]
-        stored = self.capture_shapes(shapes)
-        folds = self.folds(shapes)
-        for hook in self.hooks:
-            in_pass = f" (backward pass {hook.backward})" if len(self.backward_passes) > 1 else ""
-            if not hook.site.is_grad:
-                in_pass = ""
-            lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}{in_pass}")
-            for layer in hook.layers:
-                for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    for leaf in call_shapes.at(hook.site):
-                        key = capture_key(layer, hook.site, call, leaf=leaf.name)
-                        shape = leaf.shape
-                        if hook.action.captures:
-                            shape = stored[key]
-                        size = math.prod(shape) * itemsize
-                        where = f"/{key}" if hook.action.captures else "(not stored)"
-                        label = f"{layer} (call {call})" if call else layer
-                        per = "batch" if folds.get(key) == 0 else "sample"
-                        lines.append(
-                            f"    {label:<32} {str(list(shape)):<20} "
-                            f"{format_bytes(size):>11}/{per}  {where}"
-                        )
-                if not shapes.get(layer):
-                    lines.append(f"    {layer:<32} (not called in the probe forward pass)")
-        count, batch_size = samples
-        once = sum(math.prod(s) for k, s in stored.items() if folds.get(k) == 0) * itemsize
-        per_sample = sum(math.prod(s) for k, s in stored.items() if folds.get(k) != 0) * itemsize
-        per_sample += math.prod(output_shape) * itemsize + 3 * 8  # output; index/label/target
-        total = per_sample * count + once * -(-count // batch_size)
-        lines.append(
-            f"Stored per sample: {format_bytes(per_sample)} (captures and /model/output "
-            f"{list(output_shape)}); {count} sample(s) → estimated file size "
-            f"{format_bytes(total)} before compression"
-        )
-        return "\n".join(lines)
 
 
 def _rows_text(leaf: Leaf) -> str:

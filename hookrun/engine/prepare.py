@@ -16,18 +16,27 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hookrun.data.loader import build_dataset, files_fingerprint, has_labels, wrap_dataset
+from hookrun.data.loader import (
+    SourceFiles,
+    build_dataset,
+    files_fingerprint,
+    has_labels,
+    source_files,
+    wrap_dataset,
+)
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
+from hookrun.engine.plan_text import FileShape, describe_plan
 from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
-from hookrun.io.layout import Provenance
+from hookrun.io.layout import SAMPLES_PATH, Provenance
 from hookrun.io.lock import WriterLock
 from hookrun.io.resume import check_sources, resume_point
 from hookrun.io.sink import check_sink_path
+from hookrun.io.stored import stored_record
 from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
@@ -60,6 +69,7 @@ class Prepared:
     device: torch.device
     model: nn.Module
     data: Dataset  # every row of the run (after `limit`)
+    files: SourceFiles | None  # every row's source file, for file datasets
     plan: HookPlan
     derivations: list[Derivation]
     plan_text: str
@@ -82,7 +92,8 @@ def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World)
     """Rows already done (resume), after refusing paths that exist or cannot be written."""
     if spec.resume and sink_path.exists():
         # Under torchrun a shard may have finished before another rank was killed.
-        return resume_point(sink_path, spec.config_yaml, complete_ok=world.parallel)
+        render = spec.render_max if spec.render else 0
+        return resume_point(sink_path, spec.config_yaml, world.parallel, render)
     if spec.resume:
         sizes = distributed.shard_world_sizes(final_path) - {world.size}
         if sizes:
@@ -173,7 +184,16 @@ def _prepare(
     )
     if spec.resume:
         check_sources(sink_path, header)
-    plan_text = plan.describe(shapes, output_shape, (len(data), spec.batch_size), itemsize, kind)
+    files = source_files(data)
+    if files is not None and done and stored_record(sink_path, SAMPLES_PATH)[1] is None:
+        # Started by a hookrun before /samples/path: continued as it began, so its rows
+        # keep one layout (a dataset added half-way would have no rows for the first part).
+        log.warning("resume: %s was started without /samples/path; continuing without", sink_path)
+        files = None
+    path_bytes = files.width if files is not None else 0
+    derived = {k: v for d in derivations for k, v in d.stored_shapes(tuple(sample.shape)).items()}
+    file = FileShape(len(data), spec.batch_size, itemsize, output_shape, path_bytes, derived)
+    plan_text = describe_plan(plan, shapes, kind, file)
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -181,6 +201,7 @@ def _prepare(
         device=device,
         model=model,
         data=data,
+        files=files,
         plan=plan,
         derivations=derivations,
         plan_text=plan_text,

@@ -3,12 +3,15 @@ site is hooked), derived results per batch, records queued to the writer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Subset
 from tqdm import tqdm
 
-from hookrun.data.loader import has_labels, make_loader
+from hookrun.data.loader import SourceFiles, has_labels, make_loader
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
 from hookrun.engine.interrupt import until_signal
 from hookrun.engine.leaves import model_logits
@@ -22,7 +25,16 @@ from hookrun.methods.registry import BatchContext, derive
 from hookrun.scale import distributed
 from hookrun.spec.schema import TargetConfig
 
-__all__ = ["BatchStep", "stream"]
+__all__ = ["RowFacts", "BatchStep", "stream"]
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What the dataset says about each row beyond its tensor: whether its labels mean
+    something (/samples/label) and, for file datasets, its source file (/samples/path)."""
+
+    labelled: bool = False
+    files: SourceFiles | None = None
 
 
 class BatchStep:
@@ -36,14 +48,14 @@ class BatchStep:
         recorder: Recorder,
         target: TargetConfig,
         device: torch.device,
-        labelled: bool,
+        facts: RowFacts,
     ) -> None:
         self.model, self.plan, self.recorder = model, plan, recorder
-        self.target, self.device, self.labelled = target, device, labelled
+        self.target, self.device, self.facts = target, device, facts
 
     def __call__(
         self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor | np.ndarray]:
         """The batch's records; the target class comes from this same forward pass."""
         inputs, labels, index = batch
         recorder, plan = self.recorder, self.plan
@@ -71,8 +83,11 @@ class BatchStep:
         records = dict(recorder.records)
         records[layout.SAMPLES_INDEX] = index.to(torch.int64)
         records[layout.SAMPLES_TARGET] = targets
-        if self.labelled:
+        if self.facts.labelled:
             records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
+        files = self.facts.files
+        if files is not None:
+            records[layout.SAMPLES_PATH] = layout.path_rows(files.of(index), files.width)
         return records
 
     def context(self) -> BatchContext:
@@ -110,7 +125,8 @@ def stream(run: Prepared) -> int:
     todo = Subset(run.data, range(mine.start + run.done, mine.stop))
     copier = HostCopier()
     recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
-    step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, has_labels(run.data))
+    facts = RowFacts(has_labels(run.data), run.files)
+    step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
     options = SinkOptions(
         dtype=spec.sink.dtype.value,

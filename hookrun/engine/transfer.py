@@ -47,9 +47,10 @@ class HostCopier:
                 return free.pop()
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def give_back(self, tensors: list[torch.Tensor]) -> None:
-        """Buffers the writer has finished with; only pinned ones are pooled."""
+    def give_back(self, tensors: list) -> None:
+        """Buffers the writer has finished with; only pinned ones are pooled (a batch also
+        carries numpy rows, /samples/path, that were never on a device)."""
         with self._lock:
             for t in tensors:
-                if t.is_pinned():
+                if isinstance(t, torch.Tensor) and t.is_pinned():
                     self._free[(tuple(t.shape), t.dtype)].append(t)

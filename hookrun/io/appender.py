@@ -3,8 +3,9 @@ nothing already counted in `completed`.
 
 SWMR mode once the first batch's datasets exist, a flush every batch, `completed` advanced
 only after the data is flushed; a killed writer's file opens read-only (`open_readonly`) with
-every row up to `completed` intact, and `rewrite_rows` copies them into a fresh file (HDF5
-cannot clear a dead writer's mark). Every path and attribute name comes from io/layout.py.
+every row up to `completed` intact, and io/stored.py's `rewrite_rows` copies them into a
+fresh file (HDF5 cannot clear a dead writer's mark). Every path and attribute name comes
+from io/layout.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import numpy as np
 from hookrun.io import storage
 from hookrun.io.layout import (
     Provenance,
-    copy_attrs,
     dataset_names,
     mark_completed,
     mark_rows,
@@ -31,9 +31,9 @@ from hookrun.io.layout import (
     rows_for,
     write_header,
 )
-from hookrun.io.storage import chunk_shape, open_readonly
+from hookrun.io.storage import chunk_shape
 
-__all__ = ["FileOptions", "CapturesFile", "rewrite_rows"]
+__all__ = ["FileOptions", "CapturesFile"]
 
 
 @dataclass(frozen=True)
@@ -86,21 +86,10 @@ class CapturesFile:
         return cls(f, options)
 
     @classmethod
-    def reopen(
-        cls, path: Path, options: FileOptions, header: Provenance | None = None
-    ) -> CapturesFile:
-        """Continue an interrupted file; one whose writer died before its first row is
-        started over with `header` (there is nothing in it to keep)."""
-        try:
-            f = h5py.File(path, "r+", libver="latest")
-        except OSError:  # the writer was killed: HDF5 still marks the file open for writing
-            try:
-                rewrite_rows(path)
-            except OSError as err:
-                if header is None or not storage.never_written(err):
-                    raise
-                return cls.create(path, header, options, overwrite=True)
-            f = h5py.File(path, "r+", libver="latest")
+    def reopen(cls, path: Path, options: FileOptions) -> CapturesFile:
+        """Continue an interrupted, cleanly closed file (io/stored.py's `reopen` first
+        copies a killed writer's file into one)."""
+        f = h5py.File(path, "r+", libver="latest")
         out = cls(f, options)
         for key in out.keys:  # rows past `completed` may be half written: drop them
             f[key].resize(rows_for(f[key], out.rows), axis=0)
@@ -150,6 +139,8 @@ class CapturesFile:
     def _create(self, key: str, array: np.ndarray) -> None:
         floating = np.issubdtype(array.dtype, np.floating)
         dtype = np.dtype(self.options.dtype) if floating else array.dtype
+        if dtype.kind == "S":  # stored as UTF-8, not HDF5's default ASCII
+            dtype = h5py.string_dtype("utf-8", dtype.itemsize)
         row = tuple(array.shape[1:])
         fold = self.options.folds.get(key, 1)
         self.batch[key] = self.options.batch_size if fold == 0 else 0
@@ -189,31 +180,3 @@ class CapturesFile:
             self.broken = True
             storage.abandon(self.file)
             raise
-
-
-def rewrite_rows(path: Path) -> None:
-    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
-    `completed`, keeping every dataset's dtype, chunks and compression."""
-    fresh = path.with_name(f".{path.name}.resume")
-    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
-        completed = read_state(src).completed
-        copy_attrs(src, dst)
-        for key in dataset_names(src):
-            ds = src[key]
-            rows = rows_for(ds, completed)
-            out = dst.create_dataset(
-                key,
-                shape=(rows, *ds.shape[1:]),
-                maxshape=ds.maxshape,
-                chunks=ds.chunks,
-                dtype=ds.dtype,
-                compression=ds.compression,
-                compression_opts=ds.compression_opts,
-                fletcher32=ds.fletcher32,
-                track_times=False,
-            )
-            copy_attrs(ds, out)
-            step = max(1, ds.chunks[0])
-            for start in range(0, rows, step):
-                out[start : start + step] = ds[start : min(rows, start + step)]
-    fresh.replace(path)  # atomic: the old file stays whole until the copy is

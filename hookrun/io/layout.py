@@ -4,6 +4,7 @@
 |---|---|---|
 | /captures/<layer>/<site>[_<i>][.call<k>] | (N, ...) | one row per sample, in dataset order |
 | /samples/index, /samples/label, /samples/target | (N,) int64 | dataset index, label, target |
+| /samples/path | (N,) UTF-8, fixed width | source file of each row (file datasets) |
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
 | /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
@@ -15,17 +16,22 @@ Captures not stored one row per sample carry a dataset attribute: PER_BATCH (no 
 axis: one row per batch) or FOLDED (k rows per sample folded into the batch axis, (N, k, ...)).
 
 How rows are appended, crash-safely, is io/appender.py's job; the names it writes are here.
+Crash safety: SWMR mode once the first batch's datasets exist, a flush every batch; a killed
+writer's file opens read-only (`open_readonly`) with every row up to `completed` intact, and
+io/stored.py copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
 from hookrun.io import storage
 from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
@@ -35,6 +41,9 @@ __all__ = [
     "SAMPLES_INDEX",
     "SAMPLES_LABEL",
     "SAMPLES_TARGET",
+    "SAMPLES_PATH",
+    "path_rows",
+    "read_paths",
     "MODEL_OUTPUT",
     "INPUT_PHOTO",
     "INPUT_GRAD",
@@ -67,6 +76,7 @@ __all__ = [
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
+SAMPLES_PATH = "samples/path"
 MODEL_OUTPUT = "model/output"
 
 
@@ -134,6 +144,22 @@ def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
     """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join)."""
     for name, value in src.attrs.items():
         dst.attrs[name] = value
+
+
+def path_rows(paths: list[str], width: int) -> np.ndarray:
+    """Rows of /samples/path: UTF-8 of `width` bytes each. One width for the whole run,
+    from every file it reads, so resumed rows and torchrun shards share one dtype (HDF5
+    virtual datasets cannot hold variable-length strings). A file name that is not UTF-8
+    keeps its bytes (os.fsencode), and `read_paths` gives back the same str."""
+    return np.array([os.fsencode(p) for p in paths], dtype=h5py.string_dtype("utf-8", width))
+
+
+def read_paths(f: h5py.File) -> list[str] | None:
+    """The source file of each complete row, or None for a dataset not read from files."""
+    if SAMPLES_PATH not in f:
+        return None
+    rows = f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]
+    return [str(p) for p in rows]
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.

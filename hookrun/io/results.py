@@ -74,6 +74,11 @@ class Results:
         return OmegaConf.create(layout.read_state(self.file).config or "{}")
 
     @property
+    def paths(self) -> list[str] | None:
+        """The source file of each complete row, for datasets read from files; else None."""
+        return layout.read_paths(self.file)
+
+    @property
     def status(self) -> str:
         return layout.read_state(self.file).status or "unknown"
 

@@ -55,11 +55,12 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
     return config
 
 
-def resume_point(path: Path, config_yaml: str, complete_ok: bool = False) -> int:
+def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render: int = 0) -> int:
     """Rows already complete in the captures.h5 a resumed run continues (0: none, the run
     starts it, or starts it over); HookrunError for a cut, foreign, complete or differently
     configured file. `complete_ok`: a complete file is fine (a torchrun shard that finished
-    before another rank was killed) and gives all its rows."""
+    before another rank was killed) and gives all its rows. `render`: the pictures the run
+    draws (render_max; 0 with render=false), named in the refusal of a complete file."""
     if not path.exists():
         # A requeued job killed before its file existed: nothing to continue, so start.
         log.warning("resume: there is no %s yet; starting it", path)
@@ -74,8 +75,14 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False) -> int
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
     if state.status == "complete" and not complete_ok:
+        # Pictures come after the file is complete: a run stopped while drawing them leaves
+        # a complete file, and only the pictures to make again.
+        pictures = ""
+        if render:
+            pictures = f"; to draw its pictures: python -m hookrun.render {path} --max {render}"
         raise HookrunError(
-            f"resume: {path} is already complete ({state.completed} rows); nothing to do"
+            f"resume: {path} is already complete ({state.completed} rows); nothing to compute"
+            f"{pictures}"
         )
     before = _without(OmegaConf.to_container(OmegaConf.create(state.config)), RESUME_IGNORES)
     now = _without(OmegaConf.to_container(OmegaConf.create(config_yaml)), RESUME_IGNORES)

@@ -24,6 +24,8 @@ from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.appender import CapturesFile, FileOptions
 from hookrun.io.layout import Provenance
+from hookrun.io.storage import disk_errno
+from hookrun.io.stored import reopen
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
 
@@ -118,7 +120,7 @@ class HDF5Sink:
     def __enter__(self) -> HDF5Sink:
         options = self.options.file_options
         if self.resume and self.path.exists():  # a requeued job may not have one yet
-            self._file = CapturesFile.reopen(self.path, options, self.header)
+            self._file = reopen(self.path, options, self.header)
         else:
             header = self.header or {}  # files written outside a run (tests, benchmarks)
             self._file = CapturesFile.create(self.path, header, options, self.options.overwrite)
@@ -163,8 +165,9 @@ class HDF5Sink:
         err = self._error
         if err is None:
             return
-        if isinstance(err, OSError):  # the disk's fault, not the data's: one line, resumable
-            reason = f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else str(err)
+        code = disk_errno(err)
+        if code or isinstance(err, OSError):  # the disk's fault, not the data's: resumable
+            reason = f"[Errno {code}] {os.strerror(code)}" if code else str(err)
             rows = self._file.rows if self._file is not None else 0
             raise RunFault(
                 f"writing {self.path} failed: {reason.splitlines()[0]}; its first {rows} "

@@ -16,12 +16,15 @@ import contextlib
 import errno
 import math
 import os
+import re
 from pathlib import Path
 
 import h5py
 
 __all__ = [
+    "allocated_bytes",
     "open_readonly",
+    "disk_errno",
     "never_written",
     "missing_rows",
     "CHUNK_BYTES",
@@ -59,6 +62,17 @@ def chunk_shape(
         if math.prod(chunk) * itemsize <= CHUNK_BYTES:
             break
     return tuple(chunk)
+
+
+def allocated_bytes(row_shape: tuple[int, ...], itemsize: int, rows: int) -> int:
+    """The bytes the chunks of a dataset of `rows` rows take once written, uncompressed:
+    whole chunks, shaped as the writer shapes them for that many expected rows."""
+    if rows <= 0 or itemsize <= 0:
+        return 0
+    chunk = chunk_shape(row_shape, itemsize, rows)
+    full = (rows, *row_shape)
+    count = math.prod(-(-size // part) for size, part in zip(full, chunk, strict=True))
+    return count * math.prod(chunk) * itemsize
 
 
 # Room kept beyond each batch for what HDF5 adds besides the chunks: chunk-index nodes,
@@ -106,6 +120,20 @@ def abandon(f: h5py.File) -> None:
         pass  # the handle is already gone: nothing left to flush
     with contextlib.suppress(OSError, RuntimeError, ValueError):
         f.close()  # what it still writes goes to /dev/null; the file on disk is unchanged
+
+
+# How HDF5 reports a failed write() of its own (h5py raises it as a RuntimeError, not an
+# OSError): "... (file write failed: ..., errno = 5, error message = 'Input/output error', ...".
+_HDF5_WRITE_ERRNO = re.compile(r"file (?:write|read) failed: .*?errno = (\d+)", re.DOTALL)
+
+
+def disk_errno(err: BaseException) -> int | None:
+    """The errno of a failed disk operation (full disk, file-size limit, I/O error), whether
+    the OS raised it or HDF5 reported it from its own write; None for any other error."""
+    if isinstance(err, OSError):
+        return err.errno or None
+    found = _HDF5_WRITE_ERRNO.search(str(err)) if isinstance(err, RuntimeError) else None
+    return int(found.group(1)) if found else None
 
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"

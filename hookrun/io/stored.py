@@ -1,6 +1,7 @@
-"""Reading stored captures files whole or in part: rows of a stored record (the `patch`
-action reads another run's file), and the torchrun join of shard files into one file of
-virtual datasets. Paths and attributes come from io/layout.py."""
+"""Files made from stored captures files, and reading them in part: rows of a stored record
+(the `patch` action reads another run's file), a killed writer's rows copied into a fresh
+file (resume), and the torchrun join of shard files into one file of virtual datasets.
+Paths and attributes come from io/layout.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hookrun.io import storage
+from hookrun.io.appender import CapturesFile, FileOptions
 from hookrun.io.layout import (
     FileState,
     Provenance,
@@ -23,7 +26,7 @@ from hookrun.io.layout import (
     write_header,
 )
 
-__all__ = ["stored_record", "read_rows", "join_shards"]
+__all__ = ["stored_record", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
 
 def stored_record(file: Path, record: str) -> tuple[FileState, tuple[int, ...] | None, list]:
@@ -40,6 +43,50 @@ def read_rows(file: Path, record: str, rows: np.ndarray) -> np.ndarray:
     unique, inverse = np.unique(rows, return_inverse=True)  # HDF5 reads increasing rows
     with open_readonly(file) as f:
         return f[record][unique][inverse]
+
+
+def reopen(path: Path, options: FileOptions, header: Provenance | None = None) -> CapturesFile:
+    """Continue an interrupted file from `completed`; one whose writer died before its first
+    row is started over with `header` (there is nothing in it to keep)."""
+    try:
+        return CapturesFile.reopen(path, options)
+    except OSError:  # the writer was killed: HDF5 still marks the file open for writing
+        try:
+            rewrite_rows(path)
+        except OSError as err:
+            if header is None or not storage.never_written(err):
+                raise
+            return CapturesFile.create(path, header, options, overwrite=True)
+    return CapturesFile.reopen(path, options)
+
+
+def rewrite_rows(path: Path) -> None:
+    """Replace a killed writer's file by a closed copy of its attributes and its rows up to
+    `completed` (one per batch where a dataset holds one per batch), keeping every
+    dataset's dtype, chunks, compression and attributes."""
+    fresh = path.with_name(f".{path.name}.resume")
+    with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
+        completed = read_state(src).completed
+        copy_attrs(src, dst)
+        for key in dataset_names(src):
+            ds = src[key]
+            rows = rows_for(ds, completed)
+            out = dst.create_dataset(
+                key,
+                shape=(rows, *ds.shape[1:]),
+                maxshape=ds.maxshape,
+                chunks=ds.chunks,
+                dtype=ds.dtype,
+                compression=ds.compression,
+                compression_opts=ds.compression_opts,
+                fletcher32=ds.fletcher32,
+                track_times=False,
+            )
+            copy_attrs(ds, out)
+            step = max(1, ds.chunks[0])
+            for start in range(0, rows, step):
+                out[start : start + step] = ds[start : min(rows, start + step)]
+    fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
 def join_shards(

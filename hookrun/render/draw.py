@@ -14,8 +14,10 @@ and one contact sheet per run with a row per sample.
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,14 @@ class _Picture:
     row: int
     path: Path
     image: np.ndarray = field(repr=False)  # (H, W, 3) uint8
+
+
+def _whole(target: Path, save: Callable[[Path], None]) -> None:
+    """Write `target` whole or not at all: a run killed while drawing leaves no cut PNG
+    that looks like a picture (a rename is atomic; the pictures can be drawn again)."""
+    part = target.with_name(f".{target.name}.part")
+    save(part)
+    os.replace(part, target)
 
 
 def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
@@ -166,7 +176,7 @@ def render(
                 target = out_dir / f"{index:05d}_{stem}.png"
                 out_dir.mkdir(parents=True, exist_ok=True)
                 pixels = to_uint8(image)
-                Image.fromarray(pixels).save(target)
+                _whole(target, lambda part, p=pixels: Image.fromarray(p).save(part, format="PNG"))
                 pictures.append(_Picture(kind, row, target, pixels))
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return []
@@ -215,7 +225,7 @@ def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, ti
                 )
     fig.suptitle(title.replace("_", " "))
     fig.tight_layout(h_pad=1.5)  # rows of square pictures stay apart
-    fig.savefig(target, dpi=100)
+    _whole(target, lambda part: fig.savefig(part, dpi=100, format="png"))
     plt.close(fig)
     return target
 

@@ -165,9 +165,36 @@ def _run_checks(run: RunConfig) -> None:
         raise HookrunError("sink.overwrite: true with resume=true would lose the rows to resume")
 
 
+_CAM_LAYER = "${model.cam_layer}"
+
+
+def _cam_layer_readers(node: Any, key: str = "") -> list[str]:
+    """The keys whose value reads `model.cam_layer` (the CAM experiments' hooks and derive)."""
+    if isinstance(node, dict):
+        items = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
+        return [r for k, v in items for r in _cam_layer_readers(v, k)]
+    if isinstance(node, list):
+        return [r for i, v in enumerate(node) for r in _cam_layer_readers(v, f"{key}[{i}]")]
+    return [key] if isinstance(node, str) and _CAM_LAYER in node else []
+
+
+def _check_cam_layer(cfg: DictConfig) -> None:
+    """`model.cam_layer=null` where the experiment reads it: one line naming the key, not an
+    empty selector or derived layer further on."""
+    if OmegaConf.select(cfg, "model.cam_layer", default="auto") is not None:
+        return
+    readers = _cam_layer_readers(OmegaConf.to_container(cfg, resolve=False))
+    if readers:
+        raise HookrunError(
+            f"model.cam_layer: null, but {readers[0]} reads it; valid: auto (a probe picks "
+            "the layer) or a module name of the model, e.g. layer4 (see dry_run=true)"
+        )
+
+
 def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     """The RunSpec of a composed config (without its `hydra` node); HookrunError on the
     first problem, before anything is loaded."""
+    _check_cam_layer(cfg)
     try:
         run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as err:  # e.g. a required `???` value left unset

@@ -30,7 +30,7 @@ from captum.attr import GuidedBackprop, LayerGradCam
 
 from hookrun.engine.hooks import Recorder, attach, run_mode
 from hookrun.engine.plan import compile_plan
-from hookrun.engine.stream import BatchStep
+from hookrun.engine.stream import BatchStep, RowFacts
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.methods.registry import METHODS, Derivation, LayerArgs, derive
@@ -80,7 +80,7 @@ def hookrun_loop(model, hooks, batches, device, target_kind, folder, derivations
         path = folder / f"h{next(counter)}.h5"
         copier = HostCopier()
         recorder = Recorder(0, torch.float32, copier)
-        step = BatchStep(model, plan, recorder, target, device, False)
+        step = BatchStep(model, plan, recorder, target, device, RowFacts())
         rows = sum(len(b[0]) for b in batches)
         with (
             HDF5Sink(path, SinkOptions(expected_rows=rows, checksum=checksum)) as sink,

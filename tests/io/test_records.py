@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import h5py
+import pytest
 from conftest import hook, run_config
 
 from hookrun.io.storage import stored_eof
@@ -33,6 +34,36 @@ def test_dry_run_estimate_is_within_ten_percent_of_the_file(tmp_path, capsys):
     size = path.stat().st_size
     assert abs(estimate - size) <= 0.1 * size, (estimate, size)
     assert size == stored_eof(path), "room reserved for writing must be given back"
+
+
+@pytest.mark.parametrize(
+    "experiment",
+    [
+        # 20 rows of 12 KiB: a chunk holds 85 rows, so the writer allocates exactly 20.
+        ["experiment=integrated_gradients", "derive.integrated_gradients.steps=2"],
+        ["experiment=grad_cam", "model.cam_layer=layer4"],
+    ],
+)
+def test_the_estimate_counts_derived_results(tmp_path, experiment):
+    """Derived results (integrated gradients' input-sized attributions and completeness gap,
+    Grad-CAM's maps) are part of the file, so they are part of the estimate."""
+    plain = [a for a in ARGS if not a.startswith(("++hooks.", "dataset.size="))]
+    args = [*plain, "dataset.size=20", *experiment]
+    dry = run_config(tmp_path / "dry", [*args, "dry_run=true"])
+    assert "derived results" in dry.plan_text
+    number, unit = re.search(r"estimated file size ([\d.]+) (\w+)", dry.plan_text).groups()
+    estimate = float(number) * UNITS[unit]
+    path = run_config(tmp_path / "real", args).path
+    with h5py.File(path, "r") as f:  # what the datasets hold, counted independently
+        data = sum(f[k].id.get_storage_size() for k in _datasets(f))
+    assert abs(estimate - data) <= 0.05 * data, (estimate, data)
+    assert abs(estimate - path.stat().st_size) <= 0.1 * path.stat().st_size
+
+
+def _datasets(f: h5py.File) -> list[str]:
+    names: list[str] = []
+    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    return names
 
 
 def test_throughput_after_resume_counts_only_the_rows_computed(tmp_path):

@@ -1,6 +1,7 @@
 """Resume refuses what changes the bytes but the config cannot show: the weights file's
-contents (re-hashed), an image folder's files, the number of torchrun processes. A refused
-resume leaves the file byte for byte as it was."""
+contents (re-hashed), an image folder's files (the number of torchrun processes: with real
+shards in tests/scale/test_torchrun_faults.py). A refused resume leaves the file byte for
+byte as it was."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, run_config
+from conftest import folder_resnet, hook, photo_folder, read, run_config
 from PIL import Image
 
 import hookrun
@@ -67,16 +68,7 @@ def _folder(root: Path, files: int) -> None:
 def test_changed_image_folder_is_refused(tmp_path):
     root = tmp_path / "photos"
     _folder(root, 4)
-    args = [
-        "model=resnet18",
-        "model.weights=null",
-        "dataset=image_folder",
-        f"dataset.root={root}",
-        "dataset.resize=16",
-        "dataset.crop=16",
-        "render=false",
-        *hook("c", "layer1", "output", "capture"),
-    ]
+    args = folder_resnet(root, 16, 8)
     path = run_config(tmp_path / "run", args).path
     digest = interrupted(path)
     # The same names, one picture rewritten with another size: rows would not match.
@@ -86,13 +78,29 @@ def test_changed_image_folder_is_refused(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
 
 
-def test_changed_world_size_is_refused(tmp_path):
-    args = ["dataset.size=2", "dataset.image_size=32", "render=false"]
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    # What `torchrun --nproc_per_node=2` left behind: a shard of a two-process run.
-    shard = run_dir / "captures.rank0-of-2.h5"
-    shard.write_bytes(b"")
-    with pytest.raises(HookrunError, match=r"resume refused: the number of processes changed"):
-        run_config(run_dir, [*args, "resume=true"])
-    assert not (run_dir / "captures.h5").exists() and shard.read_bytes() == b""
+def test_a_file_begun_before_samples_path_resumes_without_it(tmp_path):
+    """An interrupted image-folder file from a hookrun that wrote no /samples/path (its
+    layout rebuilt here from a new run: the first 4 of 8 rows, every other dataset) is
+    continued as it began: no new dataset half-way, the other rows the uninterrupted ones."""
+    files = photo_folder(tmp_path / "photos", 8)
+    args = folder_resnet(tmp_path / "photos", 16, 2)
+    whole = run_config(tmp_path / "whole", args).path
+    reference = read(whole)
+    assert [p.decode() for p in reference["samples/path"]] == files
+    old = tmp_path / "old" / "captures.h5"
+    old.parent.mkdir()
+    with h5py.File(whole) as src, h5py.File(old, "w", libver="latest") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        dst.attrs["completed"], dst.attrs["status"] = 4, "interrupted"
+        for key, value in reference.items():
+            if key != "samples/path":
+                ds = src[key]
+                dst.create_dataset(
+                    key, data=value[:4], maxshape=ds.maxshape, chunks=ds.chunks, fletcher32=True
+                )
+    run_config(tmp_path / "old", [*args, "resume=true"])
+    resumed = read(old)
+    assert set(resumed) == set(reference) - {"samples/path"}
+    for key, value in resumed.items():
+        assert value.tobytes() == reference[key].tobytes(), key

@@ -4,7 +4,10 @@ single-process bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +16,9 @@ from pathlib import Path
 
 import h5py
 import torch
-from conftest import hook, read, run_config
+from conftest import folder_resnet, hook, photo_folder, read, run_config
 
+import hookrun
 from hookrun.io.layout import open_readonly
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -32,12 +36,12 @@ OVERRIDES = [
 ]
 
 
-def torchrun(args: list[str], cwd: Path) -> subprocess.Popen:
+def torchrun(args: list[str], cwd: Path, processes: int = 2) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return subprocess.Popen(
-        [*command, "--nproc_per_node=2", "-m", "hookrun", *args],
+        [*command, f"--nproc_per_node={processes}", "-m", "hookrun", *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -55,22 +59,34 @@ def rows_of(path: Path) -> int:
         return 0
 
 
-def test_torchrun_killed_mid_way_then_join_lost_resumes_to_the_single_bytes(tmp_path):
+def single_process(folder: Path, overrides: list[str]) -> dict:
+    """The single-process run's datasets, made with one thread as each torchrun process
+    runs: the same summation order, the same bits."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun process: the same summation order, same bits
+    torch.set_num_threads(1)
     try:
-        single = read(run_config(tmp_path / "single", OVERRIDES).path)
+        return read(run_config(folder, overrides).path)
     finally:
         torch.set_num_threads(threads)
+
+
+def started(args: list[str], cwd: Path, shards: list[Path], rows: int) -> subprocess.Popen:
+    """A 2-process torchrun, once every shard holds at least `rows` rows."""
+    job = torchrun(args, cwd)
+    deadline = time.monotonic() + 240
+    while min(rows_of(s) for s in shards) < rows and time.monotonic() < deadline:
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    return job
+
+
+def test_torchrun_killed_mid_way_then_join_lost_resumes_to_the_single_bytes(tmp_path):
+    single = single_process(tmp_path / "single", OVERRIDES)
     run_dir = tmp_path / "run"
     args = [*OVERRIDES, f"hydra.run.dir={run_dir}"]
     shards = [run_dir / f"captures.rank{r}-of-2.h5" for r in range(2)]
 
-    job = torchrun(args, tmp_path)
-    deadline = time.monotonic() + 240
-    while min(rows_of(s) for s in shards) < 6 and time.monotonic() < deadline:
-        assert job.poll() is None, job.stderr.read()[-3000:]
-        time.sleep(0.05)
+    job = started(args, tmp_path, shards, 6)
     os.killpg(job.pid, signal.SIGKILL)  # every rank at once, mid-stream
     job.wait()
     partial = [rows_of(s) for s in shards]
@@ -91,3 +107,82 @@ def test_torchrun_killed_mid_way_then_join_lost_resumes_to_the_single_bytes(tmp_
         assert f.attrs["status"] == "complete" and f.attrs["world_size"] == 2
     for key, value in read(merged).items():
         assert value.tobytes() == single[key].tobytes(), key
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """rank → pid of each worker torchrun started (read from its RANK variable)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent != launcher:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = int(stat.parent.name)
+    return out
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("*.h5")}
+
+
+def test_one_rank_killed_resumes_to_the_single_bytes_and_another_world_size_is_refused(
+    tmp_path,
+):
+    """SIGKILL to rank 1 alone (torchrun then stops rank 0 with SIGTERM): the rerun with
+    resume=true finishes both shards and joins them to the single-process bytes, /samples/path
+    included; the same killed shards resumed with 1 or 3 processes are refused, untouched."""
+    files = photo_folder(tmp_path / "photos", 64)
+    overrides = folder_resnet(tmp_path / "photos", 24, 2)
+    overrides += hook("x", "input", "grad_output", "capture")
+    single = single_process(tmp_path / "single", overrides)
+    run_dir = tmp_path / "run"
+    args = [*overrides, f"hydra.run.dir={run_dir}"]
+    shards = [run_dir / f"captures.rank{r}-of-2.h5" for r in range(2)]
+
+    job = started(args, tmp_path, shards, 4)
+    os.kill(rank_pids(job.pid)[1], signal.SIGKILL)  # one rank, not the launcher
+    assert job.wait(timeout=120) != 0
+    partial = [rows_of(s) for s in shards]
+    assert all(0 < rows < 32 for rows in partial), partial
+    with open_readonly(shards[1]) as f:
+        assert f.attrs["status"] == "running"  # killed: no status written after the kill
+    assert not (run_dir / "captures.h5").exists()
+
+    for processes in (1, 3):
+        other = tmp_path / f"run{processes}"
+        shutil.copytree(run_dir, other)
+        before = digest(other)
+        again = [*overrides, f"hydra.run.dir={other}", "resume=true"]
+        if processes == 1:
+            job = subprocess.Popen(
+                [sys.executable, "-m", "hookrun", *again],
+                cwd=tmp_path,
+                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                text=True,
+            )
+        else:
+            job = torchrun(again, tmp_path, processes)
+        _, err = job.communicate(timeout=300)
+        assert job.returncode != 0
+        assert not re.search(r'File ".*hookrun/', err), err[-3000:]  # torchrun's own may show
+        refusal = "hookrun: error: resume refused: the number of processes changed "
+        refusal += f"(2 → {processes})"
+        assert err.count(refusal) == processes, err[-3000:]  # from every process
+        assert digest(other) == before  # the shards untouched, no captures.h5 made
+
+    job = torchrun([*args, "resume=true"], tmp_path)
+    assert job.wait(timeout=600) == 0, job.stderr.read()[-3000:]
+    merged = read(run_dir / "captures.h5")
+    assert merged.keys() == single.keys()
+    for key, value in merged.items():
+        assert value.tobytes() == single[key].tobytes(), key
+    with hookrun.open(run_dir / "captures.h5") as res:  # virtual datasets over the shards
+        assert res.paths == files
+    verify = [sys.executable, "-m", "hookrun.verify", str(run_dir / "captures.h5")]
+    assert subprocess.run(verify, capture_output=True).returncode == 0

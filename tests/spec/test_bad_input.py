@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
-from conftest import SEED_MLP, hook, hookrun_cli, run_config
+from conftest import SEED_MLP, folder_resnet, hook, hookrun_cli, run_config
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from PIL import Image
@@ -161,10 +162,14 @@ def test_weights_name_without_network_says_where_to_put_the_file(tmp_path, monke
 
 
 def _folder_with_a_broken_image(tmp_path: Path) -> list[str]:
-    """A one-class image folder whose second file is a truncated PNG; overrides to read it."""
+    """A one-class image folder whose second file is a PNG cut after its header (the
+    up-front header check passes it; reading its pixels fails); overrides to read it."""
     (tmp_path / "photos" / "cat").mkdir(parents=True)
     Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "photos" / "cat" / "a.png")
-    (tmp_path / "photos" / "cat" / "b.png").write_bytes(b"\x89PNG but truncated")
+    noise = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "b.png")
+    whole = (tmp_path / "b.png").read_bytes()
+    (tmp_path / "photos" / "cat" / "b.png").write_bytes(whole[: len(whole) // 2])
     root = tmp_path / "photos"
     return [
         "dataset=image_folder",
@@ -241,3 +246,80 @@ def test_bad_action_is_caught_before_the_model_is_loaded(tmp_path):
     overrides = ["model.weights=/no/such/file.pt", *hook("a", "layer1", "output", "scale", fact=2)]
     with pytest.raises(HookrunError, match=r"hooks.a.args.fact: unknown key"):
         run_config(tmp_path, [*overrides, *SMALL])
+
+
+def _folder_ending_in(tmp_path: Path, last: bytes | None) -> list[str]:
+    """Five good 8-bit images, then `last` as the folder's last file (None: a 16-bit PNG)."""
+    root = tmp_path / "photos"
+    for i in range(5):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (40 * i, 10, 10)).save(root / f"c{i % 2}" / f"{i}.png")
+    (root / "z").mkdir()
+    if last is None:
+        Image.fromarray(np.full((16, 16), 60000, np.uint16)).save(root / "z" / "last.png")
+    else:
+        (root / "z" / "last.png").write_bytes(last)
+    return folder_resnet(root, 16, 2)
+
+
+@pytest.mark.parametrize(
+    "last,words",
+    [
+        (None, "has I;16 pixels (more than 8 bits per channel); valid: 8-bit images"),
+        (b"\x89PNG\r\n\x1a\n cut inside its header", "cannot read image"),
+    ],
+    ids=["16-bit", "broken-header"],
+)
+def test_a_bad_last_image_stops_before_any_file_exists(tmp_path, last, words):
+    """Every file's header is read before the first batch: the last file of the folder
+    (row 6, the third batch) stops the run before captures.h5 is created."""
+    overrides = _folder_ending_in(tmp_path, last)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", overrides)
+    message = str(err.value)
+    assert message.startswith("dataset.root: ") and "last.png" in message and words in message
+    assert "\n" not in message
+    assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_a_bad_image_past_limit_is_not_read(tmp_path):
+    """Only the rows the run reads are checked: limit=4 never reaches the bad last file."""
+    result = run_config(tmp_path / "run", [*_folder_ending_in(tmp_path, None), "limit=4"])
+    with h5py.File(result.path) as f:
+        assert f.attrs["status"] == "complete" and f.attrs["completed"] == 4
+
+
+@pytest.mark.parametrize(
+    "experiment,reader",
+    [
+        ("grad_cam", "hooks.cam_activation.select.name"),
+        ("cam", "hooks.cam_activation.select.name"),
+        ("layer_cam", "hooks.cam_activation.select.name"),
+        ("patch", "hooks.ablate.select.name"),
+    ],
+)
+def test_cam_layer_null_where_the_experiment_reads_it(tmp_path, experiment, reader):
+    overrides = [f"experiment={experiment}", "model=resnet18", "model.cam_layer=null"]
+    if experiment == "patch":
+        overrides.append(f"hooks.ablate.args.file={tmp_path / 'x.h5'}")
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", overrides, experiment)
+    assert str(err.value) == (
+        f"model.cam_layer: null, but {reader} reads it; valid: auto (a probe picks the layer) "
+        "or a module name of the model, e.g. layer4 (see dry_run=true)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_cam_layer_null_on_the_cli_is_one_line(tmp_path):
+    proc = hookrun_cli(["experiment=grad_cam", "model.cam_layer=null"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookrun: error: model.cam_layer: null, but hooks.")
+
+
+def test_cam_layer_null_where_nothing_reads_it_is_fine(tmp_path):
+    overrides = ["model=resnet18", "model.weights=null", "model.cam_layer=null", "render=false"]
+    overrides += ["dataset=fake", "dataset.size=1", "dataset.image_size=32"]
+    result = run_config(tmp_path / "run", [*overrides, *hook("o", "fc", "output", "capture")])
+    assert result.rows == 1

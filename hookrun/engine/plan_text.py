@@ -1,0 +1,90 @@
+"""The dry run's text: each hook with the modules it reached, their shapes and bytes, and the
+size of the file the run would write — counted as the writer allocates it (whole chunks,
+io/storage.py), derived results included, so the estimate is what the disk will hold."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hookrun.engine.plan import CallShapes, HookPlan
+from hookrun.io.layout import MODEL_OUTPUT, capture_key
+from hookrun.io.storage import allocated_bytes
+
+__all__ = ["FileShape", "describe_plan", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class FileShape:
+    """What a run's file holds besides the plan's captures."""
+
+    samples: int  # rows of the run (this process's share is not separated: the whole file)
+    batch_size: int  # rows per batch (a tensor with no batch axis is stored once per batch)
+    itemsize: int  # bytes of one stored float (sink.dtype)
+    output: tuple[int, ...]  # the model output per sample
+    path_bytes: int = 0  # the width of /samples/path (file datasets), 0 for none
+    # Each derived result's per-sample shape, by its captures.h5 path.
+    derived: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def format_bytes(n: float) -> str:
+    """1536 → '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe_plan(
+    plan: HookPlan, shapes: Mapping[str, list[CallShapes]], target: str, file: FileShape
+) -> str:
+    """The dry-run text: hooks → modules, shapes, bytes per sample (per batch for tensors
+    with no batch axis), and the estimated file size."""
+    backward = f"yes, from target.kind={target}" if plan.needs_backward else "no"
+    lines = [f"HookPlan: {len(plan.hooks)} hook(s); backward pass: {backward}"]
+    stored = plan.capture_shapes(shapes)
+    folds = plan.folds(shapes)
+    for hook in plan.hooks:
+        in_pass = ""
+        if hook.site.is_grad and len(plan.backward_passes) > 1:
+            in_pass = f" (backward pass {hook.backward})"
+        lines.append(f"  {hook.name}: {hook.action.describe()} at {hook.site.value}{in_pass}")
+        for layer in hook.layers:
+            for call, call_shapes in enumerate(shapes.get(layer, [])):
+                for leaf in call_shapes.at(hook.site):
+                    key = capture_key(layer, hook.site, call, leaf=leaf.name)
+                    shape = stored[key] if hook.action.captures else leaf.shape
+                    size = math.prod(shape) * file.itemsize
+                    where = f"/{key}" if hook.action.captures else "(not stored)"
+                    label = f"{layer} (call {call})" if call else layer
+                    per = "batch" if folds.get(key) == 0 else "sample"
+                    lines.append(
+                        f"    {label:<32} {str(list(shape)):<20} "
+                        f"{format_bytes(size):>11}/{per}  {where}"
+                    )
+            if not shapes.get(layer):
+                lines.append(f"    {layer:<32} (not called in the probe forward pass)")
+    lines.append(_size_line(stored, folds, file))
+    return "\n".join(lines)
+
+
+def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: FileShape) -> str:
+    """`Stored per sample: …; N sample(s) → estimated file size …`."""
+    n, batches = file.samples, -(-file.samples // file.batch_size)
+    floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
+    per_sample = sum(math.prod(s) for k, s in floats.items() if folds.get(k) != 0)
+    per_sample = per_sample * file.itemsize + 3 * 8 + file.path_bytes  # index/label/target
+    total = sum(
+        allocated_bytes(shape, file.itemsize, batches if folds.get(key) == 0 else n)
+        for key, shape in floats.items()
+    )
+    total += 3 * allocated_bytes((), 8, n) + allocated_bytes((), file.path_bytes, n)
+    derived = ", derived results" if file.derived else ""
+    paths = f", source path {file.path_bytes} B" if file.path_bytes else ""
+    return (
+        f"Stored per sample: {format_bytes(per_sample)} (captures, /model/output "
+        f"{list(file.output)}{derived}{paths}); {n} sample(s) → estimated file size "
+        f"{format_bytes(total)} before compression"
+    )
