@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
 import tempfile
-import threading
 import traceback
 from pathlib import Path
 
-import h5py
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -19,6 +16,7 @@ from omegaconf import DictConfig
 
 from hookrun.api import conf_dir
 from hookrun.errors import HookrunError, one_line
+from hookrun.quick_exit import QuickExit
 from hookrun.spec.schema import register_configs
 
 register_configs()
@@ -87,30 +85,7 @@ def _describe(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _leave_quickly() -> None:
-    """End a successful process without the interpreter's teardown of every module: after
-    torch and torchvision it takes 0.6 s of CPU to free what the OS frees anyway. Exit
-    handlers (logging, the user's) run first; a profiler or tracer (coverage, cProfile), a
-    live thread or an open HDF5 file keeps the ordinary exit, which they may need."""
-    if sys.gettrace() is not None or sys.getprofile() is not None:
-        return
-    if any(
-        t.is_alive() and not t.daemon
-        for t in threading.enumerate()
-        if t is not threading.main_thread()
-    ):
-        return
-    if h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) > 0:
-        return
-    atexit._run_exitfuncs()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except OSError:  # a closed pipe: the ordinary exit reports it as Python does
-        return
-    os._exit(0)
-
-
 if __name__ == "__main__":
+    quick = QuickExit()  # before the run: what start-up loaded is hookrun's own
     main()
-    _leave_quickly()
+    quick.leave()  # a successful run ends here, unless the ordinary exit is needed

@@ -30,7 +30,7 @@ import torch
 from hookrun.engine.actions import ACTIONS, Action, SiteContext
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.io.stored import read_rows, stored_record
+from hookrun.io.stored import read_rows, record_rows, stored_record
 from hookrun.models.weights import sha256_of
 
 __all__ = ["Patch", "PatchArgs"]
@@ -108,6 +108,12 @@ class Patch(Action):
             raise HookrunError(
                 f"{key}.args.record: '/{record}' is not in {args.file}; valid: "
                 + ", ".join(f"/{d}" for d in datasets)
+            )
+        note = record_rows(file, record)
+        if note:  # rows by batch or folded: reading them by sample would mix samples
+            raise HookrunError(
+                f"{key}.args.record: '/{record}' is not stored one row per sample ({note}); "
+                "valid: a record with one row per sample"
             )
         if stored != shape:
             raise HookrunError(

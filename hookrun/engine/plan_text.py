@@ -24,6 +24,7 @@ class FileShape:
     itemsize: int  # bytes of one stored float (sink.dtype)
     output: tuple[int, ...]  # the model output per sample
     path_bytes: int = 0  # the width of /samples/path (file datasets), 0 for none
+    labelled: bool = True  # whether /samples/label is written
     # Each derived result's per-sample shape, by its captures.h5 path.
     derived: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -75,12 +76,13 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
     n, batches = file.samples, -(-file.samples // file.batch_size)
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
     per_sample = sum(math.prod(s) for k, s in floats.items() if folds.get(k) != 0)
-    per_sample = per_sample * file.itemsize + 3 * 8 + file.path_bytes  # index/label/target
+    ints = 3 if file.labelled else 2  # /samples/index, /samples/target, /samples/label
+    per_sample = per_sample * file.itemsize + ints * 8 + file.path_bytes
     total = sum(
         allocated_bytes(shape, file.itemsize, batches if folds.get(key) == 0 else n)
         for key, shape in floats.items()
     )
-    total += 3 * allocated_bytes((), 8, n) + allocated_bytes((), file.path_bytes, n)
+    total += ints * allocated_bytes((), 8, n) + allocated_bytes((), file.path_bytes, n)
     derived = ", derived results" if file.derived else ""
     paths = f", source path {file.path_bytes} B" if file.path_bytes else ""
     return (

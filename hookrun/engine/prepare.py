@@ -34,7 +34,7 @@ from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
 from hookrun.io.layout import SAMPLES_PATH, Provenance
 from hookrun.io.lock import WriterLock
-from hookrun.io.resume import check_sources, resume_point
+from hookrun.io.resume import check_paths, check_sources, resume_point
 from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
 from hookrun.methods.registry import Derivation, plan_derivations
@@ -190,9 +190,13 @@ def _prepare(
         # keep one layout (a dataset added half-way would have no rows for the first part).
         log.warning("resume: %s was started without /samples/path; continuing without", sink_path)
         files = None
+    if files is not None and done:
+        check_paths(sink_path, files.by_index)
     path_bytes = files.width if files is not None else 0
     derived = {k: v for d in derivations for k, v in d.stored_shapes(tuple(sample.shape)).items()}
-    file = FileShape(len(data), spec.batch_size, itemsize, output_shape, path_bytes, derived)
+    file = FileShape(
+        len(data), spec.batch_size, itemsize, output_shape, path_bytes, has_labels(data), derived
+    )
     plan_text = describe_plan(plan, shapes, kind, file)
     return Prepared(
         spec=spec,

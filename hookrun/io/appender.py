@@ -90,13 +90,17 @@ class CapturesFile:
         """Continue an interrupted, cleanly closed file (io/stored.py's `reopen` first
         copies a killed writer's file into one)."""
         f = h5py.File(path, "r+", libver="latest")
-        out = cls(f, options)
-        for key in out.keys:  # rows past `completed` may be half written: drop them
-            f[key].resize(rows_for(f[key], out.rows), axis=0)
-        mark_status(f, "running")
-        f.flush()
-        if out.keys:
-            f.swmr_mode = True
+        try:
+            out = cls(f, options)
+            for key in out.keys:  # rows past `completed` may be half written: drop them
+                f[key].resize(rows_for(f[key], out.rows), axis=0)
+            mark_status(f, "running")
+            f.flush()
+            if out.keys:
+                f.swmr_mode = True
+        except BaseException:
+            f.close()  # no handle left open on a file the run gives up on
+            raise
         return out
 
     def append(self, arrays: Mapping[str, np.ndarray]) -> None:

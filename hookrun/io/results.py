@@ -155,8 +155,8 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
     if layout.INPUT_GRAD in f:
         found.append(f[layout.INPUT_GRAD])
     return [
-        f"warning: /{ds.name.lstrip('/')} is exactly zero in its first {rows} rows: the "
-        "target's gradient vanishes there (a zero-initialised head, as in torchvision's ViT "
+        f"warning: /{ds.name.lstrip('/')} is exactly zero in its first {rows} rows (often "
+        "the target's gradient vanishing: a zero-initialised head, as torchvision's ViT has "
         "with model.weights=null, gives zeros)"
         for ds in found
         if rows

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
-from hookrun.io.layout import Provenance, read_provenance, read_state
-from hookrun.io.storage import never_written
+from hookrun.io.layout import SAMPLES_INDEX, Provenance, read_paths, read_provenance, read_state
+from hookrun.io.storage import never_written, open_readonly
 
-__all__ = ["RESUME_IGNORES", "resume_point", "check_sources"]
+__all__ = ["RESUME_IGNORES", "resume_point", "check_sources", "check_paths"]
 
 log = logging.getLogger("hookrun")
 
@@ -117,4 +118,23 @@ def check_sources(path: Path, now: Provenance) -> None:
             raise HookrunError(
                 f"resume refused: {what} changed ({old} → {new}) since {path} was started; "
                 "restore it, or start a new run"
+            )
+
+
+def check_paths(path: Path, files: Mapping[int, str]) -> None:
+    """Refuse to continue a file whose rows name other source files than those rows would
+    now (`files`: dataset index → absolute path), as when a relative dataset.root is
+    resolved from another directory: the file would mix two sets of paths."""
+    with open_readonly(path) as f:
+        stored = read_paths(f)
+        if stored is None:
+            return
+        index = f[SAMPLES_INDEX][: len(stored)]
+    for row, (i, before) in enumerate(zip(index, stored, strict=True)):
+        now = files.get(int(i), "(no such row now)")
+        if now != before:
+            raise HookrunError(
+                f"resume refused: row {row} was read from {before}, which is now {now} "
+                f"(a relative dataset.root read from another directory?); resume from the "
+                "directory the run started in or with an absolute dataset.root, or start a new run"
             )

@@ -8,6 +8,7 @@ written where is io/layout.py's business; this module only moves batches to it.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -169,9 +170,15 @@ class HDF5Sink:
         if code or isinstance(err, OSError):  # the disk's fault, not the data's: resumable
             reason = f"[Errno {code}] {os.strerror(code)}" if code else str(err)
             rows = self._file.rows if self._file is not None else 0
+            # Room helps a full disk or a file-size limit; anything else is the disk's health.
+            fix = (
+                "make room"
+                if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                else "check the disk"
+            )
             raise RunFault(
                 f"writing {self.path} failed: {reason.splitlines()[0]}; its first {rows} "
-                "rows are kept: make room, then run again with resume=true"
+                f"rows are kept: {fix}, then run again with resume=true"
             ) from err
         raise RuntimeError(f"writing {self.path} failed: {err}") from err
 

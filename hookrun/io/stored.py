@@ -23,10 +23,11 @@ from hookrun.io.layout import (
     open_readonly,
     read_state,
     rows_for,
+    rows_note,
     write_header,
 )
 
-__all__ = ["stored_record", "read_rows", "reopen", "rewrite_rows", "join_shards"]
+__all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
 
 def stored_record(file: Path, record: str) -> tuple[FileState, tuple[int, ...] | None, list]:
@@ -36,6 +37,13 @@ def stored_record(file: Path, record: str) -> tuple[FileState, tuple[int, ...] |
         ds = f.get(record)
         shape = tuple(ds.shape[1:]) if isinstance(ds, h5py.Dataset) else None
         return read_state(f), shape, dataset_names(f)
+
+
+def record_rows(file: Path, record: str) -> str:
+    """How the rows of a stored dataset map to samples: '' for one row per sample, else
+    the layout's note (one row per batch, rows folded per sample)."""
+    with open_readonly(file) as f:
+        return rows_note(f[record])
 
 
 def read_rows(file: Path, record: str, rows: np.ndarray) -> np.ndarray:
@@ -49,8 +57,10 @@ def reopen(path: Path, options: FileOptions, header: Provenance | None = None) -
     """Continue an interrupted file from `completed`; one whose writer died before its first
     row is started over with `header` (there is nothing in it to keep)."""
     try:
-        return CapturesFile.reopen(path, options)
+        h5py.File(path, "r+", libver="latest").close()
     except OSError:  # the writer was killed: HDF5 still marks the file open for writing
+        # Only the open is tried here: a fault later in the reopen (a flush on a failing
+        # disk) is that fault, not a killed writer, and must not rewrite the file.
         try:
             rewrite_rows(path)
         except OSError as err:

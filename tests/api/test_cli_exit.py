@@ -60,13 +60,92 @@ def test_exit_handlers_threads_and_the_log_are_honoured(tmp_path, monkeypatch):
         assert f.attrs["status"] == "complete" and f.attrs["completed"] == 2
 
 
-def test_quick_exit_runs_exit_handlers_and_flushes_output(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = hookrun_cli([*SEED_MLP, "render=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+# A user's module that keeps a file open in a global and never closes it: only the
+# ordinary exit's teardown flushes what it wrote.
+OPEN_FILE_MODULE = """
+import os
+from torch import nn
+
+LOG = open(os.environ["MARKER"], "w")
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        LOG.write("forward\\n")
+        return self.fc(x)
+"""
+
+
+def test_a_user_module_keeps_the_ordinary_exit(tmp_path, monkeypatch):
+    (tmp_path / "user_net.py").write_text(OPEN_FILE_MODULE)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    marker = tmp_path / "marker.txt"
+    monkeypatch.setenv("MARKER", str(marker))
+    proc = hookrun_cli([*CUSTOM, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    log = (run_dir / "hookrun.log").read_text()
-    assert "time:" in log and log.endswith("\n")
-    assert "time:" in proc.stdout + proc.stderr
+    assert marker.read_text().count("forward\n") >= 2  # the probe's passes and the batch's
+
+
+# QuickExit alone, in a fresh interpreter: made at start-up, then asked to leave.
+LEAVE = """
+import atexit, sys
+from hookrun.quick_exit import QuickExit
+quick = QuickExit()
+if len(sys.argv) > 2:
+    import user_module  # code that is not hookrun's: the ordinary exit is kept
+atexit.register(lambda: open(sys.argv[1], "a").write("handler ran\\n"))
+quick.leave()
+print("returned to the ordinary exit", flush=True)
+"""
+
+
+def _leave(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    (tmp_path / "user_module.py").write_text("VALUE = 1\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", LEAVE, str(tmp_path / "marker.txt"), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_quick_exit_runs_the_exit_handlers_then_ends_at_once(tmp_path):
+    proc = _leave(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "returned" not in proc.stdout  # it ended inside leave()
+    assert (tmp_path / "marker.txt").read_text() == "handler ran\n"  # once
+
+
+def test_quick_exit_returns_when_user_code_was_imported(tmp_path):
+    proc = _leave(tmp_path, "with a user module")
+    assert proc.returncode == 0, proc.stderr
+    assert "returned to the ordinary exit" in proc.stdout
+    assert (tmp_path / "marker.txt").read_text() == "handler ran\n"  # by the ordinary exit
+
+
+def test_a_run_with_its_stdout_closed_still_succeeds(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SEED_MLP, "render=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.close(1),  # as cron or a daemon starts it: sys.stdout is None
+    )
+    assert proc.returncode == 0, proc.stderr
     with h5py.File(run_dir / "captures.h5", "r") as f:
         assert f.attrs["status"] == "complete"
 

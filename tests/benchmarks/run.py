@@ -33,7 +33,8 @@ from hookrun.engine.plan import compile_plan
 from hookrun.engine.stream import BatchStep, RowFacts
 from hookrun.engine.transfer import HostCopier
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.registry import METHODS, Derivation, LayerArgs, derive
+from hookrun.methods.cam import CamArgs
+from hookrun.methods.registry import METHODS, Derivation, derive
 from hookrun.spec.build import HookSpec
 from hookrun.spec.schema import HookConfig, SelectConfig, Site, TargetConfig, TargetKind
 
@@ -202,6 +203,12 @@ def peak_rss_mib(samples: int, size: int, folder: Path) -> float:
     return int(re.findall(r"maxrss_kib=(\d+)", proc.stderr)[-1]) / 1024
 
 
+def grad_cam_at_layer4(model: torch.nn.Module, sample: torch.Tensor) -> Derivation:
+    """Grad-CAM at layer4 with its layout decided on one sample, as a run prepares it."""
+    method, args = METHODS.get("grad_cam", "derive"), CamArgs(layer="layer4")
+    return Derivation(method, args, method.prepare(args, model, sample))
+
+
 def ig_vs_captum(folder: Path, reps: int, device: str) -> tuple[float, float]:
     """Median wall seconds of two whole processes: `python -m hookrun
     experiment=integrated_gradients` and captum_ig.py (resnet18, 32 images of 64 px, 32 steps,
@@ -355,7 +362,7 @@ def main() -> None:
                 device,
                 TargetKind.predicted,
                 folder,
-                [Derivation(METHODS.get("grad_cam", "derive"), LayerArgs(layer="layer4"))],
+                [grad_cam_at_layer4(model, batches[0][0][0].to(device))],
             ),
             "captum": captum_loop(model, LayerGradCam(model, model.layer4), batches, device),
         },

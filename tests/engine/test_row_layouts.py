@@ -242,3 +242,14 @@ def test_a_killed_file_keeps_its_per_batch_rows_and_continues_them(tmp_path):
         assert layout.per_batch(f["t"]) == 2
         assert layout.rows_note(f["w"]).startswith("axis 1: the 3 rows per sample")
     assert verify(path)[0]
+
+
+def test_patch_refuses_a_source_record_stored_once_per_batch(tmp_path):
+    source = _run(WindowNet(), images(8, n=4), tmp_path / "src", *_hook("t", "output", name="bias"))
+    patch = [
+        *_hook("p", "output", "patch", name="head"),
+        f"++hooks.p.args.file={source.path}",
+        "++hooks.p.args.record=captures/bias/output",
+    ]
+    with pytest.raises(HookrunError, match="is not stored one row per sample \\(one row per batch"):
+        _run(WindowNet(), images(8, n=4), tmp_path / "patched", *patch)

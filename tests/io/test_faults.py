@@ -144,6 +144,7 @@ def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
         reference = read(run_config(tmp_path / "reference", RUN + ["dataset.size=96"]).path)
         code, err = finish(spawn([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
         assert code == 1 and "[Errno 28] No space left on device" in one_line(err), err[-2000:]
+        assert "make room, then run again with resume=true" in one_line(err)
         state = attrs(disk / "captures.h5")
         assert state["status"] == "failed" and 0 < state["completed"] < 96
         subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)  # room made
@@ -179,7 +180,7 @@ def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
         assert code == 1, err[-2000:]
         line = one_line(err)
         assert f"writing {path} failed: [Errno 5] Input/output error" in line
-        assert "rows are kept" in line
+        assert "rows are kept: check the disk, then" in line  # not "make room": room is not it
         state = attrs(path)  # HDF5 failed its own write: its handle wrote nothing after that
         assert state["status"] == "running"
         done = int(state["completed"])
