@@ -35,7 +35,6 @@ __all__ = [
     "is_inplace",
     "CallSites",
     "watch_calls",
-    "refuse_fused",
 ]
 
 ROOT = "model"
@@ -71,6 +70,9 @@ RECTIFIER_WORDS = (
     "mish", "hardswish", "softplus",
 )  # fmt: skip
 _WEIGHTED = (F.linear, F.conv1d, F.conv2d, F.conv3d)
+# F.multi_head_attention_forward's positional out_proj_weight (out_proj_bias follows it), as
+# nn.MultiheadAttention.forward passes it.
+_OUT_PROJ = 11
 _INPLACE = {F.relu_, torch.relu_, Tensor.relu_, F.leaky_relu_, F.rrelu_, F.elu_, torch.selu_}
 
 
@@ -124,6 +126,9 @@ class CallSites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        attention = func is F.multi_head_attention_forward and len(args) > _OUT_PROJ + 1
+        if attention and id(args[_OUT_PROJ]) in self.weights:
+            return self._attention(func, args, kwargs)
         if func in _WEIGHTED and len(args) > 1 and id(args[1]) in self.weights:
             return self.handler(self.weights[id(args[1])], func, args, kwargs)
         word = self.words.get(func)
@@ -134,6 +139,22 @@ class CallSites(TorchFunctionMode):
         k = self.counts[base]
         self.counts[base] += 1
         return self.handler(f"{base}.{k}", func, args, kwargs)
+
+    def _attention(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """nn.MultiheadAttention whose out_proj is selected: out_proj is applied inside the
+        fused F.multi_head_attention_forward, whose inner calls no mode is handed. So the
+        fused function runs with an identity projection (x·I + 0 is x, exactly, for finite
+        x), and out_proj is applied here as its own F.linear call — the selected site, on
+        batch-first tokens (N, L, E) like every other site — then put back seq-first."""
+        weight, bias = args[_OUT_PROJ], args[_OUT_PROJ + 1]
+        inner = list(args)
+        inner[_OUT_PROJ] = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+        inner[_OUT_PROJ + 1] = None if bias is None else torch.zeros_like(bias)
+        heads, attention = func(*inner, **kwargs)  # (L, N, E): the heads, concatenated
+        batched = heads.dim() == 3
+        tokens = heads.transpose(0, 1) if batched else heads
+        out = self.handler(self.weights[id(weight)], F.linear, (tokens, weight, bias), {})
+        return (out.transpose(0, 1) if batched else out), attention
 
 
 @contextmanager
@@ -174,20 +195,3 @@ def watch_calls(model: nn.Module, mode: CallSites) -> Iterator[None]:
         mode.stack.clear()
         for handle in handles:
             handle.remove()
-
-
-def refuse_fused(model: nn.Module, names: tuple[str, ...], key: str) -> None:
-    """Refuse modules named exactly that run only inside a fused torch function: an
-    nn.MultiheadAttention's out_proj is applied inside F.multi_head_attention_forward, whose
-    inner calls no module hook sees and no TorchFunctionMode is handed (the mode sees the
-    whole function as one call)."""
-    modules = dict(model.named_modules())
-    for name in names:
-        owner, _, last = name.rpartition(".")
-        if last == "out_proj" and isinstance(modules.get(owner), nn.MultiheadAttention):
-            raise HookrunError(
-                f"{key}: {name!r} runs only inside torch's fused "
-                "F.multi_head_attention_forward, where no hook and no function mode reaches "
-                f"it; valid: {owner!r} at output (its first output is out_proj's output) or "
-                "grad_output, or leave it out (a glob lists it in never_ran)"
-            )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hookrun.engine.actions import Action
-from hookrun.engine.functions import refuse_fused, resolve_words
+from hookrun.engine.functions import resolve_words
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
@@ -211,7 +211,6 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                         "already captures; keep one of them"
                     )
         exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
-        refuse_fused(model, exact, f"{key}.select.name")
         plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
 

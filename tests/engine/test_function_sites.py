@@ -167,8 +167,8 @@ def test_swin_qkv_on_windows_folded_into_the_batch_is_stored_per_sample(tmp_path
 
 
 def test_module_named_exactly_that_never_runs_is_refused(tmp_path):
-    # nn.MultiheadAttention's out_proj is used inside F.multi_head_attention_forward, a
-    # torch function whose inner calls no TorchFunctionMode sees: refused, never silent.
+    # A module named exactly that never runs, not even through its weight: refused, never
+    # silent (nn.MultiheadAttention's out_proj is reached: tests/engine/test_row_layouts.py).
     model = WeightUser()
     model.spare = nn.Linear(6, 6)  # registered, never called, its weight never used
     with pytest.raises(HookrunError, match=r"hooks.s.select.name: 'spare' never runs"):

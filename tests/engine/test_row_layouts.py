@@ -160,43 +160,67 @@ def test_swin_v2_position_bias_mlp_is_stored_once_per_batch(tmp_path):
 
 
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, batch_first: bool = True) -> None:
         super().__init__()
         torch.manual_seed(5)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.view(x.shape[0], 4, 8)
-        return self.head(self.attn(tokens, tokens, tokens, need_weights=False)[0].mean(1))
+        if not self.attn.batch_first:  # (L, N, E) in and out
+            out = self.attn(*[tokens.transpose(0, 1)] * 3, need_weights=False)[0].transpose(0, 1)
+        else:
+            out = self.attn(tokens, tokens, tokens, need_weights=False)[0]
+        return self.head(out.mean(1))
 
 
-def test_multihead_attention_out_proj_is_refused_or_listed_never_silent(tmp_path):
+def _heads(model: Attention, x: torch.Tensor) -> torch.Tensor:
+    """The two heads' outputs, concatenated, written out from the attention's definition."""
+    q, k, v = F.linear(x, model.attn.in_proj_weight, model.attn.in_proj_bias).chunk(3, -1)
+    heads = [
+        torch.softmax(q[..., h * 4 : h * 4 + 4] @ k[..., h * 4 : h * 4 + 4].transpose(1, 2) / 2, -1)
+        @ v[..., h * 4 : h * 4 + 4]
+        for h in range(2)
+    ]
+    return torch.cat(heads, -1)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_out_proj_is_captured_at_its_call(tmp_path, batch_first):
+    """nn.MultiheadAttention applies out_proj inside the fused F.multi_head_attention_forward;
+    selected, it is a site of its own: its input the heads' concatenated output, its output
+    out_proj of that (references written out by hand), its gradient autograd's, and the
+    model's output the same as without the selection."""
     xs = [torch.randn(32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    with pytest.raises(
-        HookrunError,
-        match=r"hooks.o.select.name: 'attn.out_proj' runs only inside torch's fused "
-        r"F.multi_head_attention_forward.*valid: 'attn' at output",
-    ):
-        _run(Attention(), xs, tmp_path, *_hook("o", "output", name="attn.out_proj"))
-    result = _run(Attention(), xs, tmp_path / "glob", *_hook("l", "output", type="Linear"))
-    assert "selected but never ran (nothing stored there): l: attn.out_proj" in result.summary
-    # What the refusal points to holds out_proj's output: the attention's first output.
-    attention = _run(Attention(), xs, tmp_path / "attn", *_hook("a", "output", name="attn"))
-    model, x = Attention().eval(), torch.stack(xs).view(2, 4, 8)
-    with torch.no_grad():
-        q, k, v = F.linear(x, model.attn.in_proj_weight, model.attn.in_proj_bias).chunk(3, -1)
-        heads = [
-            torch.softmax(
-                q[..., h * 4 : h * 4 + 4] @ k[..., h * 4 : h * 4 + 4].transpose(1, 2) / 2, -1
-            )
-            @ v[..., h * 4 : h * 4 + 4]
-            for h in range(2)
-        ]
-        expected = model.attn.out_proj(torch.cat(heads, -1))
+    hooks = [
+        *_hook("i", "input", name="attn.out_proj"),
+        *_hook("o", "output", name="attn.out_proj"),
+        *_hook("g", "grad_output", name="attn.out_proj"),
+    ]
+    data = read(_run(Attention(batch_first), xs, tmp_path / "hooked", *hooks).path)
+    plain = read(_run(Attention(batch_first), xs, tmp_path / "plain").path)
+    model, x = Attention(batch_first).eval(), torch.stack(xs).view(2, 4, 8)
+    heads = _heads(model, x).detach().requires_grad_(True)
+    out = model.attn.out_proj(heads)
+    logits = model.head(out.mean(1))
+    (grad,) = torch.autograd.grad(logits.gather(1, logits.argmax(1)[:, None]).sum(), out)
     np.testing.assert_allclose(
-        read(attention.path)["captures/attn/output"], expected, rtol=1e-5, atol=1e-6
+        data["captures/attn.out_proj/input"], heads.detach(), rtol=1e-5, atol=1e-6
     )
+    np.testing.assert_allclose(
+        data["captures/attn.out_proj/output"], out.detach(), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        data["captures/attn.out_proj/grad_output"], grad, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(data["model/output"], plain["model/output"], rtol=1e-6, atol=1e-7)
+    # Matched by type it is stored like any Linear, not listed as never run.
+    result = _run(
+        Attention(batch_first), xs, tmp_path / "glob", *_hook("l", "output", type="Linear")
+    )
+    assert "never ran" not in result.summary
+    assert read(result.path)["captures/attn.out_proj/output"].shape == (2, 4, 8)
 
 
 KILLED_MID_RUN = """
