@@ -43,13 +43,17 @@ CUSTOM = [
 ]
 
 
+def _user_module(tmp_path: Path, monkeypatch, source: str) -> Path:
+    """`source` importable as user_net for the CLI; the marker file its code writes."""
+    (tmp_path / "user_net.py").write_text(source)
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    monkeypatch.setenv("MARKER", str(tmp_path / "marker.txt"))
+    return tmp_path / "marker.txt"
+
+
 def test_exit_handlers_threads_and_the_log_are_honoured(tmp_path, monkeypatch):
-    (tmp_path / "user_net.py").write_text(USER_MODULE)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    )
-    marker = tmp_path / "marker.txt"
-    monkeypatch.setenv("MARKER", str(marker))
+    marker = _user_module(tmp_path, monkeypatch, USER_MODULE)
     run_dir = tmp_path / "run"
     proc = hookrun_cli([*CUSTOM, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -80,12 +84,7 @@ class Net(nn.Module):
 
 
 def test_a_user_module_keeps_the_ordinary_exit(tmp_path, monkeypatch):
-    (tmp_path / "user_net.py").write_text(OPEN_FILE_MODULE)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    )
-    marker = tmp_path / "marker.txt"
-    monkeypatch.setenv("MARKER", str(marker))
+    marker = _user_module(tmp_path, monkeypatch, OPEN_FILE_MODULE)
     proc = hookrun_cli([*CUSTOM, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text().count("forward\n") >= 2  # the probe's passes and the batch's

@@ -172,22 +172,7 @@ def test_torchrun_two_processes_read_as_one_file(tmp_path):
         single = read(run_config(tmp_path / "single", overrides).path)
     finally:
         torch.set_num_threads(threads)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "hookrun",
-            *overrides,
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _torchrun(overrides, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
     shards = sorted(p.name for p in merged.parent.glob("captures.rank*.h5"))
@@ -281,23 +266,7 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
             [str(Path(__file__).parents[1])] + [os.environ.get("PYTHONPATH", "")]
         ),
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "hookrun",
-            *overrides,
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    proc = _torchrun(overrides, tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
     single = hookrun_cli([*overrides, "hydra.run.dir=single"], tmp_path)
@@ -313,3 +282,18 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
     assert data.keys() == reference.keys() and data["captures/proj/output"].shape == (7, 4, 16, 6)
     for key in reference:
         np.testing.assert_allclose(data[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def _torchrun(
+    overrides: list[str], cwd: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end."""
+    args = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *overrides]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
