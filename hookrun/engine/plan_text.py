@@ -19,7 +19,7 @@ __all__ = ["FileShape", "describe_plan", "format_bytes"]
 class FileShape:
     """What a run's file holds besides the plan's captures."""
 
-    samples: int  # rows of the run (this process's share is not separated: the whole file)
+    samples: int  # rows of the whole run
     batch_size: int  # rows per batch (a tensor with no batch axis is stored once per batch)
     itemsize: int  # bytes of one stored float (sink.dtype)
     output: tuple[int, ...]  # the model output per sample
@@ -27,6 +27,9 @@ class FileShape:
     labelled: bool = True  # whether /samples/label is written
     # Each derived result's per-sample shape, by its captures.h5 path.
     derived: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # Rows of each shard file under torchrun: each is chunked for its own rows, so the disk
+    # holds their chunks, not those of one file of `samples` rows. Empty: one file.
+    shards: tuple[int, ...] = ()
 
 
 def format_bytes(n: float) -> str:
@@ -73,16 +76,19 @@ def describe_plan(
 
 def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: FileShape) -> str:
     """`Stored per sample: …; N sample(s) → estimated file size …`."""
-    n, batches = file.samples, -(-file.samples // file.batch_size)
+    n = file.samples
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
     per_sample = sum(math.prod(s) for k, s in floats.items() if folds.get(k) != 0)
     ints = 3 if file.labelled else 2  # /samples/index, /samples/target, /samples/label
     per_sample = per_sample * file.itemsize + ints * 8 + file.path_bytes
-    total = sum(
-        allocated_bytes(shape, file.itemsize, batches if folds.get(key) == 0 else n)
-        for key, shape in floats.items()
-    )
-    total += ints * allocated_bytes((), 8, n) + allocated_bytes((), file.path_bytes, n)
+    total = 0
+    for rows in file.shards or (n,):
+        blocks = -(-rows // file.batch_size)  # shards hold whole batches
+        total += sum(
+            allocated_bytes(shape, file.itemsize, blocks if folds.get(key) == 0 else rows)
+            for key, shape in floats.items()
+        )
+        total += ints * allocated_bytes((), 8, rows) + allocated_bytes((), file.path_bytes, rows)
     derived = ", derived results" if file.derived else ""
     paths = f", source path {file.path_bytes} B" if file.path_bytes else ""
     return (

@@ -194,8 +194,19 @@ def _prepare(
         check_paths(sink_path, files.by_index)
     path_bytes = files.width if files is not None else 0
     derived = {k: v for d in derivations for k, v in d.stored_shapes(tuple(sample.shape)).items()}
+    shards = tuple(
+        len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
+        for rank in range(world.size)
+    )
     file = FileShape(
-        len(data), spec.batch_size, itemsize, output_shape, path_bytes, has_labels(data), derived
+        len(data),
+        spec.batch_size,
+        itemsize,
+        output_shape,
+        path_bytes,
+        has_labels(data),
+        derived,
+        shards if world.parallel else (),
     )
     plan_text = describe_plan(plan, shapes, kind, file)
     return Prepared(

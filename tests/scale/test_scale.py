@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -297,3 +298,29 @@ def _torchrun(
         timeout=600,
         env=env,
     )
+
+
+def test_dry_run_estimate_under_torchrun_counts_each_shards_chunks(tmp_path):
+    """Each shard is chunked for its own rows: 6 and 4 rows of 200 KiB, 5 rows to a chunk
+    for the whole run, make 3 chunks on disk (5+5 and 4), not the 2 one file would hold."""
+    overrides = [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=fake",
+        "dataset.size=10",
+        "dataset.image_size=112",
+        "batch_size=3",
+        "render=false",
+        "progress=false",
+        *hook("c", "layer1", "output", "capture"),
+    ]
+    dry = _torchrun([*overrides, "dry_run=true", "hydra.run.dir=dry"], tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "dry run: nothing written" in dry.stdout and not list((tmp_path / "dry").glob("*.h5"))
+    number, unit = re.search(r"estimated file size ([\d.]+) (\w+)", dry.stdout).groups()
+    estimate = float(number) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    real = _torchrun([*overrides, "hydra.run.dir=real"], tmp_path)
+    assert real.returncode == 0, real.stderr[-3000:]
+    size = sum(p.stat().st_size for p in (tmp_path / "real").glob("captures*.h5"))
+    assert len(list((tmp_path / "real").glob("captures*.h5"))) == 3
+    assert abs(estimate - size) <= 0.1 * size, (estimate, size)
