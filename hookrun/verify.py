@@ -13,23 +13,49 @@ from pathlib import Path
 
 import h5py
 
-from hookrun.io.layout import dataset_names, open_readonly, read_state, rows_for
-from hookrun.io.storage import cut_short, missing_rows
+from hookrun.io.layout import (
+    MODEL_OUTPUT,
+    SAMPLES_INDEX,
+    dataset_names,
+    open_readonly,
+    read_state,
+    rows_for,
+)
+from hookrun.io.storage import cut_short, missing_rows, unreadable_rows
 
 __all__ = ["verify", "main"]
 
-# Rows read at a time from a dataset without chunks (a virtual dataset over torchrun shards).
-_SLAB = 256
+# What every captures.h5 hookrun writes holds: without them a file is not one, whatever
+# its `status` attribute says.
+_REQUIRED = (SAMPLES_INDEX, MODEL_OUTPUT)
 
 
-def _read_all(ds: h5py.Dataset) -> None:
-    """Read every stored byte of `ds`; OSError (a checksum, a missing shard) on damage."""
-    if ds.chunks is not None:
-        for chunk in ds.iter_chunks():
-            ds[chunk]
-        return
-    for start in range(0, ds.shape[0] if ds.shape else 1, _SLAB):
-        ds[start : start + _SLAB] if ds.shape else ds[()]
+def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
+    """(status, completed rows, datasets, damage) of an open captures file."""
+    state = read_state(f)
+    names = dataset_names(f)
+    damage: list[str] = []
+    if state.config is None:
+        damage.append("no config attribute: not a file hookrun wrote")
+    damage += [
+        f"/{name}: missing (every hookrun file has it)" for name in _REQUIRED if name not in names
+    ]
+    for name in names:
+        ds = f[name]
+        rows = ds.shape[0] if ds.shape else 0
+        # A record stored once per batch holds a row per batch of the completed samples.
+        need = rows_for(ds, state.completed)
+        cut = missing_rows([ds], need, path.stat().st_size)
+        if cut:
+            damage.append(cut)
+        if rows < need:
+            damage.append(
+                f"{name}: {rows} rows, fewer than the {need} completed={state.completed} needs"
+            )
+        unreadable = unreadable_rows(ds, rows)
+        if unreadable:
+            damage.append(unreadable)
+    return state.status or "none", state.completed, names, damage
 
 
 def verify(path: Path) -> tuple[bool, list[str]]:
@@ -41,36 +67,20 @@ def verify(path: Path) -> tuple[bool, list[str]]:
         f = open_readonly(path)
     except OSError as err:
         return False, [f"{path}: cannot be opened: {str(err).splitlines()[0]}"]
-    damage: list[str] = []
     with f:
-        state = read_state(f)
-        names = dataset_names(f)
-        for name in names:
-            ds = f[name]
-            rows = ds.shape[0] if ds.shape else 0
-            # A record stored once per batch holds a row per batch of the completed samples.
-            need = rows_for(ds, state.completed)
-            cut = missing_rows([ds], need, path.stat().st_size)
-            if cut:
-                damage.append(cut)
-            if rows < need:
-                damage.append(
-                    f"{name}: {rows} rows, fewer than the {need} completed={state.completed} needs"
-                )
-            try:
-                _read_all(ds)
-            except (OSError, RuntimeError, ValueError) as err:
-                damage.append(f"{name}: unreadable: {str(err).splitlines()[0]}")
-    lines = [
-        f"{path}: status {state.status or 'none'}, {state.completed} rows complete, "
-        f"{len(names)} datasets read"
-    ]
-    if state.error:
-        lines.append(f"  recorded error: {state.error}")
+        try:
+            status, completed, names, damage = _damage(f, path)
+            error = read_state(f).error
+        except (OSError, RuntimeError, ValueError, KeyError) as err:  # damaged metadata
+            first = (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
+            return False, [f"{path}: damaged: its metadata cannot be read ({first})"]
+    lines = [f"{path}: status {status}, {completed} rows complete, {len(names)} datasets read"]
+    if error:
+        lines.append(f"  recorded error: {error}")
     lines += [f"  damaged: {d}" for d in damage]
     intact = not damage
     lines.append("  intact" if intact else f"  {len(damage)} damaged dataset(s)")
-    return state.status == "complete" and intact, lines
+    return status == "complete" and intact, lines
 
 
 def main(argv: list[str] | None = None) -> int:

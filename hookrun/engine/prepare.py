@@ -7,6 +7,7 @@ before the captures file is created.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -115,6 +116,10 @@ def prepare(
 ) -> Prepared:
     """Check, build and probe everything a run needs; HookrunError before any work."""
     final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
+    if final_path.is_symlink() and final_path.exists():
+        # Through a link the file it names is the one written and locked: two names of one
+        # file must not give two writers, and the link itself stays a link.
+        final_path = Path(os.path.realpath(final_path))
     sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
     # The lock first: the checks below then cannot race another run on the same file.
     lock = None if spec.dry_run else WriterLock(sink_path)

@@ -10,8 +10,16 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
-from hookrun.io.layout import SAMPLES_INDEX, Provenance, read_paths, read_provenance, read_state
-from hookrun.io.storage import never_written, open_readonly
+from hookrun.io.layout import (
+    SAMPLES_INDEX,
+    Provenance,
+    dataset_names,
+    read_paths,
+    read_provenance,
+    read_state,
+    rows_for,
+)
+from hookrun.io.storage import never_written, open_readonly, unreadable_rows
 
 __all__ = ["RESUME_IGNORES", "resume_point", "check_sources", "check_paths"]
 
@@ -24,6 +32,7 @@ _SOURCES = {
     "data_files_sha256": "dataset files (path, size, label)",
     "world_size": "the number of processes (world size)",
     "torch_version": "torch version",
+    "patch_sources": "the files the patch action reads",
 }
 
 # Config keys that do not change a single number in the file: a resumed run may differ there.
@@ -73,6 +82,11 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
             log.warning("resume: %s was stopped before its first row; starting it over", path)
             return 0
         raise HookrunError(f"resume: {path} is not a readable HDF5 file ({err})") from None
+    except (KeyError, RuntimeError, ValueError) as err:  # HDF5 read damaged metadata
+        raise HookrunError(
+            f"resume refused: {path} is damaged (its metadata cannot be read: "
+            f"{_first_line(err)}); start a new run"
+        ) from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
     if state.status == "complete" and not complete_ok:
@@ -87,13 +101,43 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
         )
     before = _without(OmegaConf.to_container(OmegaConf.create(state.config)), RESUME_IGNORES)
     now = _without(OmegaConf.to_container(OmegaConf.create(config_yaml)), RESUME_IGNORES)
-    if before != now:
+    if before == now and list(before.get("hooks") or {}) != list(now.get("hooks") or {}):
+        # Hooks at one site act in the order they are written: the same hooks reordered
+        # compute other numbers.
+        changed = ["hooks (their order)"]
+    elif before != now:
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    else:
+        changed = []
+    if changed:
         raise HookrunError(
             f"resume: the config differs from the one {path} was written with in "
             f"{', '.join(changed)}; resume with the same config, or start a new run"
         )
+    _refuse_damage(path, state.completed)
     return state.completed
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
+
+
+def _refuse_damage(path: Path, completed: int) -> None:
+    """Refuse a file whose completed rows do not all read back (a chunk failing its
+    checksum): continued, it would end `complete` holding rows nobody can read."""
+    try:
+        with open_readonly(path) as f:
+            for name in dataset_names(f):
+                reason = unreadable_rows(f[name], rows_for(f[name], completed))
+                if reason:
+                    raise HookrunError(
+                        f"resume refused: {path} is damaged ({reason}); python -m "
+                        f"hookrun.verify {path} lists the damage; start a new run"
+                    )
+    except (OSError, KeyError, RuntimeError, ValueError) as err:
+        raise HookrunError(
+            f"resume refused: {path} is damaged ({_first_line(err)}); start a new run"
+        ) from None
 
 
 def _short(value: str) -> str:

@@ -68,6 +68,10 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
             f"sink.path: {path} is a symbolic link to {path.readlink()}, which does not exist; "
             "valid: a plain file path"
         )
+    if path.exists() and not path.is_file():
+        raise HookrunError(
+            f"sink.path: {path} is not a regular file (a device, a pipe); valid: a plain file path"
+        )
     if path.exists() and not overwrite:
         raise HookrunError(
             f"sink.path: {path} already exists and is never overwritten silently; choose "

@@ -27,6 +27,7 @@ __all__ = [
     "disk_errno",
     "never_written",
     "missing_rows",
+    "unreadable_rows",
     "CHUNK_BYTES",
     "chunk_shape",
     "RESERVE_MARGIN",
@@ -188,6 +189,29 @@ def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | No
             return (
                 f"the file is cut short: {ds.name} row {min(past)} lies past its end ({size} bytes)"
             )
+    return None
+
+
+# Rows read at a time from a dataset without chunks (a virtual dataset over torchrun shards).
+_SLAB = 256
+
+
+def unreadable_rows(ds: h5py.Dataset, rows: int) -> str | None:
+    """Why the first `rows` rows of `ds` cannot be read back (a chunk failing its fletcher32
+    checksum, a missing shard), or None: every chunk holding one of them is read."""
+    try:
+        if ds.chunks is not None and ds.shape:
+            if rows > 0:
+                first = tuple(slice(0, rows if axis == 0 else n) for axis, n in enumerate(ds.shape))
+                for chunk in ds.iter_chunks(first):
+                    ds[chunk]
+        elif ds.shape:
+            for start in range(0, rows, _SLAB):
+                ds[start : min(start + _SLAB, rows)]
+        else:
+            ds[()]
+    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        return f"{ds.name}: unreadable: {(str(err).splitlines() or [type(err).__name__])[0]}"
     return None
 
 

@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.path}: no such file")
     try:
         written = render(args.path, args.out, args.max)
-    except OSError as err:  # not HDF5, cut short, damaged: say so in one line
-        first = (str(err).splitlines() or [""])[0]
+    except (OSError, KeyError, RuntimeError, ValueError) as err:
+        # Not HDF5, cut short, damaged metadata, not a file hookrun wrote: one line.
+        first = (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
         parser.exit(1, f"python -m hookrun.render: error: {args.path}: {first}\n")
     if not written:
         print(f"nothing to draw in {args.path}")

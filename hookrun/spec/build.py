@@ -191,10 +191,25 @@ def _check_cam_layer(cfg: DictConfig) -> None:
         )
 
 
+def _huge_ints(node: Any, key: str = "") -> list[tuple[str, int]]:
+    """(key, value) of every integer that does not fit in 64 bits: torch, numpy and HDF5
+    count in int64, and such a value would fail deep inside them instead of here."""
+    if isinstance(node, dict):
+        return [h for k, v in node.items() for h in _huge_ints(v, f"{key}.{k}" if key else k)]
+    if isinstance(node, list):
+        return [h for i, v in enumerate(node) for h in _huge_ints(v, f"{key}[{i}]")]
+    ok = not isinstance(node, int) or isinstance(node, bool) or -(2**63) <= node < 2**63
+    return [] if ok else [(key, node)]
+
+
 def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     """The RunSpec of a composed config (without its `hydra` node); HookrunError on the
     first problem, before anything is loaded."""
     _check_cam_layer(cfg)
+    huge = [h for h in _huge_ints(OmegaConf.to_container(cfg, resolve=False)) if h[0] != "seed"]
+    if huge:
+        key, value = huge[0]
+        raise HookrunError(f"{key}: {value} is out of range; valid: an integer below 2**63")
     try:
         run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as err:  # e.g. a required `???` value left unset
