@@ -392,7 +392,9 @@ def test_the_dry_run_estimate_counts_the_path_width(tmp_path):
     # layer1 at 24 px: 64 x 6 x 6 floats; the output 1000 floats; index, label, target int64.
     per_row = (64 * 6 * 6 + 1000) * 4 + 3 * 8 + width
     assert f"source path {width} B" in run.plan_text
-    assert f"estimated file size {per_row * 5 / 1024:.1f} KiB" in run.plan_text
+    # Besides, HDF5's own metadata: 12 KiB a file and 1 KiB for each of its 6 datasets.
+    metadata = (12 + 6) * 1024
+    assert f"estimated file size {(per_row * 5 + metadata) / 1024:.1f} KiB" in run.plan_text
 
 
 # Integrated gradients with 96 steps: the derived passes take ~99% of each batch's time, so a

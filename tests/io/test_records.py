@@ -56,8 +56,10 @@ def test_the_estimate_counts_derived_results(tmp_path, experiment):
     path = run_config(tmp_path / "real", args).path
     with h5py.File(path, "r") as f:  # what the datasets hold, counted independently
         data = sum(f[k].id.get_storage_size() for k in _datasets(f))
-    assert abs(estimate - data) <= 0.05 * data, (estimate, data)
-    assert abs(estimate - path.stat().st_size) <= 0.1 * path.stat().st_size
+        count = len(_datasets(f))
+    # Besides the datasets, HDF5's own metadata: ~12 KiB a file and ~1 KiB a dataset.
+    assert data < estimate <= data + 1.5 * (12 + count) * 1024, (estimate, data)
+    assert abs(estimate - path.stat().st_size) <= 0.05 * path.stat().st_size
 
 
 def _datasets(f: h5py.File) -> list[str]:
@@ -85,3 +87,18 @@ def test_checksums_on_by_default_and_off_when_asked(tmp_path):
         with h5py.File(path) as f:
             filters = [f[name].fletcher32 for name in ("model/output", "samples/index")]
         assert filters == [expected, expected]
+
+
+@pytest.mark.parametrize(
+    "small",
+    [["experiment=saliency", "dataset.size=2"], ["dataset.size=6"], ["dataset.size=1"]],
+)
+def test_the_estimate_of_a_small_file_counts_hdf5s_own_metadata(tmp_path, small):
+    """A file of a few rows is mostly HDF5's metadata (15-20 KiB): without it the estimate
+    was 32-63% short."""
+    plain = [a for a in ARGS if not a.startswith(("++hooks.", "dataset.size="))]
+    dry = run_config(tmp_path / "dry", [*plain, *small, "dry_run=true"])
+    number, unit = re.search(r"estimated file size ([\d.]+) (\w+)", dry.plan_text).groups()
+    estimate = float(number) * UNITS[unit]
+    size = run_config(tmp_path / "real", [*plain, *small]).path.stat().st_size
+    assert abs(estimate - size) <= 0.1 * size, (estimate, size)
