@@ -9,6 +9,7 @@ replaces the config's; the model leaves the run exactly as it came in.
 from __future__ import annotations
 
 import importlib.resources
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +43,10 @@ def conf_dir() -> Path:
 
 def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, Path]:
     """The composed config (without its `hydra` node), the experiment and the default run dir."""
+    if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in (overrides or [])):
+        raise HookrunError(
+            f"overrides: {overrides!r}; valid: a list of strings, e.g. ['experiment=saliency']"
+        )
     register_configs()
     try:
         with initialize_config_dir(
@@ -98,5 +103,7 @@ def run(
     spec = build_spec(cfg, experiment)
     if model is not None or dataset is not None:
         spec = _describe_objects(spec, model, dataset)
+    if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
+        raise HookrunError(f"run_dir: {run_dir!r}; valid: a folder path (str or Path)")
     folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
     return execute(spec, folder, CallerObjects(model, dataset))

@@ -115,6 +115,11 @@ def prepare(
     spec: RunSpec, run_dir: Path, world: World, device: torch.device, caller: CallerObjects
 ) -> Prepared:
     """Check, build and probe everything a run needs; HookrunError before any work."""
+    if spec.sink.path and spec.sink.path.endswith(("/", os.sep)):
+        raise HookrunError(
+            f"sink.path: {spec.sink.path} ends with '/', which names a folder; valid: a file "
+            f"path, e.g. {spec.sink.path}captures.h5"
+        )
     final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
     if final_path.is_symlink() and final_path.exists():
         # Through a link the file it names is the one written and locked: two names of one

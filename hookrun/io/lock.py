@@ -11,6 +11,7 @@ fresh inode while a second one still waits on the old one).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -21,8 +22,12 @@ __all__ = ["WriterLock", "lock_path"]
 
 
 def lock_path(path: Path) -> Path:
-    """`.../captures.h5` → `.../.captures.h5.lock`."""
-    return path.with_name(f".{path.name}.lock")
+    """`.../captures.h5` → `.../.captures.h5.lock` (a name past the file system's 255 bytes
+    is shortened to a hash of it, so any file name a user may choose can be locked)."""
+    name = f".{path.name}.lock"
+    if len(name.encode()) > 255:
+        name = f".{hashlib.sha256(path.name.encode()).hexdigest()}.lock"
+    return path.with_name(name)
 
 
 class WriterLock:

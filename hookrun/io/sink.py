@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,10 +83,10 @@ def check_sink_path(path: Path, overwrite: bool) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise HookrunError(f"sink.path: cannot create folder {parent} ({err.strerror})") from None
-    probe = parent / f".{path.name}.writable"
-    try:
-        probe.touch()
-        probe.unlink()
+    try:  # a name of its own: `.{path.name}…` could pass the file system's 255 bytes
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".hookrun-", suffix=".writable")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as err:
         raise HookrunError(f"sink.path: cannot write in {parent} ({err.strerror})") from None
 

@@ -179,3 +179,16 @@ def test_readme_from_python_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert list(tmp_path.glob("outputs/**/captures.h5"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"overrides": "experiment=saliency"}, "overrides"),
+        ({"overrides": ["experiment=saliency", 5]}, "overrides"),
+        ({"overrides": ["experiment=saliency"], "run_dir": 5}, "run_dir"),
+    ],
+)
+def test_api_arguments_of_the_wrong_type_are_refused_naming_them(kwargs, key):
+    with pytest.raises(HookrunError, match=rf"^{key}: .*; valid: "):
+        hookrun.run(**kwargs)

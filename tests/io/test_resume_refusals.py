@@ -180,3 +180,16 @@ def test_a_device_as_sink_path_is_refused_even_with_overwrite(tmp_path):
     args = [*SMALL, "dataset.size=2", "sink.path=/dev/full", "sink.overwrite=true"]
     with pytest.raises(HookrunError, match="sink.path: /dev/full is not a regular file"):
         run_config(tmp_path, args)
+
+
+def test_a_sink_path_ending_in_a_slash_is_refused(tmp_path):
+    folder = f"{tmp_path / 'newdir'}/"
+    with pytest.raises(HookrunError, match="ends with '/', which names a folder"):
+        run_config(tmp_path / "run", [*SMALL, "dataset.size=2", f"sink.path={folder}"])
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_a_file_name_of_the_longest_legal_length_can_be_locked_and_written(tmp_path):
+    target = tmp_path / ("c" * 250 + ".h5")  # 253 bytes: legal, but `.{name}.lock` is not
+    result = run_config(tmp_path / "run", [*SMALL, "dataset.size=2", f"sink.path={target}"])
+    assert result.path == target and verify(target)[0]
