@@ -3,7 +3,9 @@ site is hooked), derived results per batch, records queued to the writer."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
 from hookrun.engine.targets import backward_seed, choose_targets, target_scores
 from hookrun.engine.transfer import HostCopier
+from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.methods.registry import BatchContext, derive
@@ -115,6 +118,27 @@ class BatchStep:
         recorder.current_pass = None
 
 
+def _next_batch(batches: Iterator, shape: tuple[int, ...]) -> Any:
+    """The next batch, or None at the end; HookrunError for samples whose shape is not the
+    first sample's (the model was probed on it, and the file's rows have its shape)."""
+    try:
+        batch = next(batches, None)
+    except RuntimeError as err:  # the loader could not stack samples of different shapes
+        said = [line for line in str(err).splitlines() if "equal size" in line]
+        if not said:
+            raise
+        raise HookrunError(
+            f"dataset: samples of different shapes ({said[0].strip()}); valid: samples of one "
+            f"shape, {list(shape)} as the first (resize or crop them)"
+        ) from None
+    if batch is not None and tuple(batch[0].shape[1:]) != shape:
+        raise HookrunError(
+            f"dataset: sample {int(batch[2][0])} has shape {list(batch[0].shape[1:])}, the first "
+            f"{list(shape)}; valid: samples of one shape (resize or crop them)"
+        )
+    return batch
+
+
 def stream(run: Prepared) -> int:
     """The run's batches (this rank's share, from the resume point) into its file; the
     number of rows this process computed."""
@@ -140,10 +164,11 @@ def stream(run: Prepared) -> int:
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
+    shape = tuple(run.data[0][0].shape)  # the probe's sample: every sample has its shape
     with sink, run_mode(run.model), attach(run.plan, run.model, recorder):
         while True:
             with timer.stage("data"):
-                batch = next(batches, None)
+                batch = _next_batch(batches, shape)
             if batch is None:
                 break
             records = step(batch)

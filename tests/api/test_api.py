@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+import h5py
 import models_for_tests as m
 import numpy as np
 import pytest
@@ -192,3 +193,15 @@ def test_readme_from_python_example_runs(tmp_path, monkeypatch):
 def test_api_arguments_of_the_wrong_type_are_refused_naming_them(kwargs, key):
     with pytest.raises(HookrunError, match=rf"^{key}: .*; valid: "):
         hookrun.run(**kwargs)
+
+
+@pytest.mark.parametrize("where", ["own batch", "within a batch"])
+def test_samples_of_another_shape_are_named_not_blamed_on_the_disk(tmp_path, where):
+    big, small = torch.randn(3, 32, 32), torch.randn(3, 16, 16)
+    data = [big] * 4 + [small] * 2 if where == "own batch" else [big] * 3 + [small] * 3
+    overrides = ["model=resnet18", "model.weights=null", "batch_size=2", "render=false"]
+    with pytest.raises(HookrunError, match=r"^dataset: .*valid: samples of one shape") as err:
+        hookrun.run([*overrides, "experiment=saliency"], dataset=data, run_dir=tmp_path)
+    assert "writing" not in str(err.value)
+    with h5py.File(tmp_path / "captures.h5") as f:  # the rows before it are kept
+        assert f.attrs["completed"] == (4 if where == "own batch" else 2)
