@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hookrun.verify FILE", file=sys.stderr)
         return 2
     path = Path(args[0])
-    if not path.is_file():
-        print(f"hookrun.verify: error: {path} is not a file", file=sys.stderr)
+    if not args[0] or not path.is_file():
+        what = "not a file" if args[0] and path.exists() else "no such file"
+        print(f"hookrun.verify: error: {args[0]!r}: {what}", file=sys.stderr)
         return 2
     ok, lines = verify(path)
     print("\n".join(lines))

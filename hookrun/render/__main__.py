@@ -13,7 +13,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> None:
     """`python -m hookrun.render captures.h5`: re-draw the pictures of an earlier run."""
     parser = argparse.ArgumentParser(prog="python -m hookrun.render", description=main.__doc__)
-    parser.add_argument("path", type=Path, help="a captures.h5 written by hookrun")
+    parser.add_argument("path", help="a captures.h5 written by hookrun")
     parser.add_argument(
         "--out",
         type=Path,
@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max", type=int, default=16, help="samples to draw (first rows)")
     args = parser.parse_args(argv)
-    if not args.path.is_file():
-        parser.error(f"{args.path}: no such file")
+    if not args.path or not Path(args.path).is_file():
+        what = "not a file" if args.path and Path(args.path).exists() else "no such file"
+        parser.error(f"{args.path!r}: {what}")
+    args.path = Path(args.path)
     try:
         written = render(args.path, args.out, args.max)
     except (OSError, KeyError, RuntimeError, ValueError) as err:

@@ -193,3 +193,13 @@ def test_a_file_name_of_the_longest_legal_length_can_be_locked_and_written(tmp_p
     target = tmp_path / ("c" * 250 + ".h5")  # 253 bytes: legal, but `.{name}.lock` is not
     result = run_config(tmp_path / "run", [*SMALL, "dataset.size=2", f"sink.path={target}"])
     assert result.path == target and verify(target)[0]
+
+
+def test_verify_and_render_name_what_the_path_is(tmp_path):
+    for tool in ("hookrun.verify", "hookrun.render"):
+        for arg, what in ((str(tmp_path), "not a file"), ("", "no such file")):
+            proc = subprocess.run(
+                [sys.executable, "-m", tool, arg], capture_output=True, text=True, cwd=tmp_path
+            )
+            assert proc.returncode == 2 and what in proc.stderr, (tool, arg, proc.stderr)
+            assert "Traceback" not in proc.stderr
