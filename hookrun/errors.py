@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["HookrunError", "RunFault", "Interrupted", "nearest", "one_line"]
+__all__ = ["HookrunError", "RunFault", "Interrupted", "nearest", "one_line", "first_line"]
 
 
 class HookrunError(Exception):
@@ -54,3 +54,9 @@ def one_line(err: HookrunError) -> str:
     last = text.splitlines()[-1] if text else ""
     prefix = f"{HookrunError.__module__}.{HookrunError.__name__}: "
     return last.removeprefix(prefix)
+
+
+def first_line(err: BaseException) -> str:
+    """What one line can say of a library's error (h5py, HDF5): its first line, without the
+    quotes a KeyError puts around its text; the error's type when it has no text."""
+    return (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import h5py
 
+from hookrun.errors import first_line
 from hookrun.io.layout import (
     MODEL_OUTPUT,
     SAMPLES_INDEX,
@@ -72,8 +73,7 @@ def verify(path: Path) -> tuple[bool, list[str]]:
             status, completed, names, damage = _damage(f, path)
             error = read_state(f).error
         except (OSError, RuntimeError, ValueError, KeyError) as err:  # damaged metadata
-            first = (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
-            return False, [f"{path}: damaged: its metadata cannot be read ({first})"]
+            return False, [f"{path}: damaged: its metadata cannot be read ({first_line(err)})"]
     lines = [f"{path}: status {status}, {completed} rows complete, {len(names)} datasets read"]
     if error:
         lines.append(f"  recorded error: {error}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, first_line
 from hookrun.io.layout import (
     SAMPLES_INDEX,
     Provenance,
@@ -85,7 +85,7 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
     except (KeyError, RuntimeError, ValueError) as err:  # HDF5 read damaged metadata
         raise HookrunError(
             f"resume refused: {path} is damaged (its metadata cannot be read: "
-            f"{_first_line(err)}); start a new run"
+            f"{first_line(err)}); start a new run"
         ) from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
@@ -118,10 +118,6 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
     return state.completed
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
-
-
 def _refuse_damage(path: Path, completed: int) -> None:
     """Refuse a file whose completed rows do not all read back (a chunk failing its
     checksum): continued, it would end `complete` holding rows nobody can read."""
@@ -136,7 +132,7 @@ def _refuse_damage(path: Path, completed: int) -> None:
                     )
     except (OSError, KeyError, RuntimeError, ValueError) as err:
         raise HookrunError(
-            f"resume refused: {path} is damaged ({_first_line(err)}); start a new run"
+            f"resume refused: {path} is damaged ({first_line(err)}); start a new run"
         ) from None
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import h5py
 
+from hookrun.errors import first_line
+
 __all__ = [
     "allocated_bytes",
     "open_readonly",
@@ -211,7 +213,7 @@ def unreadable_rows(ds: h5py.Dataset, rows: int) -> str | None:
         else:
             ds[()]
     except (OSError, RuntimeError, ValueError, KeyError) as err:
-        return f"{ds.name}: unreadable: {(str(err).splitlines() or [type(err).__name__])[0]}"
+        return f"{ds.name}: unreadable: {first_line(err)}"
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hookrun.errors import first_line
 from hookrun.render.draw import render
 
 __all__ = ["main"]
@@ -30,8 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         written = render(args.path, args.out, args.max)
     except (OSError, KeyError, RuntimeError, ValueError) as err:
         # Not HDF5, cut short, damaged metadata, not a file hookrun wrote: one line.
-        first = (str(err).strip("'\"").splitlines() or [type(err).__name__])[0]
-        parser.exit(1, f"python -m hookrun.render: error: {args.path}: {first}\n")
+        parser.exit(1, f"python -m hookrun.render: error: {args.path}: {first_line(err)}\n")
     if not written:
         print(f"nothing to draw in {args.path}")
         return

@@ -9,6 +9,7 @@ key, the bad value and the valid choices. Nothing after it reads a DictConfig.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,14 +169,21 @@ def _run_checks(run: RunConfig) -> None:
 _CAM_LAYER = "${model.cam_layer}"
 
 
-def _cam_layer_readers(node: Any, key: str = "") -> list[str]:
-    """The keys whose value reads `model.cam_layer` (the CAM experiments' hooks and derive)."""
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every value in a config tree that is not a mapping or list."""
     if isinstance(node, dict):
-        items = ((f"{key}.{k}" if key else str(k), v) for k, v in node.items())
-        return [r for k, v in items for r in _cam_layer_readers(v, k)]
-    if isinstance(node, list):
-        return [r for i, v in enumerate(node) for r in _cam_layer_readers(v, f"{key}[{i}]")]
-    return [key] if isinstance(node, str) and _CAM_LAYER in node else []
+        for k, v in node.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{key}[{i}]")
+    else:
+        yield key, node
+
+
+def _cam_layer_readers(node: Any) -> list[str]:
+    """The keys whose value reads `model.cam_layer` (the CAM experiments' hooks and derive)."""
+    return [k for k, v in _leaves(node) if isinstance(v, str) and _CAM_LAYER in v]
 
 
 def _check_cam_layer(cfg: DictConfig) -> None:
@@ -191,15 +199,14 @@ def _check_cam_layer(cfg: DictConfig) -> None:
         )
 
 
-def _huge_ints(node: Any, key: str = "") -> list[tuple[str, int]]:
+def _huge_ints(node: Any) -> list[tuple[str, int]]:
     """(key, value) of every integer that does not fit in 64 bits: torch, numpy and HDF5
     count in int64, and such a value would fail deep inside them instead of here."""
-    if isinstance(node, dict):
-        return [h for k, v in node.items() for h in _huge_ints(v, f"{key}.{k}" if key else k)]
-    if isinstance(node, list):
-        return [h for i, v in enumerate(node) for h in _huge_ints(v, f"{key}[{i}]")]
-    ok = not isinstance(node, int) or isinstance(node, bool) or -(2**63) <= node < 2**63
-    return [] if ok else [(key, node)]
+    return [
+        (k, v)
+        for k, v in _leaves(node)
+        if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63
+    ]
 
 
 def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
