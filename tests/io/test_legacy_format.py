@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import h5py
-import numpy as np
 import torch
 from conftest import read, run_config
 
@@ -57,12 +56,19 @@ def test_legacy_file_resumes_to_the_same_rows(tmp_path):
         f.attrs["torch_version"] = str(torch.__version__)
     result = run_config(tmp_path / "run", [*OVERRIDES, "resume=true", f"sink.path={cut}"])
     assert result.rows == 2
-    legacy, resumed = read(LEGACY), read(cut)
-    assert legacy.keys() == resumed.keys()
+    # Row 1 recomputed now is compared with the same row computed now in one uninterrupted
+    # run, not with 0.1.0's: float32 convolutions round differently across the torch
+    # versions pyproject allows (up to 9e-6 between 2.14 and 2.15), and the format is under
+    # test here, not the arithmetic.
+    fresh = run_config(tmp_path / "fresh", [*OVERRIDES, f"sink.path={tmp_path / 'fresh.h5'}"])
+    legacy, resumed, now = read(LEGACY), read(cut), read(fresh.path)
+    assert legacy.keys() == resumed.keys() == now.keys()
     for key in legacy:
-        np.testing.assert_allclose(resumed[key], legacy[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    # The forward pass of the row recomputed today is bit-identical to 0.1.0's.
-    for key in ("captures/input/output", "samples/index", "samples/target"):
+        # Row 0 is 0.1.0's, kept byte for byte; row 1 is today's, as a fresh run writes it.
+        assert resumed[key][:1].tobytes() == legacy[key][:1].tobytes(), key
+        assert resumed[key][1:].tobytes() == now[key][1:].tobytes(), key
+    # The input and the sample records do not depend on the arithmetic: 0.1.0's bytes.
+    for key in ("captures/input/output", "samples/index"):
         assert resumed[key].tobytes() == legacy[key].tobytes(), key
     with hookrun.open(cut) as res:
         assert res.status == "complete" and res.completed == 2

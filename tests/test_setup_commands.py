@@ -1,0 +1,49 @@
+"""The README's set-up and test commands are what CI runs: the same installs with the same
+constraints file, so a green CI speaks for the environment a newcomer gets."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_command(heading: str) -> list[str]:
+    """The steps (split at `&&`) of the bash block under `heading` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"## {heading}\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)\n```", section, re.S)
+    assert block, heading
+    return [step.strip() for step in block.group(1).split("&&")]
+
+
+def test_ci_runs_the_readme_installs_and_test_command():
+    steps = _readme_command("Set up and test")
+    ci = (ROOT / ".ci" / "run").read_text().replace(" -q ", " ")
+    installs = [s for s in steps if "pip install" in s]
+    assert len(installs) == 2
+    for step in installs:
+        assert step in ci, step
+    assert "--upgrade pip" not in ci  # an upgraded pip resolved other versions than README's
+    assert "ruff check . && ruff format --check . && pytest" in ci
+
+
+def test_both_readme_setups_use_the_constraints_file():
+    for heading in (
+        "Set up and run (fresh machine, Python 3.10+, no network needed at run time)",
+        "Set up and test",
+    ):
+        first_install = next(s for s in _readme_command(heading) if "pip install -" in s)
+        assert "-c constraints.txt" in first_install, heading
+
+
+def test_constraints_pin_torch_and_every_line_is_exact():
+    lines = [
+        line
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[^\s=]+", line) for line in lines), lines
+    names = {line.split("==")[0].lower() for line in lines}
+    assert {"torch", "torchvision", "h5py", "hydra-core"} <= names
