@@ -33,11 +33,12 @@ from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
-from hookrun.io.layout import SAMPLES_PATH, Provenance
+from hookrun.io.layout import SAMPLES_PATH, AxisFacts, Provenance
 from hookrun.io.lock import WriterLock
 from hookrun.io.resume import check_paths, check_sources, resume_point
 from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
+from hookrun.methods.layouts import axis_facts
 from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
@@ -83,6 +84,7 @@ class Prepared:
     lock: WriterLock | None = None  # held from the path checks to the end of the run
     # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: dict[str, int] = field(default_factory=dict)
+    axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
 
     def release(self) -> None:
         if self.lock is not None:
@@ -238,4 +240,5 @@ def _prepare(
         started=started,
         lock=lock,
         folds=plan.folds(shapes),
+        axes=axis_facts(plan.capture_shapes(shapes), plan.folds(shapes), model, sample),
     )

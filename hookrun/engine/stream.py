@@ -161,6 +161,7 @@ def stream(run: Prepared) -> int:
         checksum=spec.sink.checksum,
         folds=run.folds,
         batch_size=spec.batch_size,
+        axes=run.axes,
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))

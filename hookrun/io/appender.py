@@ -20,7 +20,11 @@ import h5py
 import numpy as np
 
 from hookrun.io import storage
+from hookrun.io.dimensions import name_dimensions
 from hookrun.io.layout import (
+    SAMPLE,
+    SAMPLES_INDEX,
+    AxisFacts,
     Provenance,
     dataset_names,
     mark_completed,
@@ -49,6 +53,8 @@ class FileOptions:
     # Records not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: Mapping[str, int] = dataclasses.field(default_factory=dict)
     batch_size: int = 1
+    # What the run knows of its tensors' axes, for their dimension names (io/layout.py).
+    axes: AxisFacts = dataclasses.field(default_factory=AxisFacts)
 
 
 class CapturesFile:
@@ -104,10 +110,17 @@ class CapturesFile:
         return out
 
     def append(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Write one batch (every key, same row count), then flush and advance `completed`."""
+        """Write one batch (every key, same row count), then flush and advance `completed`.
+        The `sample` coordinate (/sample) repeats /samples/index, in files that have it
+        (every new one with dataset indices; not one of hookrun 0.1.0, which is resumed as
+        it began)."""
+        if SAMPLES_INDEX in arrays and (SAMPLE in self.keys or not self.keys):
+            arrays = {**arrays, SAMPLE: arrays[SAMPLES_INDEX]}
         if not self.keys:
             for key, array in arrays.items():
                 self._create(key, array)
+            # Scales write attributes, which SWMR forbids: every axis is named first.
+            name_dimensions(self.file, self.options.axes, self.options.checksum)
             self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
         if set(arrays) != self.keys:
             raise RuntimeError(

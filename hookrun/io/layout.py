@@ -8,6 +8,9 @@
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
 | /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
+| /sample | (N,) int64 | the `sample` dimension's coordinate: /samples/index's values |
+
+Every axis is a named dimension (AXES below; io/dimensions.py attaches the scales).
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
@@ -26,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,16 @@ __all__ = [
     "mark_completed",
     "mark_rows",
     "mark_complete",
+    "SAMPLE",
+    "BATCH",
+    "FOLD",
+    "AXES",
+    "LAYOUT_AXES",
+    "AxisFacts",
+    "axis_names",
+    "NOT_A_VARIABLE",
+    "SCALE_ATTRS",
+    "is_dimension",
 ]
 
 SAMPLES_INDEX = "samples/index"
@@ -141,9 +155,12 @@ def rows_note(ds: h5py.Dataset) -> str:
 
 
 def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
-    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join)."""
+    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join),
+    less the dimension-scale ones: they hold references into `src`'s file, and the copy gets
+    its own scales (io/dimensions.py)."""
     for name, value in src.attrs.items():
-        dst.attrs[name] = value
+        if name not in SCALE_ATTRS:
+            dst.attrs[name] = value
 
 
 def path_rows(paths: list[str], width: int) -> np.ndarray:
@@ -249,7 +266,7 @@ def captures_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
         return out
 
     def visit(name: str, obj: Any) -> None:
-        if isinstance(obj, h5py.Dataset):
+        if isinstance(obj, h5py.Dataset) and not is_dimension(obj):
             layer, site = name.rsplit("/", 1)
             out.setdefault(layer, {})[site] = obj
 
@@ -260,13 +277,22 @@ def captures_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
 def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
     """Every derived method → its layers → dataset."""
     group = f.get("derived", {})
-    return {method: dict(g.items()) for method, g in group.items()}
+    return {
+        method: {k: ds for k, ds in g.items() if not is_dimension(ds)}
+        for method, g in group.items()
+    }
 
 
 def dataset_names(f: h5py.File) -> list[str]:
-    """Every dataset's path in the file."""
+    """Every data-holding dataset's path in the file (rows of samples or batches; not the
+    empty datasets that only name a dimension)."""
     names: list[str] = []
-    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset) and not is_dimension(obj):
+            names.append(name)
+
+    f.visititems(visit)
     return names
 
 
@@ -300,3 +326,75 @@ def mark_complete(f: h5py.File, rows: int) -> None:
     f.attrs["error"] = ""
     mark_completed(f, rows)
     f.attrs["status"] = "complete"
+
+
+# Named dimensions (HDF5 dimension scales, netCDF-4's convention: xarray, netCDF tools and
+# HDFView read them). Per-sample rows are SAMPLE, one dimension for the file whose coordinate
+# is /sample (the dataset indices); rows once per batch are BATCH; k rows per sample folded
+# add FOLD. AXES names the other axes by path (the first fnmatch pattern that matches; `*`
+# crosses `/`): `{layout}` is what the probe found of a capture (LAYOUT_AXES), `{input}` the
+# model input's axes; an axis nothing names is `dim_<k>`.
+SAMPLE = "sample"
+BATCH = "batch"
+FOLD = "fold"
+AXES: dict[str, str] = {
+    SAMPLE: SAMPLE,
+    "samples/tokens": "sample token",
+    "samples/mask": "sample token",
+    "samples/*": "sample",
+    "model/output": "sample class",
+    "captures/*": "sample {layout}",
+    "derived/*/*.completeness_gap": "sample",
+    "derived/*/input": "sample {input}",
+    "derived/guided_grad_cam/*": "sample {input}",
+    "derived/*/*": "sample y x",
+}
+LAYOUT_AXES = {
+    "nchw": ("channel", "y", "x"),
+    "nhwc": ("y", "x", "channel"),
+    "tokens": ("token", "feature"),
+    "vector": ("feature",),
+}
+
+
+@dataclass(frozen=True)
+class AxisFacts:
+    """What a run knows of the axes of its input (per sample) and captures (per row)."""
+
+    input: tuple[str, ...] = ()
+    tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]:
+    """The dimension names of dataset `path`: its rows' axis (SAMPLE, BATCH; FOLD), then
+    what AXES says when it fits the dataset's rank, else `dim_<k>`."""
+    rule = next((r for pattern, r in AXES.items() if fnmatchcase(path, pattern)), SAMPLE)
+    words: list[str] = []
+    for word in rule.split():
+        if word == "{layout}":
+            words += facts.tensors.get(path, ("?",))
+        elif word == "{input}":
+            words += facts.input or ("?",)
+        else:
+            words.append(word)
+    rows = words[:1] if words[:1] == [SAMPLE] else []
+    if rows and per_batch(ds):
+        rows = [BATCH]
+    elif rows and int(ds.attrs.get(FOLDED, 0)):
+        rows.append(FOLD)
+    rest = words[1:] if rows else words
+    if len(rows) + len(rest) != len(ds.shape) or "?" in rest:
+        rest = [f"dim_{k}" for k in range(len(rows), len(ds.shape))]
+    return (*rows, *rest)
+
+
+# A dimension with no values of its own is an empty dataset marked as a scale, whose NAME
+# starts with netCDF's sentence (h5netcdf and netCDF-C skip such datasets as variables).
+NOT_A_VARIABLE = "This is a netCDF dimension but not a netCDF variable."
+# Attributes the HDF5 dimension-scale API writes (references into their own file).
+SCALE_ATTRS = ("CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "DIMENSION_LABELS")
+
+
+def is_dimension(ds: h5py.Dataset) -> bool:
+    """Whether `ds` only names a dimension (holds no data)."""
+    return NOT_A_VARIABLE in str(ds.attrs.get("NAME", ""))  # bytes or str, as written

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from hookrun.errors import HookrunError
 from hookrun.io import layout
 
 __all__ = ["Results", "open_results", "summary"]
@@ -86,6 +88,25 @@ class Results:
     def completed(self) -> int:
         """Rows written and flushed."""
         return layout.read_state(self.file).completed
+
+    def to_xarray(self) -> Any:
+        """The file as an `xarray.DataTree` (read lazily; close it when done): every
+        per-sample dataset on the one `sample` dimension, whose coordinate is the dataset
+        indices, e.g. `tree["derived/grad_cam"].sel(sample=7)`. Needs the optional extra:
+        pip install 'hookrun[xarray]'. A file of hookrun 0.1.0, written before axes had
+        names, opens with netCDF's phony names (`phony_dim_k`)."""
+        try:
+            import h5netcdf  # noqa: F401  (xarray's engine; imported here to name it if missing)
+            import xarray
+        except ImportError as err:
+            raise HookrunError(
+                f"to_xarray: {err.name} is not installed; install it with: pip install "
+                "'hookrun[xarray]' (xarray and h5netcdf)"
+            ) from None
+        swmr = {"swmr": True} if self.file.swmr_mode else None  # a killed or running writer
+        return xarray.open_datatree(
+            self.path, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr
+        )
 
     def __repr__(self) -> str:
         lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]

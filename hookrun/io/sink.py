@@ -25,7 +25,7 @@ import torch
 from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.appender import CapturesFile, FileOptions
-from hookrun.io.layout import Provenance
+from hookrun.io.layout import AxisFacts, Provenance
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
 
@@ -47,6 +47,7 @@ class SinkOptions:
     # Records not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: Mapping[str, int] = field(default_factory=dict)
     batch_size: int = 1
+    axes: AxisFacts = field(default_factory=AxisFacts)  # for the dimension names
 
     @property
     def file_options(self) -> FileOptions:
@@ -57,6 +58,7 @@ class SinkOptions:
             self.checksum,
             dict(self.folds),
             self.batch_size,
+            self.axes,
         )
 
 

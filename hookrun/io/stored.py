@@ -14,6 +14,7 @@ import numpy as np
 
 from hookrun.io import storage
 from hookrun.io.appender import CapturesFile, FileOptions
+from hookrun.io.dimensions import attach, read_names
 from hookrun.io.layout import (
     FileState,
     Provenance,
@@ -73,7 +74,7 @@ def reopen(path: Path, options: FileOptions, header: Provenance | None = None) -
 def rewrite_rows(path: Path) -> None:
     """Replace a killed writer's file by a closed copy of its attributes and its rows up to
     `completed` (one per batch where a dataset holds one per batch), keeping every
-    dataset's dtype, chunks, compression and attributes."""
+    dataset's dtype, chunks, compression, attributes and dimension names."""
     fresh = path.with_name(f".{path.name}.resume")
     with open_readonly(path) as src, h5py.File(fresh, "w", libver="latest") as dst:
         completed = read_state(src).completed
@@ -96,6 +97,7 @@ def rewrite_rows(path: Path) -> None:
             step = max(1, ds.chunks[0])
             for start in range(0, rows, step):
                 out[start : start + step] = ds[start : min(rows, start + step)]
+        attach(dst, read_names(src), _checksummed(src))
     fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
@@ -133,7 +135,13 @@ def join_shards(
                 if offset != total:
                     raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
+            attach(out, read_names(opened[0]), _checksummed(opened[0]))
             mark_complete(out, samples)
     finally:
         for f in opened:
             f.close()
+
+
+def _checksummed(f: h5py.File) -> bool:
+    """Whether a file's datasets carry fletcher32 (its copy's new scales then do too)."""
+    return any(f[key].fletcher32 for key in dataset_names(f))

@@ -13,13 +13,16 @@ just before their math. Three layouts exist in today's models:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 from torch import nn
 
+from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.errors import HookrunError
+from hookrun.io.layout import LAYOUT_AXES, AxisFacts
 
 __all__ = [
     "Layout",
@@ -28,6 +31,7 @@ __all__ = [
     "to_channels_first",
     "prefix_tokens_of",
     "channels_first_hint",
+    "axis_facts",
 ]
 
 
@@ -156,3 +160,41 @@ def decide_grid(
         f"{key}.layout: {layout.value!r} does not fit {where}; valid: nchw or nhwc for 3 axes "
         "per sample, tokens for 2 (N, L, D); a CAM layer needs a spatial output"
     )
+
+
+def _axes(shape: tuple[int, ...], image: tuple[int, int] | None, prefix: int | None, conv: bool):
+    """LAYOUT_AXES' names for a tensor's per-row `shape`; () when no layout fits."""
+    if len(shape) == 1:
+        return LAYOUT_AXES["vector"]
+    if image is None or len(shape) not in (2, 3):
+        return ()
+    try:
+        grid = decide_grid(shape, image, Layout.auto, prefix, "", conv)
+    except HookrunError:
+        return ()
+    return LAYOUT_AXES[grid.layout.value]
+
+
+def axis_facts(
+    captures: Mapping[str, tuple[int, ...]],
+    folds: Mapping[str, int],
+    model: nn.Module,
+    sample: torch.Tensor,
+) -> AxisFacts:
+    """What the run knows of its axes, for their names in captures.h5: the model input's
+    (an image is channels-first; token ids are tokens) and each capture's per-row shape
+    (`captures`: path → stored shape per row) read as the CAM layouts read a layer."""
+    image = (int(sample.shape[-2]), int(sample.shape[-1])) if sample.dim() >= 2 else None
+    if sample.dim() == 1 and not sample.is_floating_point():
+        given: tuple[str, ...] = ("token",)
+    else:
+        given = _axes(tuple(sample.shape), image, 0, True)
+    prefix, modules = prefix_tokens_of(model), dict(model.named_modules())
+    tensors = {}
+    for key, shape in captures.items():
+        layer = key.split("/", 1)[1].rsplit("/", 1)[0]  # layout.capture_key's <layer>
+        row = shape[1:] if folds.get(key, 1) > 1 else shape
+        module = modules.get(layer)
+        conv = module is not None and bool(row) and channels_first_hint(module, row[0])
+        tensors[key] = given if layer == INPUT_LAYER else _axes(row, image, prefix, conv)
+    return AxisFacts(given, tensors)
