@@ -1,8 +1,9 @@
 """`python -m hookrun.verify FILE`: is this captures.h5 complete and intact?
 
 Reads every chunk of every dataset (HDF5 checks each chunk's fletcher32 checksum as it reads
-it), checks that every dataset holds the rows `completed` promises, and that the file is not
-cut short. Prints the status, the rows and any damage; exit status 0 only for a complete,
+it), checks that every dataset holds the rows `completed` promises, that every axis has its
+dimension name (the `sample` coordinate holding the dataset indices), and that the file is
+not cut short. Prints the status, the rows and any damage; exit status 0 only for a complete,
 intact file, 1 otherwise (2 for a path that is not a file).
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import h5py
 
 from hookrun.errors import first_line
+from hookrun.io.dimensions import check_dimensions
 from hookrun.io.layout import (
     MODEL_OUTPUT,
     SAMPLES_INDEX,
@@ -56,6 +58,7 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
         unreadable = unreadable_rows(ds, rows)
         if unreadable:
             damage.append(unreadable)
+    damage += check_dimensions(f, state.completed)  # names as xarray and netCDF read them
     return state.status or "none", state.completed, names, damage
 
 

@@ -82,6 +82,20 @@ def read(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def dimensions_of(path: Path) -> dict[str, tuple]:
+    """Every dataset's dimensions as HDF5 stores them: the path of the scale attached to
+    each axis (None where none is), read with plain h5py, not hookrun."""
+    out: dict[str, tuple] = {}
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset) and not obj.is_scale:
+            out[name] = tuple(d[0].name if len(d) else None for d in obj.dims)
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return out
+
+
 @pytest.fixture
 def run_hookrun(tmp_path: Path):
     """run_hookrun(overrides) → (Result, datasets of its captures.h5)."""

@@ -183,7 +183,8 @@ def axis_facts(
 ) -> AxisFacts:
     """What the run knows of its axes, for their names in captures.h5: the model input's
     (an image is channels-first; token ids are tokens) and each capture's per-row shape
-    (`captures`: path → stored shape per row) read as the CAM layouts read a layer."""
+    (`captures`: path → stored shape per row) read as the CAM layouts read a layer; none
+    for a tensor stored once per batch (a table, not a sample's map)."""
     image = (int(sample.shape[-2]), int(sample.shape[-1])) if sample.dim() >= 2 else None
     if sample.dim() == 1 and not sample.is_floating_point():
         given: tuple[str, ...] = ("token",)
@@ -196,5 +197,6 @@ def axis_facts(
         row = shape[1:] if folds.get(key, 1) > 1 else shape
         module = modules.get(layer)
         conv = module is not None and bool(row) and channels_first_hint(module, row[0])
-        tensors[key] = given if layer == INPUT_LAYER else _axes(row, image, prefix, conv)
+        if folds.get(key) != 0:
+            tensors[key] = given if layer == INPUT_LAYER else _axes(row, image, prefix, conv)
     return AxisFacts(given, tensors)

@@ -15,11 +15,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, hookrun_cli, read, run_config
+import xarray
+from conftest import dimensions_of, hook, hookrun_cli, read, run_config
 
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
 from hookrun.scale.launchers import with_resume
+from hookrun.verify import verify
 
 SEED_MLP_SCALED = [
     "model=seed_mlp",
@@ -129,6 +131,15 @@ def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path):
         assert resumed[key].tobytes() == reference[key].tobytes(), key
     with h5py.File(path) as f:
         assert f.attrs["status"] == "complete" and f.attrs["completed"] == 1600
+    # The same dimension names, on the same scales, as the uninterrupted run's.
+    named = dimensions_of(path)
+    assert named == dimensions_of(tmp_path / "reference" / "captures.h5")
+    assert named["captures/layer1/output"] == (
+        "/sample",
+        "/captures/layer1/channel",
+        "/captures/layer1/y",
+        "/captures/layer1/x",
+    )
 
 
 def test_resume_starts_missing_refuses_complete_foreign_and_changed(tmp_path):
@@ -283,6 +294,18 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
     assert data.keys() == reference.keys() and data["captures/proj/output"].shape == (7, 4, 16, 6)
     for key in reference:
         np.testing.assert_allclose(data[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # The join's virtual datasets carry the single run's dimension names, and xarray reads
+    # them aligned on one `sample` axis (tests/io/test_dimensions.py checks the rest).
+    assert dimensions_of(merged) == dimensions_of(tmp_path / "single" / "captures.h5")
+    assert verify(merged)[0]
+    tree = xarray.open_datatree(merged, engine="h5netcdf")
+    assert tree["captures/bias/output"].dims == ("batch", "dim_1", "dim_2")
+    assert tree["captures/proj/output"].dims == ("sample", "fold", "token", "feature")
+    np.testing.assert_array_equal(tree["captures/proj"].sample, np.arange(7))
+    np.testing.assert_array_equal(
+        tree["captures/proj"].sel(sample=5).output, data["captures/proj/output"][5]
+    )
+    tree.close()
 
 
 def _torchrun(
