@@ -30,13 +30,14 @@ def main(cfg: DictConfig) -> None:
     in a sweep (-m) a failing job is logged and recorded, and the other jobs go on."""
     from hookrun.engine.runner import execute
     from hookrun.scale.sweeps import write_job_summary
-    from hookrun.spec.build import build_spec
+    from hookrun.spec.build import build_spec, release_model_keys
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     try:
+        release_model_keys(cfg, overrides, caller_model=False)
         spec = build_spec(cfg, hydra_cfg.runtime.choices.get("experiment"))
         result = execute(spec, run_dir)
     except Exception as err:

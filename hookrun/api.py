@@ -26,7 +26,7 @@ from hookrun.engine.finish import Result
 from hookrun.engine.prepare import CallerObjects
 from hookrun.engine.runner import execute
 from hookrun.errors import HookrunError
-from hookrun.spec.build import RunSpec, build_spec
+from hookrun.spec.build import RunSpec, build_spec, release_model_keys
 from hookrun.spec.schema import ModelConfig, register_configs
 from hookrun.typed import freeze
 
@@ -65,6 +65,7 @@ def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, P
 def compose(overrides: Sequence[str] | None = None) -> RunSpec:
     """The validated, frozen RunSpec `python -m hookrun OVERRIDES` would run."""
     cfg, experiment, _ = _compose(overrides)
+    release_model_keys(cfg, overrides or [], caller_model=False)
     return build_spec(cfg, experiment)
 
 
@@ -100,6 +101,8 @@ def run(
     if model is not None and not isinstance(model, nn.Module):
         raise HookrunError(f"model: a {type(model).__name__} is not a torch.nn.Module")
     cfg, experiment, default_dir = _compose(overrides)
+    # A caller's model is not the preset's: the preset's CAM layer falls back to auto.
+    release_model_keys(cfg, overrides or [], caller_model=model is not None)
     spec = build_spec(cfg, experiment)
     if model is not None or dataset is not None:
         spec = _describe_objects(spec, model, dataset)

@@ -8,12 +8,14 @@ key, the bad value and the valid choices. Nothing after it reads a DictConfig.
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from hookrun.data.kinds import DATASETS
@@ -34,8 +36,9 @@ from hookrun.spec.schema import (
 )
 from hookrun.typed import check_range, freeze, parse_typed
 
-__all__ = ["HookSpec", "RunSpec", "build_spec"]
+__all__ = ["HookSpec", "RunSpec", "build_spec", "MODEL_KEYS", "release_model_keys"]
 
+log = logging.getLogger("hookrun")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _LOGGERS = (None, "tensorboard")
 
@@ -196,6 +199,40 @@ def _check_cam_layer(cfg: DictConfig) -> None:
         raise HookrunError(
             f"model.cam_layer: null, but {readers[0]} reads it; valid: auto (a probe picks "
             "the layer) or a module name of the model, e.g. layer4 (see dry_run=true)"
+        )
+
+
+# Keys a model preset sets for its own model (conf/model/*.yaml): with another model (the
+# caller's nn.Module, or the preset's model.name changed) they fall back to `auto` (what the
+# probe finds), unless the user set them. One entry per key.
+MODEL_KEYS = ("model.cam_layer",)
+_AUTO = "auto"
+
+
+def release_model_keys(cfg: DictConfig, overrides: Sequence[str], caller_model: bool) -> None:
+    """Set every MODEL_KEYS entry of `cfg` the user did not set (in `overrides`, the CLI's or
+    the API's) to `auto` when the model is not the preset's: a caller's module, or a preset
+    (model=mobilenet_v2) whose model.name was changed. The preset's layer names (features.18)
+    mean nothing in another model."""
+    preset = OmegaConf.select(cfg, "model.preset", default=None)
+    name = OmegaConf.select(cfg, "model.name", default=None)
+    if not caller_model and not (preset and name != preset):
+        return
+    given = {o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))}
+    whose = "the model you passed" if caller_model else f"model.name={name}"
+    for key in MODEL_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if key in given or value in (None, _AUTO):
+            continue
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, _AUTO, force_add=True)
+        log.info(
+            "%s: %r is the %s preset's; with %s it is auto (the probe picks; set %s to choose)",
+            key,
+            value,
+            preset or "model",
+            whose,
+            key,
         )
 
 
