@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
 from hookrun.errors import HookrunError
+from hookrun.memory import check_fits
 from hookrun.registry import Registry
 from hookrun.typed import Frozen, check_range
 
@@ -50,6 +51,8 @@ NO_LABEL = -1
 # domain; see skimage.data's docstrings): a cat, as in the seed tutorial, a cup of
 # espresso, a Falcon 9 launch, and an astronaut portrait.
 SAMPLE_PHOTOS = ("chelsea", "coffee", "rocket", "astronaut")
+_RGB = 3  # channels of a photo read by PIL's convert("RGB")
+_FLOAT = 4  # bytes of one float32 value
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,16 @@ class FakeDatasetConfig(Frozen):
     def check(self) -> None:
         for name in ("size", "image_size", "channels", "num_classes"):
             check_range(f"dataset.{name}", getattr(self, name), 1)
+        # Blame the key that makes one image too large (a wide image or many channels).
+        key = "image_size" if self.image_size**2 >= self.channels else "channels"
+        shape = list(self.sample_shape())
+        check_fits(
+            f"dataset.{key}", getattr(self, key), _FLOAT * math.prod(shape), f"one image {shape}"
+        )
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape (no batch axis)."""
+        return (self.channels, self.image_size, self.image_size)
 
 
 @dataclass
@@ -97,6 +110,12 @@ class ConstantDatasetConfig(Frozen):
         check_range("dataset.size", self.size, 1)
         for i, n in enumerate(self.shape):
             check_range(f"dataset.shape[{i}]", n, 1)
+        shape = list(self.shape)
+        check_fits("dataset.shape", shape, _FLOAT * math.prod(shape), "one sample")
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape (no batch axis)."""
+        return tuple(self.shape)
 
 
 @dataclass
@@ -113,11 +132,25 @@ class PhotoTransformConfig(Frozen):
         for key, values in (("dataset.mean", self.mean), ("dataset.std", self.std)):
             if not all(math.isfinite(v) for v in values):
                 raise HookrunError(f"{key}: {list(values)}; valid: finite numbers, one per channel")
+            if len(values) not in (1, _RGB):  # photos are read as RGB (convert("RGB"))
+                raise HookrunError(
+                    f"{key}: {list(values)} has {len(values)} values, the images {_RGB} "
+                    f"channels; valid: {_RGB} numbers (one per channel), or 1 for all"
+                )
         if len(self.mean) != len(self.std) or any(v <= 0 for v in self.std):
             raise HookrunError(
                 f"dataset.std: {list(self.std)} for mean {list(self.mean)}; valid: one "
                 "positive number per channel"
             )
+        # PIL first resizes the short side to `resize` (one byte per channel and pixel, the
+        # long side at least as long), then crops `crop` x `crop` to a float tensor.
+        check_fits("dataset.resize", self.resize, _RGB * self.resize**2, "one resized photo")
+        shape = list(self.sample_shape())
+        check_fits("dataset.crop", self.crop, _FLOAT * math.prod(shape), f"one image {shape}")
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape (no batch axis)."""
+        return (_RGB, self.crop, self.crop)
 
 
 @dataclass
@@ -152,6 +185,10 @@ class DigitsDatasetConfig(Frozen):
     def check(self) -> None:
         if self.split not in ("train", "test", "all"):
             raise HookrunError(f"dataset.split: {self.split!r}; valid: train, test, all")
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape (no batch axis)."""
+        return (1, 8, 8)
 
 
 class FakeImages(Dataset):

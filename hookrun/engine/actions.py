@@ -10,6 +10,7 @@ dataclass is what `args:` accepts, and `check()` what it refuses before any work
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hookrun.errors import HookrunError
+from hookrun.memory import check_fits
 from hookrun.registry import Registry
 from hookrun.typed import check_finite, parse_typed
 
@@ -157,7 +159,10 @@ class Capture(Action):
                 f"{key}.args.pool: {key.split('.')[-1]} captures a tensor of per-sample shape "
                 f"{list(shape)}; pooling needs feature maps (C, H, W) or sequences (C, L)"
             )
-        return (shape[0], *([self.args.size] * (len(shape) - 1)))
+        pooled = (shape[0], *([self.args.size] * (len(shape) - 1)))
+        what = f"one pooled row {list(pooled)}"
+        check_fits(f"{key}.args.size", self.args.size, 4 * math.prod(pooled), what)
+        return pooled
 
     @classmethod
     def check(cls, args: CaptureArgs, key: str) -> None:

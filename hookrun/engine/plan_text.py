@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from hookrun.engine.plan import CallShapes, HookPlan
 from hookrun.io.layout import MODEL_OUTPUT, capture_key
 from hookrun.io.storage import allocated_bytes
+from hookrun.memory import format_bytes
 
 __all__ = ["FileShape", "describe_plan", "format_bytes"]
 
@@ -37,15 +38,6 @@ class FileShape:
 # 12 KiB a file and 1 KiB a dataset (in 2 KiB blocks, hence not exactly linear).
 _FILE_METADATA = 12 << 10
 _DATASET_METADATA = 1 << 10
-
-
-def format_bytes(n: float) -> str:
-    """1536 → '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def describe_plan(

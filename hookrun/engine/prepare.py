@@ -44,7 +44,7 @@ from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.scale.provenance import provenance
-from hookrun.spec.build import RunSpec
+from hookrun.spec.build import RunSpec, check_sizes
 
 __all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
 
@@ -152,6 +152,9 @@ def _prepare(
     # The data first: its checks are cheap, the weights may be large.
     if caller.dataset is not None:
         data = wrap_dataset(caller.dataset, spec.limit)
+        # The caller's samples exist already; the batches and extra passes of them must fit.
+        shape = tuple(data[0][0].shape)
+        check_sizes(spec.batch_size, spec.limit, spec.derive, shape, len(data))
     else:
         data = build_dataset(spec.dataset, spec.seed, spec.limit)
     if caller.model is not None:

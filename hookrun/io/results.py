@@ -92,7 +92,7 @@ class Results:
     def to_xarray(self) -> Any:
         """The file as an `xarray.DataTree` (read lazily; close it when done): every
         per-sample dataset on the one `sample` dimension, whose coordinate is the dataset
-        indices, e.g. `tree["derived/grad_cam"].sel(sample=7)`. Needs the optional extra:
+        indices, so a group selects by index (`tree[group].sel(sample=7)`). Needs the extra:
         pip install 'hookrun[xarray]'. A file of hookrun 0.1.0, written before axes had
         names, opens with netCDF's phony names (`phony_dim_k`)."""
         try:

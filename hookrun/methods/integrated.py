@@ -25,6 +25,7 @@ from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
+from hookrun.memory import check_fits
 from hookrun.methods.gradients import check_rows_per_pass, input_gradient, rows_per_pass
 from hookrun.methods.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
@@ -109,6 +110,10 @@ class IntegratedGradients(Method):
             raise HookrunError(
                 f"{key}.steps: {args.steps} is out of range for {args.method}; valid: >= {low}"
             )
+        # Gauss-Legendre's nodes come from numpy's steps x steps eigenproblem (float64);
+        # Riemann sums need two vectors of steps.
+        need = 8 * args.steps**2 if args.method == "gausslegendre" else 16 * args.steps
+        check_fits(f"{key}.steps", args.steps, need, f"the {args.method} quadrature")
         if args.baseline not in BASELINES and not _is_number(args.baseline):
             raise HookrunError(
                 f"{key}.baseline: {args.baseline!r}; valid: {', '.join(BASELINES)}, or a number"

@@ -9,6 +9,7 @@ key, the bad value and the valid choices. Nothing after it reads a DictConfig.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import Action, build_action
 from hookrun.errors import HookrunError
+from hookrun.memory import check_fits
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import check_model
 from hookrun.spec.schema import (
@@ -36,7 +38,7 @@ from hookrun.spec.schema import (
 )
 from hookrun.typed import check_range, freeze, parse_typed
 
-__all__ = ["HookSpec", "RunSpec", "build_spec", "MODEL_KEYS", "release_model_keys"]
+__all__ = ["HookSpec", "RunSpec", "build_spec", "MODEL_KEYS", "release_model_keys", "check_sizes"]
 
 log = logging.getLogger("hookrun")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -169,6 +171,24 @@ def _run_checks(run: RunConfig) -> None:
         raise HookrunError("sink.overwrite: true with resume=true would lose the rows to resume")
 
 
+def check_sizes(
+    batch_size: int, limit: int | None, derive: Any, shape: tuple[int, ...], length: int | None
+) -> None:
+    """Refuse a batch, or a derived method's extra pass, that cannot fit in memory: `shape`
+    is one sample's (float32), `length` the dataset's rows when known. Called with the
+    config alone where the dataset kind says its shape, else with the caller's first sample."""
+    rows = min(n for n in (batch_size, limit, length) if n)
+    sample = 4 * math.prod(shape)
+    check_fits("batch_size", batch_size, rows * sample, f"one batch of {rows} x {list(shape)}")
+    for name, args in derive.items():
+        given = getattr(args, "internal_batch_size", None)
+        if given:  # rows per extra pass; null sizes them to 32 MiB of input values
+            each = getattr(args, "steps", None) or getattr(args, "samples", 1)
+            extra = min(given, rows * each)
+            what = f"one extra pass of {extra} x {list(shape)}"
+            check_fits(f"derive.{name}.internal_batch_size", given, extra * sample, what)
+
+
 _CAM_LAYER = "${model.cam_layer}"
 
 
@@ -266,6 +286,9 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     _run_checks(run)
     hooks = _hooks(run.hooks, run.target)
     derive = _derive(run.derive, run.target)
+    if hasattr(dataset, "sample_shape"):  # a kind whose config gives its samples' shape
+        size = getattr(dataset, "size", None)
+        check_sizes(run.batch_size, run.limit, derive, dataset.sample_shape(), size)
     spec = RunSpec(
         model=model,
         dataset=dataset,
