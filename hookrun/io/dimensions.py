@@ -57,61 +57,79 @@ def _above(group: str) -> list[str]:
     return out
 
 
+def _depth_first(paths: object) -> list[str]:
+    """Paths with every group's datasets before those of the groups below it."""
+    return sorted(paths, key=lambda p: (p.count("/"), p))  # type: ignore[arg-type]
+
+
 def _plan(f: h5py.File, facts: AxisFacts) -> dict[str, tuple[str, ...]]:
     """Every dataset's final names: layout's names, made unique in size along each chain of
     groups (parents are named before their children)."""
     sizes: dict[str, dict[str, int]] = {}  # group → name → size used there
+    members: dict[str, set[str]] = {}  # group → the names of what it holds
     out: dict[str, tuple[str, ...]] = {}
-    paths = [p for p in dataset_names(f) if p != SAMPLE]
-    for path in sorted(paths, key=lambda p: (p.count("/"), p)):
+    for path in _depth_first(p for p in dataset_names(f) if p != SAMPLE):
         ds, group = f[path], _group(path)
-        names = list(axis_names(path, ds, facts))
+        if group not in members:
+            members[group] = set(f[group or "/"].keys())
+        shape, names = ds.shape, list(axis_names(path, ds, facts))
         for axis in range(1 if names[0] in _ROWS else 0, len(names)):
-            names[axis] = _free(f, group, names[axis], ds.shape[axis], sizes)
-            sizes.setdefault(group, {})[names[axis]] = ds.shape[axis]
+            names[axis] = _free(group, names[axis], shape[axis], sizes, members[group])
+            sizes.setdefault(group, {})[names[axis]] = shape[axis]
         out[path] = tuple(names)
     return out
 
 
-def _free(f: h5py.File, group: str, name: str, size: int, sizes: dict) -> str:
+def _free(group: str, name: str, size: int, sizes: dict, members: set[str]) -> str:
     """`name`, or `name_<size>` (then `_` more), so that it means one size here and above,
-    and no other object of `group` has it."""
+    and no other object of `group` (`members`) has it."""
     candidate = name
     while True:
         used = [sizes.get(g, {}).get(candidate) for g in _above(group)]
         clash = any(u is not None and u != size for u in used) or candidate in _ROWS
-        taken = candidate in f.get(group or "/", {}) and candidate not in sizes.get(group, {})
+        taken = candidate in members and candidate not in sizes.get(group, {})
         if not (clash or taken):
             return candidate
         candidate = f"{name}_{size}" if candidate == name else f"{candidate}_"
 
 
-def _scale(f: h5py.File, group: str, name: str, size: int | None, checksum: bool) -> h5py.Dataset:
-    """The empty scale `name` of `group` (size None: unlimited), made if absent."""
-    where = posixpath.join(group, name)
-    if where in f:
-        return f[where]
-    length = 0 if size is None else size
-    ds = f.require_group(group or "/").create_dataset(
-        name,
-        shape=(length,),
-        maxshape=(None,) if size is None or size == 0 else (size,),
-        chunks=(max(length, 1),),
-        dtype="f4",
-        fletcher32=checksum,
-        track_times=False,
-    )
-    ds.make_scale(f"{NOT_A_VARIABLE}{length:10d}")
-    return ds
+class _Scales:
+    """The scales of a file by path, found once and then made as needed."""
 
+    def __init__(self, f: h5py.File, checksum: bool) -> None:
+        self.f, self.checksum = f, checksum
+        self.found: dict[str, h5py.Dataset] = {}
+        f.visititems(self._keep)
 
-def _find(f: h5py.File, group: str, name: str, size: int) -> h5py.Dataset | None:
-    for g in _above(group):
-        where = posixpath.join(g, name)
-        found = f.get(where)
-        if isinstance(found, h5py.Dataset) and found.is_scale and len(found) == size:
-            return found
-    return None
+    def _keep(self, path: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset) and obj.is_scale:
+            self.found[path] = obj
+
+    def row(self, name: str) -> h5py.Dataset:
+        """The root scale of a row axis (unlimited: it grows with the file)."""
+        return self.found.get(name) or self._make("", name, 0, unlimited=True)
+
+    def fixed(self, group: str, name: str, size: int) -> h5py.Dataset:
+        """The scale `name` of `size` seen from `group` (its own or a group's above)."""
+        for g in _above(group):
+            found = self.found.get(posixpath.join(g, name))
+            if found is not None and len(found) == size:
+                return found
+        return self._make(group, name, size, unlimited=False)
+
+    def _make(self, group: str, name: str, size: int, unlimited: bool) -> h5py.Dataset:
+        ds = self.f.require_group(group or "/").create_dataset(
+            name,
+            shape=(size,),
+            maxshape=(None,) if unlimited or not size else (size,),
+            chunks=(max(size, 1),),
+            dtype="f4",
+            fletcher32=self.checksum,
+            track_times=False,
+        )
+        ds.make_scale(f"{NOT_A_VARIABLE}{size:10d}")
+        self.found[posixpath.join(group, name)] = ds
+        return ds
 
 
 def attach(f: h5py.File, names: Names, checksum: bool = True) -> None:
@@ -120,16 +138,15 @@ def attach(f: h5py.File, names: Names, checksum: bool = True) -> None:
     `sample` coordinate. Axes that already have a scale are left as they are."""
     if SAMPLE in f and not f[SAMPLE].is_scale:
         f[SAMPLE].make_scale(SAMPLE)
-    for path in sorted(names, key=lambda p: (p.count("/"), p)):
+    scales = _Scales(f, checksum)
+    for path in _depth_first(names):
         ds, group = f[path], _group(path)
+        shape = ds.shape
         for axis, name in enumerate(names[path]):
             if name is None or len(ds.dims[axis]):
                 continue
-            if name in _ROWS:
-                scale = f[name] if name in f else _scale(f, "", name, None, checksum)
-            else:
-                size = ds.shape[axis]
-                scale = _find(f, group, name, size) or _scale(f, group, name, size, checksum)
+            row = name in _ROWS
+            scale = scales.row(name) if row else scales.fixed(group, name, shape[axis])
             ds.dims[axis].attach_scale(scale)
 
 
