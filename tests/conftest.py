@@ -15,6 +15,7 @@ from PIL import Image
 
 from hookrun.engine.finish import Result
 from hookrun.engine.runner import execute
+from hookrun.io.layout import is_dimension
 from hookrun.spec.build import HookSpec, build_spec
 from hookrun.spec.schema import register_configs
 
@@ -73,12 +74,16 @@ def specs(hooks: dict) -> tuple[HookSpec, ...]:
 
 
 def read(path: Path) -> dict[str, np.ndarray]:
-    """Every dataset of an HDF5 file, by path."""
+    """Every dataset of an HDF5 file that holds data, by path (not the empty datasets that
+    only name a dimension: `dimensions_of` compares those)."""
     out: dict[str, np.ndarray] = {}
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset) and not is_dimension(obj):
+            out[name] = obj[()]
+
     with h5py.File(path, "r") as f:
-        f.visititems(
-            lambda n, o: out.__setitem__(n, o[()]) if isinstance(o, h5py.Dataset) else None
-        )
+        f.visititems(visit)
     return out
 
 
