@@ -78,7 +78,8 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
     n = file.samples
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
     per_sample = sum(math.prod(s) for k, s in floats.items() if folds.get(k) != 0)
-    ints = 3 if file.labelled else 2  # /samples/index, /samples/target, /samples/label
+    # /samples/index, /samples/target, /sample (the `sample` coordinate), /samples/label
+    ints = 4 if file.labelled else 3
     per_sample = per_sample * file.itemsize + ints * 8 + file.path_bytes
     total = 0
     for rows in file.shards or (n,):

@@ -142,10 +142,10 @@ def ig_vs_captum(folder: Path, reps: int, device: str) -> tuple[float, float]:
     return t["hookrun"], t["captum"]
 
 
-def scales_cost(model: torch.nn.Module, batches: list, folder: Path, reps: int) -> tuple:
-    """Seconds of capturing every Conv2d/Linear output of ResNet-18 into a new file, with
-    every axis named (HDF5 dimension scales, made once per file before SWMR starts) and
-    without: (median named, median unnamed, datasets in the file)."""
+def scales_row(model: torch.nn.Module, batches: list, what: str, folder: Path, reps: int) -> tuple:
+    """The table row of capturing every Conv2d/Linear output of ResNet-18 (`batches`,
+    described by `what`) into a new file, with every axis named (HDF5 dimension scales, made
+    once per file before SWMR starts) and without."""
     capture = hooks_of(capture=({"type": ["Conv2d", "Linear"]}, "output", "capture", {}))
     device = torch.device("cpu")
     named = hookrun_loop(model, capture, batches, device, TargetKind.none, folder)
@@ -160,7 +160,15 @@ def scales_cost(model: torch.nn.Module, batches: list, folder: Path, reps: int) 
 
     t = compare({"named": named, "unnamed": unnamed}, reps, device)
     layers = sum(isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)) for m in model.modules())
-    return t["named"], t["unnamed"], layers + 4  # /samples/index, target, model/output, /sample
+    count = layers + 4  # and /samples/index, /samples/target, /model/output, /sample
+    extra = (t["named"] - t["unnamed"]) * 1e3
+    return (
+        f"named dimensions: capture every conv/linear output ({what}) into a new file of "
+        f"{count} datasets, with scales / without",
+        f"{t['named'] / t['unnamed']:.2f}×",
+        "≈ 1×",
+        f"{t['named'] * 1e3:.0f} vs {t['unnamed'] * 1e3:.0f} ms (+{extra:.0f} ms)",
+    )
 
 
 def main() -> None:
@@ -191,16 +199,7 @@ def main() -> None:
 
     small = [(torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.long), torch.arange(8))]
     for what, data in (("the batches above", batches), ("one batch of 8 images of 32 px", small)):
-        named, unnamed, count = scales_cost(model, data, folder, max(args.reps, 15))
-        rows.append(
-            (
-                f"named dimensions: capture every conv/linear output ({what}) into a new file "
-                f"of {count} datasets, with scales / without",
-                f"{named / unnamed:.2f}×",
-                "≈ 1×",
-                f"{named * 1e3:.0f} vs {unnamed * 1e3:.0f} ms (+{(named - unnamed) * 1e3:.0f} ms)",
-            )
-        )
+        rows.append(scales_row(model, data, what, folder, max(args.reps, 15)))
     if args.only_scales:
         print("\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
         return
