@@ -175,6 +175,10 @@ def _axes(shape: tuple[int, ...], image: tuple[int, int] | None, prefix: int | N
     return LAYOUT_AXES[grid.layout.value]
 
 
+# Per-row axes of a capture when the input is token ids (T,): by (rank, first axis is T).
+_SEQUENCE = {(2, True): ("token", "feature"), (3, False): ("head", "query", "key")}
+
+
 def axis_facts(
     captures: Mapping[str, tuple[int, ...]],
     folds: Mapping[str, int],
@@ -197,6 +201,13 @@ def axis_facts(
         row = shape[1:] if folds.get(key, 1) > 1 else shape
         module = modules.get(layer)
         conv = module is not None and bool(row) and channels_first_hint(module, row[0])
-        if folds.get(key) != 0:
-            tensors[key] = given if layer == INPUT_LAYER else _axes(row, image, prefix, conv)
+        if folds.get(key) == 0:
+            continue
+        if layer == INPUT_LAYER:
+            tensors[key] = given
+        elif given == ("token",):  # a language model: (T, D) per token, (heads, T, T)
+            first_is_t = bool(row) and row[0] == sample.shape[0]
+            tensors[key] = _SEQUENCE.get((len(row), first_is_t), ())
+        else:
+            tensors[key] = _axes(row, image, prefix, conv)
     return AxisFacts(given, tensors)

@@ -12,10 +12,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 import xarray
 from any_models import images
 from conftest import dimensions_of, run_config
 from models_for_tests import WindowNet
+from torch import nn
 
 import hookrun
 from hookrun.errors import HookrunError
@@ -205,3 +207,29 @@ def test_a_killed_writers_file_opens_in_xarray(tmp_path):
         assert tree["derived/grad_cam"].layer4.dims == ("sample", "y", "x")
         np.testing.assert_array_equal(tree["/"].sample, [0, 1])
         tree.close()
+
+
+class _Tokens(nn.Module):
+    """Token ids (T,) → an embedding per token (T, D) → a class score from their mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.proj = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(ids)).mean(1)
+
+
+def test_a_sequence_of_token_ids_names_tokens_and_features(tmp_path):
+    ids = [torch.randint(10, (5,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    hooks = ["++hooks.e.select.name=emb", "++hooks.e.at=output", "++hooks.e.action=capture"]
+    overrides = ["target.kind=none", "render=false", "progress=false", *hooks]
+    result = hookrun.run(overrides, model=_Tokens(), dataset=ids, run_dir=tmp_path)
+    _check_tree(
+        result.path,
+        {
+            "captures/emb/output": ("sample", "token", "feature"),
+            "model/output": ("sample", "class"),
+        },
+    ).close()
