@@ -29,7 +29,9 @@ from hookrun.io.layout import (
     per_batch,
     read_state,
     rows_for,
+    write_attrs,
     write_header,
+    write_verdicts,
 )
 from hookrun.io.storage import chunk_shape
 
@@ -49,6 +51,8 @@ class FileOptions:
     # Records not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: Mapping[str, int] = dataclasses.field(default_factory=dict)
     batch_size: int = 1
+    # Attributes of new datasets and groups (path → {name: value}), set as they are created.
+    attrs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 class CapturesFile:
@@ -108,6 +112,7 @@ class CapturesFile:
         if not self.keys:
             for key, array in arrays.items():
                 self._create(key, array)
+            write_attrs(self.file, self.options.attrs)  # SWMR allows no new attributes
             self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
         if set(arrays) != self.keys:
             raise RuntimeError(
@@ -173,6 +178,7 @@ class CapturesFile:
             return
         try:
             if error is None:
+                write_verdicts(self.file, self.rows)  # summaries of every row, then the mark
                 mark_status(self.file, "complete")
             else:
                 status = "interrupted" if interrupted else "failed"

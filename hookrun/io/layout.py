@@ -8,6 +8,8 @@
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
 | /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
+| /evaluate/<metric>/<attribution path>[.auc/.score] | (N, ...) | faithfulness, evaluate/ |
+| /sanity/<method>/<similarity or maps> | (N, steps+1, ...) | sanity check, evaluate/sanity.py |
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
@@ -71,6 +73,20 @@ __all__ = [
     "mark_completed",
     "mark_rows",
     "mark_complete",
+    "EVALUATE",
+    "SANITY",
+    "FRACTIONS",
+    "AUC_SUFFIX",
+    "SCORE_SUFFIX",
+    "VERDICT_SIMILARITY",
+    "evaluate_key",
+    "sanity_key",
+    "sanity_attrs",
+    "group_of",
+    "write_attrs",
+    "copy_group_attrs",
+    "write_verdicts",
+    "read_verdicts",
 ]
 
 SAMPLES_INDEX = "samples/index"
@@ -300,3 +316,77 @@ def mark_complete(f: h5py.File, rows: int) -> None:
     f.attrs["error"] = ""
     mark_completed(f, rows)
     f.attrs["status"] = "complete"
+
+
+# Evaluation (hookrun/evaluate/): /evaluate/<dataset>/<attribution path>, the attribution
+# path being the dataset evaluated (derived/grad_cam/features.18, captures/input/grad_output).
+EVALUATE, SANITY = "evaluate", "sanity"
+FRACTIONS = "fractions"  # curves' attribute: the fraction of pixels perturbed per column
+AUC_SUFFIX, SCORE_SUFFIX = ".auc", ".score"
+# The similarity a sanity verdict is read from (Adebayo et al.: rank correlation of |map|).
+VERDICT_SIMILARITY = "spearman_abs"
+
+
+def evaluate_key(dataset: str, attribution: str, suffix: str = "") -> str:
+    """`/evaluate/<dataset>/<attribution path><suffix>` (suffix: '', AUC_SUFFIX, SCORE_SUFFIX)."""
+    return f"{EVALUATE}/{dataset}/{attribution.strip('/')}{suffix}"
+
+
+def sanity_key(method: str, similarity: str) -> str:
+    """`/sanity/<method>/<similarity>` (N, steps + 1); similarity `maps`: (N, steps + 1, h, w)."""
+    return f"{SANITY}/{method}/{similarity}"
+
+
+def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
+    """The /sanity group's attributes: the randomised modules in order, and the threshold."""
+    return {SANITY: {"layers": np.array(layers, dtype=h5py.string_dtype()), "threshold": threshold}}
+
+
+def group_of(f: h5py.File, name: str) -> dict[str, dict[str, h5py.Dataset]]:
+    """`/evaluate` or `/sanity`: each subgroup → its datasets by name, at any depth."""
+    out: dict[str, dict[str, h5py.Dataset]] = {}
+    for sub, g in f.get(name, {}).items():
+        found: dict[str, h5py.Dataset] = {}
+        g.visititems(
+            lambda n, o, d=found: d.__setitem__(n, o) if isinstance(o, h5py.Dataset) else 0
+        )
+        out[sub] = found
+    return out
+
+
+def write_attrs(f: h5py.File, attrs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Attributes onto the datasets or groups of `f` that `attrs` names (path → {name:
+    value}; absent paths skipped), before SWMR starts."""
+    for path, values in attrs.items():
+        for name, value in values.items() if path in f else ():
+            f[path].attrs[name] = value
+
+
+def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
+    """Every group's attributes of `src` onto the same group of `dst` (a resumed copy, the
+    torchrun join)."""
+    src.visititems(
+        lambda n, o: copy_attrs(o, dst[n]) if isinstance(o, h5py.Group) and n in dst else None
+    )
+
+
+def write_verdicts(f: h5py.File, rows: int) -> None:
+    """Each sanity-checked method's verdict from its stored rows, before the file is marked
+    complete (by the writer, and by the torchrun join over all shards): `score` = the mean
+    over the randomisation steps of the median over samples of VERDICT_SIMILARITY, `passed`
+    = score < the /sanity group's `threshold`, over the first `rows` rows."""
+    for method, datasets in group_of(f, SANITY).items():
+        if VERDICT_SIMILARITY in datasets and rows:
+            values = datasets[VERDICT_SIMILARITY][:rows].astype(np.float64)
+            score = float(np.mean(np.median(values[:, 1:], axis=0)))
+            passed = score < float(f[SANITY].attrs["threshold"])
+            f[SANITY][method].attrs.update({"score": score, "passed": passed})
+
+
+def read_verdicts(f: h5py.File) -> dict[str, tuple[bool, float] | None]:
+    """method → (passed, score), or None where a method's group has no verdict."""
+    groups = {m: f[SANITY][m].attrs for m in group_of(f, SANITY)}
+    return {
+        m: (bool(a["passed"]), float(a["score"])) if "passed" in a and "score" in a else None
+        for m, a in groups.items()
+    }

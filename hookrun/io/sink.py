@@ -47,6 +47,8 @@ class SinkOptions:
     # Records not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: Mapping[str, int] = field(default_factory=dict)
     batch_size: int = 1
+    # Attributes of new datasets and groups (path → {name: value}): evaluation's fractions.
+    attrs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def file_options(self) -> FileOptions:
@@ -57,6 +59,7 @@ class SinkOptions:
             self.checksum,
             dict(self.folds),
             self.batch_size,
+            dict(self.attrs),
         )
 
 

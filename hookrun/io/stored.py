@@ -18,6 +18,7 @@ from hookrun.io.layout import (
     FileState,
     Provenance,
     copy_attrs,
+    copy_group_attrs,
     dataset_names,
     mark_complete,
     open_readonly,
@@ -25,6 +26,7 @@ from hookrun.io.layout import (
     rows_for,
     rows_note,
     write_header,
+    write_verdicts,
 )
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
@@ -96,6 +98,7 @@ def rewrite_rows(path: Path) -> None:
             step = max(1, ds.chunks[0])
             for start in range(0, rows, step):
                 out[start : start + step] = ds[start : min(rows, start + step)]
+        copy_group_attrs(src, dst)
     fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
@@ -133,6 +136,8 @@ def join_shards(
                 if offset != total:
                     raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
+            copy_group_attrs(opened[0], out)
+            write_verdicts(out, samples)  # over every shard's rows
             mark_complete(out, samples)
     finally:
         for f in opened:

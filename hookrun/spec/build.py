@@ -19,8 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import Action, build_action
 from hookrun.errors import HookrunError
+from hookrun.evaluate.config import SanityConfig, parse_evaluate, parse_sanity
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import check_model
+from hookrun.spec.experiments import attribution_experiments, method_nodes
 from hookrun.spec.schema import (
     DeviceConfig,
     HookConfig,
@@ -34,7 +36,7 @@ from hookrun.spec.schema import (
 )
 from hookrun.typed import check_range, freeze, parse_typed
 
-__all__ = ["HookSpec", "RunSpec", "build_spec"]
+__all__ = ["HookSpec", "SanityMethod", "SanitySpec", "RunSpec", "build_spec"]
 
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _LOGGERS = (None, "tensorboard")
@@ -61,6 +63,28 @@ class HookSpec:
                 "only grad_input and grad_output hooks belong to a backward pass"
             )
         return cls(name, cfg.select, cfg.at, action, cfg.backward)
+
+
+@dataclass(frozen=True)
+class SanityMethod:
+    """One method of the sanity check: its experiment's hooks and derived results."""
+
+    name: str  # the experiment (conf/experiment/<name>.yaml)
+    hooks: tuple[HookSpec, ...]
+    derive: Any  # method name → parsed Args, read-only, in file order
+
+    @property
+    def derived(self) -> str | None:
+        """The derived method whose result is the map; None: the input gradient is."""
+        return list(self.derive)[-1] if self.derive else None
+
+
+@dataclass(frozen=True)
+class SanitySpec:
+    """`sanity:` parsed: its keys and each checked method's hooks and derived results."""
+
+    config: SanityConfig
+    methods: tuple[SanityMethod, ...]
 
 
 @dataclass(frozen=True)
@@ -91,6 +115,8 @@ class RunSpec:
     experiment: str | None
     # The resolved config as YAML: the file's `config` attribute, compared on resume.
     config_yaml: str
+    evaluate: Any = None  # EvaluateSpec (hookrun/evaluate/config.py), or None
+    sanity: SanitySpec | None = None
 
     @property
     def needs_backward(self) -> bool:
@@ -114,10 +140,10 @@ def _hooks(raw: dict[str, Any], target: TargetConfig) -> tuple[HookSpec, ...]:
     return tuple(hooks)
 
 
-def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
+def _derive(raw: dict[str, Any], target: TargetConfig, prefix: str = "derive") -> dict[str, Any]:
     out = {}
     for name, node in (raw or {}).items():
-        key = f"derive.{name}"
+        key = f"{prefix}.{name}"
         method = METHODS.get(name, key)
         args = parse_typed(node, method.Args, key)
         if hasattr(args, "layer") and not args.layer:
@@ -138,6 +164,44 @@ def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
             )
         out[name] = args
     return out
+
+
+def _sanity(raw: Any, cfg: DictConfig, target: TargetConfig) -> SanitySpec | None:
+    """Each checked method's hooks and derived results, from its experiment file with
+    `sanity.derive.<method>` over its arguments."""
+    config = parse_sanity(raw, attribution_experiments())
+    if config is None:
+        return None
+    overrides, used, methods = dict(config.derive), set(), []
+    for name in config.methods:
+        hooks_raw, derive_raw = method_nodes(name, cfg)
+        for method in derive_raw:
+            if method in overrides:
+                derive_raw[method] = {**(derive_raw[method] or {}), **(overrides[method] or {})}
+                used.add(method)
+        hooks = _hooks(hooks_raw, target)
+        for hook in hooks:
+            freeze(hook.select)
+        derive = _derive(derive_raw, target, prefix="sanity.derive")
+        methods.append(SanityMethod(name, hooks, freeze(derive)))
+    for method in overrides:
+        if method not in used:
+            raise HookrunError(
+                f"sanity.derive.{method}: no method in sanity.methods derives {method!r}; "
+                f"valid: {', '.join(sorted({m for s in methods for m in s.derive})) or 'none'}"
+            )
+    return SanitySpec(config, tuple(methods))
+
+
+def _check_class(target: TargetConfig, evaluate: Any, sanity: SanitySpec | None) -> None:
+    """Evaluation scores the target class's probability and the sanity check explains one
+    class: both need a class per sample."""
+    users = [k for k, v in (("evaluate", evaluate), ("sanity", sanity)) if v]
+    if users and target.kind in (TargetKind.sum, TargetKind.none):
+        raise HookrunError(
+            f"target.kind: {target.kind.value!r} has no class for {users[0]} (it scores the "
+            "target class); valid: predicted, label, index"
+        )
 
 
 def _dataset(raw: Any) -> Any:
@@ -229,6 +293,9 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     _run_checks(run)
     hooks = _hooks(run.hooks, run.target)
     derive = _derive(run.derive, run.target)
+    evaluate = parse_evaluate(run.evaluate)
+    sanity = _sanity(run.sanity, cfg, run.target)
+    _check_class(run.target, evaluate, sanity)
     spec = RunSpec(
         model=model,
         dataset=dataset,
@@ -252,10 +319,18 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
         logger=run.logger,
         experiment=experiment,
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        evaluate=evaluate,
+        sanity=sanity,
     )
     for value in (model, dataset, run.target, run.sink, run.device):
         freeze(value)
     for hook in hooks:
         freeze(hook.select)
     object.__setattr__(spec, "derive", freeze(derive))
+    if evaluate is not None:
+        freeze(evaluate.config)
+        for _, args in evaluate.metrics:
+            freeze(args)
+    if sanity is not None:
+        freeze(sanity.config)
     return spec
