@@ -220,8 +220,8 @@ def _prepare(
         **(sanity.stored() if sanity else {}),
     }
     derived.update({k: v.shape for k, v in evaluated.items()})
-    attrs = {k: dict(v.attrs) for k, v in evaluated.items() if v.attrs}
-    attrs.update(sanity.attrs() if sanity else {})
+    new_attrs = {k: dict(v.attrs) for k, v in evaluated.items() if v.attrs}
+    new_attrs |= sanity.attrs() if sanity else {}
     shards = tuple(
         len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
         for rank in range(world.size)
@@ -260,5 +260,5 @@ def _prepare(
         folds=plan.folds(shapes),
         evaluation=evaluation,
         sanity=sanity,
-        attrs=attrs,
+        attrs=new_attrs,
     )

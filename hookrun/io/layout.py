@@ -83,6 +83,8 @@ __all__ = [
     "sanity_key",
     "sanity_attrs",
     "group_of",
+    "read_sanity",
+    "read_fractions",
     "write_attrs",
     "copy_group_attrs",
     "write_verdicts",
@@ -318,8 +320,7 @@ def mark_complete(f: h5py.File, rows: int) -> None:
     f.attrs["status"] = "complete"
 
 
-# Evaluation (hookrun/evaluate/): /evaluate/<dataset>/<attribution path>, the attribution
-# path being the dataset evaluated (derived/grad_cam/features.18, captures/input/grad_output).
+# /evaluate/<dataset>/<attribution path>, e.g. the path derived/grad_cam/features.18.
 EVALUATE, SANITY = "evaluate", "sanity"
 FRACTIONS = "fractions"  # curves' attribute: the fraction of pixels perturbed per column
 AUC_SUFFIX, SCORE_SUFFIX = ".auc", ".score"
@@ -342,44 +343,51 @@ def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any
     return {SANITY: {"layers": np.array(layers, dtype=h5py.string_dtype()), "threshold": threshold}}
 
 
+def read_sanity(f: h5py.File) -> tuple[list[str], float]:
+    """The /sanity group's randomised layers (in order) and its threshold."""
+    attrs = f[SANITY].attrs
+    return [str(x) for x in attrs.get("layers", [])], float(attrs.get("threshold", np.nan))
+
+
+def read_fractions(ds: h5py.Dataset) -> np.ndarray:
+    """The fraction of pixels perturbed at each column of an evaluation curve."""
+    return np.asarray(ds.attrs[FRACTIONS])
+
+
 def group_of(f: h5py.File, name: str) -> dict[str, dict[str, h5py.Dataset]]:
     """`/evaluate` or `/sanity`: each subgroup → its datasets by name, at any depth."""
-    out: dict[str, dict[str, h5py.Dataset]] = {}
+    out = {}
     for sub, g in f.get(name, {}).items():
         found: dict[str, h5py.Dataset] = {}
         g.visititems(
-            lambda n, o, d=found: d.__setitem__(n, o) if isinstance(o, h5py.Dataset) else 0
+            lambda n, o, d=found: d.__setitem__(n, o) if isinstance(o, h5py.Dataset) else None
         )
         out[sub] = found
     return out
 
 
 def write_attrs(f: h5py.File, attrs: Mapping[str, Mapping[str, Any]]) -> None:
-    """Attributes onto the datasets or groups of `f` that `attrs` names (path → {name:
-    value}; absent paths skipped), before SWMR starts."""
+    """Attributes (path → {name: value}) onto `f`'s datasets and groups, before SWMR."""
     for path, values in attrs.items():
         for name, value in values.items() if path in f else ():
             f[path].attrs[name] = value
 
 
 def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
-    """Every group's attributes of `src` onto the same group of `dst` (a resumed copy, the
-    torchrun join)."""
+    """Every group's attributes of `src` onto `dst` (a resumed copy, the torchrun join)."""
     src.visititems(
         lambda n, o: copy_attrs(o, dst[n]) if isinstance(o, h5py.Group) and n in dst else None
     )
 
 
 def write_verdicts(f: h5py.File, rows: int) -> None:
-    """Each sanity-checked method's verdict from its stored rows, before the file is marked
-    complete (by the writer, and by the torchrun join over all shards): `score` = the mean
-    over the randomisation steps of the median over samples of VERDICT_SIMILARITY, `passed`
-    = score < the /sanity group's `threshold`, over the first `rows` rows."""
+    """Each sanity verdict from the first `rows` rows, before a file is marked complete:
+    `score` = mean over steps of the median VERDICT_SIMILARITY; `passed` = score < threshold."""
     for method, datasets in group_of(f, SANITY).items():
         if VERDICT_SIMILARITY in datasets and rows:
             values = datasets[VERDICT_SIMILARITY][:rows].astype(np.float64)
             score = float(np.mean(np.median(values[:, 1:], axis=0)))
-            passed = score < float(f[SANITY].attrs["threshold"])
+            passed = score < read_sanity(f)[1]
             f[SANITY][method].attrs.update({"score": score, "passed": passed})
 
 
@@ -387,6 +395,6 @@ def read_verdicts(f: h5py.File) -> dict[str, tuple[bool, float] | None]:
     """method → (passed, score), or None where a method's group has no verdict."""
     groups = {m: f[SANITY][m].attrs for m in group_of(f, SANITY)}
     return {
-        m: (bool(a["passed"]), float(a["score"])) if "passed" in a and "score" in a else None
+        m: (bool(a["passed"]), float(a["score"])) if "score" in a else None
         for m, a in groups.items()
     }

@@ -140,6 +140,7 @@ def summary(
         for name, ds in _gaps_of(res.file).items():
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
         lines += _vanished(res.file, min(rows, show))
+        lines += _evaluated(res.file, rows)
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
     note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
@@ -164,6 +165,31 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
         and ds.dtype.kind == "f"
         and not np.any(ds[:rows])
     ]
+
+
+def _evaluated(f: h5py.File, rows: int) -> list[str]:
+    """One line per evaluated attribution (the means over samples of its per-sample
+    numbers: AUCs, ROAD score) and one per sanity-checked method (its verdict)."""
+    means: dict[str, list[str]] = {}
+    for metric, datasets in layout.group_of(f, layout.EVALUATE).items():
+        for name, ds in datasets.items():
+            if ds.ndim == 1 and rows:
+                for suffix in (layout.AUC_SUFFIX, layout.SCORE_SUFFIX):
+                    if name.endswith(suffix):
+                        value = float(np.mean(ds[:rows].astype(np.float64)))
+                        what = f"{metric}{' AUC' if suffix == layout.AUC_SUFFIX else ''}"
+                        means.setdefault(name.removesuffix(suffix), []).append(
+                            f"{what} {value:.3f}"
+                        )
+    lines = [f"evaluate {a}: {', '.join(v)} (mean of {rows})" for a, v in means.items()]
+    for method, verdict in layout.read_verdicts(f).items():
+        if verdict is not None:
+            word, sign = ("PASSES", "<") if verdict[0] else ("FAILS", ">=")
+            lines.append(
+                f"sanity {method}: {word} (mean median spearman_abs {verdict[1]:.2f} {sign} "
+                f"{layout.read_sanity(f)[1]:.2f})"
+            )
+    return lines
 
 
 def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
