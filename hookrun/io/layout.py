@@ -8,8 +8,7 @@
 | /model/output | (N, ...) | the model's output |
 | /derived/<method>/<layer> | (N, ...) | raw derived results |
 | /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
-| /evaluate/<metric>/<attribution path>[.auc/.score] | (N, ...) | faithfulness, evaluate/ |
-| /sanity/<method>/<similarity or maps> | (N, steps+1, ...) | sanity check, evaluate/sanity.py |
+| /evaluate/<metric>/<attribution>, /sanity/<method>/<similarity> | (N, ...) | evaluate/ |
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
@@ -380,13 +379,14 @@ def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
     )
 
 
-def write_verdicts(f: h5py.File, rows: int) -> None:
-    """Each sanity verdict from the first `rows` rows, before a file is marked complete:
-    `score` = mean over steps of the median VERDICT_SIMILARITY; `passed` = score < threshold."""
+def write_verdicts(f: h5py.File, rows: int, shards: list[h5py.File] | None = None) -> None:
+    """Each sanity verdict from the first `rows` rows (or the `shards` a join reads), before a
+    file is complete: score = mean over steps of the median VERDICT_SIMILARITY < threshold."""
     for method, datasets in group_of(f, SANITY).items():
         if VERDICT_SIMILARITY in datasets and rows:
-            values = datasets[VERDICT_SIMILARITY][:rows].astype(np.float64)
-            score = float(np.mean(np.median(values[:, 1:], axis=0)))
+            ds = datasets[VERDICT_SIMILARITY]
+            parts = [s[ds.name][()] for s in shards or []] or [ds[:rows]]
+            score = float(np.mean(np.median(np.concatenate(parts)[:, 1:], axis=0)))
             passed = score < read_sanity(f)[1]
             f[SANITY][method].attrs.update({"score": score, "passed": passed})
 

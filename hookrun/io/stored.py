@@ -137,7 +137,7 @@ def join_shards(
                     raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
             copy_group_attrs(opened[0], out)
-            write_verdicts(out, samples)  # over every shard's rows
+            write_verdicts(out, samples, opened)  # over every shard's rows
             mark_complete(out, samples)
     finally:
         for f in opened:
