@@ -199,3 +199,18 @@ def killed_after(args: list[str], cwd: Path, run_dir: Path, rows: int) -> int:
     proc.wait()
     assert seen >= rows
     return seen
+
+
+def torchrun(
+    overrides: list[str], cwd: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end."""
+    args = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *overrides]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )

@@ -91,13 +91,7 @@ METRICS: Registry[Metric] = Registry("a metric")
 
 def register_metric(name: str):
     """Class decorator: register a Metric under its `evaluate.metrics` name."""
-
-    def add(cls: type[Metric]) -> type[Metric]:
-        cls.name = name
-        METRICS.register(name)(cls())
-        return cls
-
-    return add
+    return METRICS.register_class(name)
 
 
 def _chunks(total: int, size: int) -> Iterator[slice]:

@@ -5,14 +5,12 @@ the same bytes, torchrun shards joined with the verdicts over every row, hookrun
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, hookrun_cli, killed_after, read, run_config
+from conftest import compose_config, hookrun_cli, killed_after, read, run_config, torchrun
 
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
@@ -171,14 +169,7 @@ def test_torchrun_shards_join_with_verdicts_over_every_row(tmp_path):
         single = run_config(tmp_path / "single", args).path
     finally:
         torch.set_num_threads(threads)
-    cmd = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *args]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *cmd],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = torchrun(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
     with h5py.File(merged) as f:
