@@ -394,7 +394,7 @@ def write_verdicts(f: h5py.File, rows: int, shards: list[h5py.File] | None = Non
 def read_verdicts(f: h5py.File) -> dict[str, tuple[bool, float] | None]:
     """method → (passed, score), or None where a method's group has no verdict."""
     groups = {m: f[SANITY][m].attrs for m in group_of(f, SANITY)}
+    done = {m for m, a in groups.items() if {"passed", "score"} <= set(a)}
     return {
-        m: (bool(a["passed"]), float(a["score"])) if "score" in a else None
-        for m, a in groups.items()
+        m: (bool(a["passed"]), float(a["score"])) if m in done else None for m, a in groups.items()
     }

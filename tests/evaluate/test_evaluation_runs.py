@@ -159,6 +159,10 @@ def test_kill_9_then_resume_gives_the_same_bytes_and_verdicts(tmp_path):
     assert attributes(run_dir / "captures.h5") == attributes(reference)
     assert attributes(reference)["sanity/saliency"].keys() == {"passed", "score"}
     assert verify(run_dir / "captures.h5")[0]
+    with h5py.File(reference, "r+") as f:  # a complete file without its verdict is damaged
+        del f["sanity/saliency"].attrs["passed"]
+    ok, lines = verify(reference)
+    assert not ok and "  damaged: /sanity/saliency: no verdict (attributes passed, score)" in lines
 
 
 def test_torchrun_shards_join_with_verdicts_over_every_row(tmp_path):
