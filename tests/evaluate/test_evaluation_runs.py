@@ -68,8 +68,8 @@ EVALUATE = [
         ("++sanity.threshold=2", "sanity.threshold: 2.0; valid: a number in [-1, 1]"),
         ("++sanity.layers=3", "sanity.layers: 3; valid: auto, or a list of module names"),
         (
-            "++sanity.derive.layer_cam.layer=layer4",
-            "sanity.derive.layer_cam: no method in sanity.methods derives 'layer_cam'",
+            "++sanity.derive.smothgrad.samples=3",
+            "sanity.derive.smothgrad: 'smothgrad' is not a method; valid: grad_cam",
         ),
         ("target.kind=sum", "target.kind: 'sum' has no class for evaluate"),
     ],
