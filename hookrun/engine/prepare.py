@@ -239,6 +239,8 @@ def _prepare(
     plan_text = describe_plan(plan, shapes, kind, file)
     if evaluated:
         plan_text += "\n" + describe_results({k: v.shape for k, v in evaluated.items()}, itemsize)
+    if sanity is not None:
+        plan_text += f"\nSanity check ({sanity.config.mode}) randomises: {', '.join(sanity.layers)}"
     return Prepared(
         spec=spec,
         run_dir=run_dir,

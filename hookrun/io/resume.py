@@ -51,6 +51,7 @@ RESUME_IGNORES = (
     "sink.path",
     "sink.checksum",  # a resumed file keeps the filters its datasets were created with
     "model.preset",  # only guards a preset's name; files from before it have no such key
+    "evaluate.rank_by",  # what a sweep ranks by, read after the run
 )
 
 

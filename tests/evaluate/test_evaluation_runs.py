@@ -130,6 +130,7 @@ def test_the_dry_run_lists_and_counts_the_new_datasets(tmp_path):
     dry = run_config(tmp_path / "dry", [*args, "dry_run=true"])
     assert "/evaluate/road/derived/grad_cam/layer3.score" in dry.plan_text
     assert re.search(r"\[3, 32, 32\] .* /sanity/saliency/maps", dry.plan_text)
+    assert "Sanity check (cascading) randomises: fc, layer4" in dry.plan_text
     number, unit = re.search(r"estimated file size ([\d.]+) (\w+)", dry.plan_text).groups()
     path = run_config(tmp_path / "real", args).path
     assert abs(float(number) * UNITS[unit] - path.stat().st_size) <= 0.05 * path.stat().st_size
