@@ -129,9 +129,13 @@ def _heat_map(target: Path, rows: list[dict[str, Any]], rank_by: str, order: str
     image = ax.imshow(grid, cmap="viridis" if order == "higher" else "viridis_r", aspect="auto")
     ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
     ax.set_yticks(range(len(layers)), layers)
+    low, span = np.nanmin(grid), (np.nanmax(grid) - np.nanmin(grid)) or 1.0
     for (i, j), value in np.ndenumerate(grid):
         if np.isfinite(value):
-            ax.text(j, i, f"{value:.3f}", ha="center", va="center", color="w", fontsize=8)
+            place = (value - low) / span  # where on viridis: dark text on its light end
+            light = place > 0.6 if order == "higher" else place < 0.4
+            colour = "k" if light else "w"
+            ax.text(j, i, f"{value:.3f}", ha="center", va="center", color=colour, fontsize=8)
     fig.colorbar(image, ax=ax, label=f"{rank_by} ({order} is better)")
     ax.set_title(f"sweep ranking: {rank_by}")
     fig.tight_layout()
