@@ -8,7 +8,6 @@ replaces the config's; the model leaves the run exactly as it came in.
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -27,18 +26,10 @@ from hookrun.engine.prepare import CallerObjects
 from hookrun.engine.runner import execute
 from hookrun.errors import HookrunError
 from hookrun.spec.build import RunSpec, build_spec, release_model_keys
-from hookrun.spec.schema import ModelConfig, register_configs
+from hookrun.spec.schema import ModelConfig, conf_dir, register_configs
 from hookrun.typed import freeze
 
 __all__ = ["conf_dir", "compose", "run"]
-
-
-def conf_dir() -> Path:
-    """The config tree: conf/ inside the installed package, else the checkout's conf/."""
-    packaged = Path(str(importlib.resources.files("hookrun"))) / "conf"
-    if (packaged / "config.yaml").is_file():
-        return packaged
-    return Path(__file__).resolve().parents[1] / "conf"
 
 
 def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, Path]:

@@ -37,6 +37,17 @@ class Registry(Generic[T]):
 
         return add
 
+    def register_class(self, name: str) -> Callable[[type], type]:
+        """Class decorator: register an instance of the class under `name`, which the class
+        keeps as its `name` (derived methods, metrics)."""
+
+        def add(cls: type) -> type:
+            cls.name = name  # type: ignore[attr-defined]
+            self.register(name)(cls())
+            return cls
+
+        return add
+
     def get(self, name: object, key: str) -> T:
         """The entry called `name`; HookrunError naming `key`, the value and the choices."""
         if not isinstance(name, str) or name not in self._entries:

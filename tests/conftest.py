@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -15,11 +18,12 @@ from PIL import Image
 
 from hookrun.engine.finish import Result
 from hookrun.engine.runner import execute
-from hookrun.io.layout import is_dimension
+from hookrun.io.layout import is_dimension, open_readonly
 from hookrun.spec.build import HookSpec, build_spec
 from hookrun.spec.schema import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+TESTS = Path(__file__).resolve().parent
 register_configs()
 
 # The seed MLP on its one input [1, 1, 1] (tests/seeds/README.md).
@@ -168,3 +172,63 @@ def folder_resnet(root: Path, pixels: int, batch_size: int) -> list[str]:
         "progress=false",
         *hook("c", "layer1", "output", "capture"),
     ]
+
+
+def spawn(args: list[str], cwd: Path, limit_bytes: int | None = None) -> subprocess.Popen:
+    """`python -m hookrun ARGS` as a user starts it; with `limit_bytes`, under `ulimit -f`
+    with SIGXFSZ ignored, so a write past the limit fails with EFBIG instead of killing."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limit if limit_bytes else None,
+    )
+
+
+def wait_rows(proc: subprocess.Popen, path: Path, rows: int, timeout: float = 120) -> int:
+    """Poll the running file until `completed` reaches `rows`; the rows seen."""
+    completed, deadline = 0, time.monotonic() + timeout
+    while completed < rows and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+        try:
+            with open_readonly(path) as f:
+                completed = int(f.attrs["completed"])
+        except (OSError, KeyError):
+            pass  # not created yet, or not yet in SWMR mode
+    return completed
+
+
+def killed_after(args: list[str], cwd: Path, run_dir: Path, rows: int) -> int:
+    """`python -m hookrun ARGS` into `run_dir`, SIGKILLed once its file holds `rows` rows;
+    the rows seen before the kill."""
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], cwd)
+    seen = wait_rows(proc, run_dir / "captures.h5", rows)
+    proc.kill()
+    proc.wait()
+    assert seen >= rows
+    return seen
+
+
+def torchrun(
+    overrides: list[str], cwd: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end."""
+    args = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *overrides]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted((ROOT / "hookrun").rglob("*.py"))
 # A captures.h5 path or a root attribute, spelled out.
 LAYOUT = re.compile(
-    r"""f?["'](captures|samples|derived)/|\.attrs\[|\.attrs\.get\(|attrs\.update\("""
+    r"""f?["'](captures|samples|derived|evaluate|sanity)/|\.attrs\[|\.attrs\.get\(|attrs\.update\("""
 )
 
 

@@ -117,26 +117,46 @@ def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:
     )
 
 
+def _with_layer(hooks: tuple, derive: Any, layer: str) -> tuple[tuple, Any]:
+    """`hooks` and `derive` with every `auto` CAM layer replaced by `layer`."""
+    hooks = tuple(
+        dataclasses.replace(h, select=freeze(dataclasses.replace(h.select, name=layer)))
+        if h.select.name == AUTO
+        else h
+        for h in hooks
+    )
+    derive = {
+        name: freeze(dataclasses.replace(args, layer=layer))
+        if getattr(args, "layer", None) == AUTO
+        else args
+        for name, args in derive.items()
+    }
+    return hooks, freeze(derive)
+
+
+def _says_auto(hooks: tuple, derive: Any) -> bool:
+    return any(h.select.name == AUTO for h in hooks) or any(
+        getattr(a, "layer", None) == AUTO for a in derive.values()
+    )
+
+
 def resolve_cam_layer(spec: RunSpec, model: nn.Module, sample: torch.Tensor) -> RunSpec:
-    """`spec` with every `auto` CAM layer (hook selectors, derive layers) replaced by the
-    picked module; the same spec when nothing says auto."""
-    hooks_auto = [h for h in spec.hooks if h.select.name == AUTO]
-    derive_auto = [n for n, a in spec.derive.items() if getattr(a, "layer", None) == AUTO]
-    if not (hooks_auto or derive_auto):
+    """`spec` with every `auto` CAM layer (hook selectors, derive layers, and those of the
+    sanity check's methods) replaced by the picked module; the same spec when nothing says
+    auto."""
+    methods = spec.sanity.methods if spec.sanity else ()
+    if not any(_says_auto(x.hooks, x.derive) for x in (spec, *methods)):
         return spec
     layer = pick_cam_layer(model, sample)
     log.info("model.cam_layer=auto: the probe picked %r (set model.cam_layer to choose)", layer)
-    hooks = tuple(
-        dataclasses.replace(h, select=freeze(dataclasses.replace(h.select, name=layer)))
-        if h in hooks_auto
-        else h
-        for h in spec.hooks
-    )
-    derive = {
-        name: freeze(dataclasses.replace(args, layer=layer)) if name in derive_auto else args
-        for name, args in spec.derive.items()
-    }
+    hooks, derive = _with_layer(spec.hooks, spec.derive, layer)
     model_cfg = freeze(dataclasses.replace(spec.model, cam_layer=layer))
     new = dataclasses.replace(spec, hooks=hooks, model=model_cfg)
-    object.__setattr__(new, "derive", freeze(derive))
+    object.__setattr__(new, "derive", derive)
+    if spec.sanity:
+        resolved = []
+        for method in methods:
+            method_hooks, method_derive = _with_layer(method.hooks, method.derive, layer)
+            resolved.append(dataclasses.replace(method, hooks=method_hooks, derive=method_derive))
+        object.__setattr__(new, "sanity", dataclasses.replace(spec.sanity, methods=tuple(resolved)))
     return new

@@ -28,12 +28,16 @@ from hookrun.data.loader import (
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
-from hookrun.engine.plan_text import FileShape, describe_plan
+from hookrun.engine.plan_text import FileShape, describe_plan, describe_results
 from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
 from hookrun.errors import HookrunError
-from hookrun.io.layout import SAMPLES_PATH, AxisFacts, Provenance
+from hookrun.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
+from hookrun.evaluate.registry import Stored
+from hookrun.evaluate.sanity import SanityCheck, prepare_sanity
+from hookrun.io.dimensions import AxisFacts
+from hookrun.io.layout import SAMPLES_PATH, Provenance
 from hookrun.io.lock import WriterLock
 from hookrun.io.resume import check_paths, check_sources, resume_point
 from hookrun.io.sink import check_sink_path
@@ -85,6 +89,10 @@ class Prepared:
     # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: dict[str, int] = field(default_factory=dict)
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
+    evaluation: Evaluation | None = None  # evaluate: metrics × attributions, per batch
+    sanity: SanityCheck | None = None  # the sanity check, per batch
+    # Attributes of the datasets and groups the run creates (evaluation's), by path.
+    attrs: dict[str, dict] = field(default_factory=dict)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -209,6 +217,17 @@ def _prepare(
         check_paths(sink_path, files.by_index)
     path_bytes = files.width if files is not None else 0
     derived = {k: v for d in derivations for k, v in d.stored_shapes(tuple(sample.shape)).items()}
+    store_dtype = STORE_DTYPES[spec.sink.dtype.value]
+    made = attribution_shapes(derived, plan.capture_shapes(shapes))
+    evaluation = plan_evaluation(spec.evaluate, made, tuple(sample.shape), store_dtype)
+    sanity = prepare_sanity(spec.sanity, model, sample, spec.seed, store_dtype)
+    evaluated: dict[str, Stored] = {
+        **(evaluation.stored() if evaluation else {}),
+        **(sanity.stored() if sanity else {}),
+    }
+    derived.update({k: v.shape for k, v in evaluated.items()})
+    new_attrs = {k: dict(v.attrs) for k, v in evaluated.items() if v.attrs}
+    new_attrs |= sanity.attrs() if sanity else {}
     shards = tuple(
         len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
         for rank in range(world.size)
@@ -224,6 +243,10 @@ def _prepare(
         shards if world.parallel else (),
     )
     plan_text = describe_plan(plan, shapes, kind, file)
+    if evaluated:
+        plan_text += "\n" + describe_results({k: v.shape for k, v in evaluated.items()}, itemsize)
+    if sanity is not None:
+        plan_text += f"\nSanity check ({sanity.config.mode}) randomises: {', '.join(sanity.layers)}"
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -244,4 +267,7 @@ def _prepare(
         lock=lock,
         folds=plan.folds(shapes),
         axes=axis_facts(plan.capture_shapes(shapes), plan.folds(shapes), model, sample),
+        evaluation=evaluation,
+        sanity=sanity,
+        attrs=new_attrs,
     )

@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["STAGES", "StageTimer"]
 
-STAGES = ("data", "forward", "backward", "copy", "derive", "queue wait", "write")
+STAGES = ("data", "forward", "backward", "copy", "derive", "evaluate", "queue wait", "write")
 
 
 class StageTimer:

@@ -4,6 +4,7 @@ end here). Under torchrun every rank runs its share of the batches and rank 0 jo
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 from hookrun.engine.device import devices_kept, resolve_device
@@ -11,6 +12,7 @@ from hookrun.engine.finish import Result, dry_result, finish
 from hookrun.engine.interrupt import signals_caught, stop_if_signalled
 from hookrun.engine.prepare import CallerObjects, prepare
 from hookrun.engine.stream import stream
+from hookrun.evaluate.randomize import weights_kept
 from hookrun.scale import distributed
 from hookrun.scale.distributed import world_from_env
 from hookrun.scale.provenance import reproducible
@@ -30,9 +32,12 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
     try:
         if world.parallel:
             run_dir = distributed.start(world, device, run_dir)
+        # The sanity check randomises weights: a caller's model gets its own back, bit for bit.
+        randomised = caller.model is not None and spec.sanity is not None
         with (
             reproducible(spec.seed, spec.deterministic),
             devices_kept(caller.model),
+            weights_kept(caller.model) if randomised else nullcontext(),
             signals_caught(),
         ):
             run = prepare(spec, run_dir, world, device, caller)

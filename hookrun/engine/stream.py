@@ -3,7 +3,8 @@ site is hooked), derived results per batch, records queued to the writer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +20,17 @@ from hookrun.engine.interrupt import until_signal
 from hookrun.engine.leaves import model_logits
 from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
+from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import backward_seed, choose_targets, target_scores
 from hookrun.engine.transfer import HostCopier
 from hookrun.errors import HookrunError
+from hookrun.evaluate.randomize import weights_kept
+from hookrun.evaluate.sanity import PreparedMethod
 from hookrun.io import layout
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.methods.registry import BatchContext, derive
 from hookrun.scale import distributed
-from hookrun.spec.schema import TargetConfig
+from hookrun.spec.schema import TargetConfig, TargetKind
 
 __all__ = ["RowFacts", "BatchStep", "stream"]
 
@@ -139,6 +143,46 @@ def _next_batch(batches: Iterator, shape: tuple[int, ...]) -> Any:
     return batch
 
 
+# The sanity check's methods explain the original model's targets, handed in as labels.
+_GIVEN_TARGETS = TargetConfig(kind=TargetKind.label)
+
+
+def _method_records(run: Prepared, method: PreparedMethod, batch: tuple) -> Mapping:
+    """One sanity-check method on one batch, on the model as it is now: its own hooks
+    attached (the run's stand aside, paused), a forward pass, its backward passes, then its
+    derived results; `batch` = (inputs, targets, dataset indices)."""
+    dtype = STORE_DTYPES[run.spec.sink.dtype.value]
+    recorder = Recorder(run.spec.seed, dtype, HostCopier(), StageTimer(False), dict(method.folds))
+    step = BatchStep(run.model, method.plan, recorder, _GIVEN_TARGETS, run.device, RowFacts())
+    with attach(method.plan, run.model, recorder):
+        records = step(batch)
+    for event in recorder.events:
+        event.synchronize()
+    if method.derivations:
+        records.update(derive(method.derivations, records, step.context()))
+    return records
+
+
+def _evaluate(run: Prepared, step: BatchStep, batch: tuple, records: Mapping) -> dict:
+    """The evaluation and sanity-check rows of the batch `step` has just run."""
+    out: dict = {}
+    targets = step.targets.clone().to(run.device)
+    if run.evaluation is not None:
+        out.update(
+            run.evaluation.batch(
+                records,
+                step.inputs,
+                targets,
+                lambda x: model_logits(run.model(x)),
+                lambda name: step.recorder.generator(name, "input", torch.device("cpu")),
+            )
+        )
+    if run.sanity is not None:
+        given = (step.inputs, targets.cpu(), batch[2])
+        out.update(run.sanity.batch(given, lambda m, b: _method_records(run, m, b)))
+    return out
+
+
 def stream(run: Prepared) -> int:
     """The run's batches (this rank's share, from the resume point) into its file; the
     number of rows this process computed."""
@@ -162,11 +206,14 @@ def stream(run: Prepared) -> int:
         folds=run.folds,
         batch_size=spec.batch_size,
         axes=run.axes,
+        attrs=run.attrs,
     )
     sink = HDF5Sink(run.sink_path, options, header=run.header, resume=spec.resume, timer=timer)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
     shape = tuple(run.data[0][0].shape)  # the probe's sample: every sample has its shape
-    with sink, run_mode(run.model), attach(run.plan, run.model, recorder):
+    # The sanity check randomises the model's weights: they are the caller's again at the end.
+    kept = weights_kept(run.model) if run.sanity is not None else nullcontext()
+    with sink, run_mode(run.model), kept, attach(run.plan, run.model, recorder):
         while True:
             with timer.stage("data"):
                 batch = _next_batch(batches, shape)
@@ -180,6 +227,15 @@ def stream(run: Prepared) -> int:
                     recorder.paused = True  # methods' own passes run on the bare model
                     try:
                         records.update(derive(run.derivations, records, step.context()))
+                    finally:
+                        recorder.paused = False
+            if run.evaluation is not None or run.sanity is not None:
+                for event in recorder.events:
+                    event.synchronize()  # evaluation reads the host copies now
+                with timer.stage("evaluate"):
+                    recorder.paused = True  # evaluation runs the bare model (or its own hooks)
+                    try:
+                        records.update(_evaluate(run, step, batch, records))
                     finally:
                         recorder.paused = False
             sink.write(records, recorder.events, copier.give_back)

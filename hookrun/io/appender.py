@@ -20,11 +20,10 @@ import h5py
 import numpy as np
 
 from hookrun.io import storage
-from hookrun.io.dimensions import name_dimensions
+from hookrun.io.dimensions import AxisFacts, name_dimensions
 from hookrun.io.layout import (
     SAMPLE,
     SAMPLES_INDEX,
-    AxisFacts,
     Provenance,
     dataset_names,
     mark_completed,
@@ -33,9 +32,11 @@ from hookrun.io.layout import (
     per_batch,
     read_state,
     rows_for,
+    write_attrs,
     write_header,
 )
 from hookrun.io.storage import chunk_shape
+from hookrun.io.walk import write_verdicts
 
 __all__ = ["FileOptions", "CapturesFile"]
 
@@ -55,6 +56,8 @@ class FileOptions:
     batch_size: int = 1
     # What the run knows of its tensors' axes, for their dimension names (io/layout.py).
     axes: AxisFacts = dataclasses.field(default_factory=AxisFacts)
+    # Attributes of new datasets and groups (path → {name: value}), set as they are created.
+    attrs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 class CapturesFile:
@@ -121,6 +124,7 @@ class CapturesFile:
                 self._create(key, array)
             # Scales write attributes, which SWMR forbids: every axis is named first.
             name_dimensions(self.file, self.options.axes, self.options.checksum)
+            write_attrs(self.file, self.options.attrs)  # SWMR allows no new attributes
             self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
         if set(arrays) != self.keys:
             raise RuntimeError(
@@ -186,6 +190,7 @@ class CapturesFile:
             return
         try:
             if error is None:
+                write_verdicts(self.file, self.rows)  # summaries of every row, then the mark
                 mark_status(self.file, "complete")
             else:
                 status = "interrupted" if interrupted else "failed"

@@ -1,6 +1,6 @@
 """Named dimensions in a captures.h5: HDF5 dimension scales, as netCDF-4 lays them out.
 
-io/layout.py says what each axis is called (`axis_names`); this module makes the scales and
+AXES below says what each axis is called (`axis_names`); this module makes the scales and
 attaches them, so `xarray.open_datatree(path, engine="h5netcdf")` sees every per-sample
 dataset on one `sample` dimension whose coordinate is /sample (the dataset indices).
 
@@ -23,21 +23,110 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 import h5py
 import numpy as np
 
 from hookrun.io.layout import (
-    BATCH,
+    AUC_SUFFIX,
+    CAPTURES,
+    EVALUATE,
+    MODEL_OUTPUT,
     NOT_A_VARIABLE,
     SAMPLE,
+    SAMPLES,
     SAMPLES_INDEX,
-    AxisFacts,
-    axis_names,
+    SAMPLES_MASK,
+    SAMPLES_TOKENS,
+    SANITY,
+    SCORE_SUFFIX,
     dataset_names,
+    derived_key,
+    folded,
+    gap_key,
+    per_batch,
+    sanity_key,
 )
 
-__all__ = ["name_dimensions", "read_names", "attach", "check_dimensions"]
+__all__ = [
+    "BATCH",
+    "FOLD",
+    "AXES",
+    "LAYOUT_AXES",
+    "AxisFacts",
+    "axis_names",
+    "name_dimensions",
+    "read_names",
+    "attach",
+    "check_dimensions",
+]
+
+# Per-sample rows are SAMPLE, one dimension for the file whose coordinate is /sample (the
+# dataset indices); rows once per batch are BATCH; k rows per sample folded add FOLD. AXES
+# names the other axes by path (the first fnmatch pattern that matches; `*` crosses `/`):
+# `{layout}` is what the probe found of a capture (LAYOUT_AXES), `{input}` the model input's
+# axes; an axis nothing names is `dim_<k>`.
+BATCH = "batch"
+FOLD = "fold"
+AXES: dict[str, str] = {
+    SAMPLE: SAMPLE,
+    SAMPLES_TOKENS: "sample token",
+    SAMPLES_MASK: "sample token",
+    f"{SAMPLES}/*": "sample",
+    MODEL_OUTPUT: "sample class",
+    f"{CAPTURES}/*": "sample {layout}",
+    gap_key("*", "*"): "sample",
+    derived_key("*", "input"): "sample {input}",
+    derived_key("guided_grad_cam", "*"): "sample {input}",
+    derived_key("*", "*"): "sample y x",
+    # Evaluation: a curve's columns are the fractions perturbed (its `fractions` attribute);
+    # the sanity check's are the randomisation steps (0: the trained model).
+    f"{EVALUATE}/*{AUC_SUFFIX}": "sample",
+    f"{EVALUATE}/*{SCORE_SUFFIX}": "sample",
+    f"{EVALUATE}/*": "sample fraction",
+    sanity_key("*", "maps"): "sample step y x",
+    f"{SANITY}/*": "sample step",
+}
+LAYOUT_AXES = {
+    "nchw": ("channel", "y", "x"),
+    "nhwc": ("y", "x", "channel"),
+    "tokens": ("token", "feature"),
+    "vector": ("feature",),
+}
+
+
+@dataclass(frozen=True)
+class AxisFacts:
+    """What a run knows of the axes of its input (per sample) and captures (per row)."""
+
+    input: tuple[str, ...] = ()
+    tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]:
+    """The dimension names of dataset `path`: its rows' axis (SAMPLE, BATCH; FOLD), then
+    what AXES says when it fits the dataset's rank, else `dim_<k>`."""
+    rule = next((r for pattern, r in AXES.items() if fnmatchcase(path, pattern)), SAMPLE)
+    words: list[str] = []
+    for word in rule.split():
+        if word == "{layout}":
+            words += facts.tensors.get(path, ("?",))
+        elif word == "{input}":
+            words += facts.input or ("?",)
+        else:
+            words.append(word)
+    rows = words[:1] if words[:1] == [SAMPLE] else []
+    if rows and per_batch(ds):
+        rows = [BATCH]
+    elif rows and folded(ds):
+        rows.append(FOLD)
+    rest = words[1:] if rows else words
+    if len(rows) + len(rest) != len(ds.shape) or "?" in rest:
+        rest = [f"dim_{k}" for k in range(len(rows), len(ds.shape))]
+    return (*rows, *rest)
+
 
 # Row axes: they grow with the file, so their scales are unlimited and live at the root.
 _ROWS = (SAMPLE, BATCH)

@@ -1,27 +1,16 @@
-"""The captures.h5 layout — the one module that spells its paths and attributes.
-
-| path | shape | meaning |
-|---|---|---|
-| /captures/<layer>/<site>[_<i>][.call<k>] | (N, ...) | one row per sample, in dataset order |
-| /samples/index, /samples/label, /samples/target | (N,) int64 | dataset index, label, target |
-| /samples/path | (N,) UTF-8, fixed width | source file of each row (file datasets) |
-| /model/output | (N, ...) | the model's output |
-| /derived/<method>/<layer> | (N, ...) | raw derived results |
-| /derived/<method>/<layer>.completeness_gap | (N,) | Σ attributions − (f(x) − f(baseline)) |
-| /sample | (N,) int64 | the `sample` dimension's coordinate: /samples/index's values |
-
-Every axis is a named dimension (AXES below; io/dimensions.py attaches the scales).
+"""The captures.h5 layout — the one module that spells its paths and attributes (the
+README's "captures.h5" table is the user's copy): /captures/<layer>/<site>, /samples/*,
+/model/output, /derived/<method>/<layer>, /evaluate/<metric>/<attribution>,
+/sanity/<method>/<similarity>, and /sample, the `sample` dimension's coordinate. Every axis
+is a named dimension (AXES below; io/dimensions.py attaches the scales).
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
+Captures not stored one row per sample carry PER_BATCH or FOLDED (below).
 
-Captures not stored one row per sample carry a dataset attribute: PER_BATCH (no batch
-axis: one row per batch) or FOLDED (k rows per sample folded into the batch axis, (N, k, ...)).
-
-How rows are appended, crash-safely, is io/appender.py's job; the names it writes are here.
-Crash safety: SWMR mode once the first batch's datasets exist, a flush every batch; a killed
-writer's file opens read-only (`open_readonly`) with every row up to `completed` intact, and
-io/stored.py copies them into a fresh file (HDF5 cannot clear a dead writer's mark).
+Crash safety (io/appender.py appends the rows): SWMR mode once the first batch's datasets
+exist, a flush every batch; a killed writer's file opens read-only (`open_readonly`) with
+every row up to `completed` intact, and io/stored.py copies them into a fresh file.
 """
 
 from __future__ import annotations
@@ -29,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +30,15 @@ from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
 
 __all__ = [
     "CHUNK_BYTES",
+    "CAPTURES",
+    "SAMPLES",
+    "DERIVED",
     "SAMPLES_INDEX",
     "SAMPLES_LABEL",
     "SAMPLES_TARGET",
     "SAMPLES_PATH",
+    "SAMPLES_TOKENS",
+    "SAMPLES_MASK",
     "path_rows",
     "read_paths",
     "MODEL_OUTPUT",
@@ -56,6 +49,7 @@ __all__ = [
     "PER_BATCH",
     "FOLDED",
     "per_batch",
+    "folded",
     "rows_for",
     "rows_note",
     "copy_attrs",
@@ -67,30 +61,41 @@ __all__ = [
     "open_readonly",
     "read_state",
     "read_provenance",
-    "captures_of",
     "dataset_names",
-    "derived_of",
     "write_header",
     "mark_status",
     "mark_completed",
     "mark_rows",
     "mark_complete",
     "SAMPLE",
-    "BATCH",
-    "FOLD",
-    "AXES",
-    "LAYOUT_AXES",
-    "AxisFacts",
-    "axis_names",
     "NOT_A_VARIABLE",
     "SCALE_ATTRS",
     "is_dimension",
+    "EVALUATE",
+    "SANITY",
+    "FRACTIONS",
+    "AUC_SUFFIX",
+    "SCORE_SUFFIX",
+    "VERDICT_SIMILARITY",
+    "evaluate_key",
+    "sanity_key",
+    "sanity_attrs",
+    "read_sanity",
+    "read_fractions",
+    "verdict_of",
+    "mark_verdict",
+    "write_attrs",
+    "copy_group_attrs",
 ]
 
+# The groups of captured tensors, of each row's facts, and of derived results.
+CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
 SAMPLES_PATH = "samples/path"
+SAMPLES_TOKENS = "samples/tokens"  # token ids (N, T) of token data
+SAMPLES_MASK = "samples/mask"  # (N, T) bool, True at real tokens, when rows are padded
 MODEL_OUTPUT = "model/output"
 
 
@@ -112,12 +117,12 @@ def capture_key(
     site = getattr(site, "value", site)
     part = leaf if leaf is not None else (f"_{tensor}" if n_tensors > 1 else "")
     name = f"{site}{part}" + (f".call{call}" if call else "")
-    return f"captures/{layer}/{name}"
+    return f"{CAPTURES}/{layer}/{name}"
 
 
 def derived_key(method: str, layer: str) -> str:
     """The HDF5 path of one derived result."""
-    return f"derived/{method}/{layer}"
+    return f"{DERIVED}/{method}/{layer}"
 
 
 GAP_SUFFIX = ".completeness_gap"
@@ -140,6 +145,11 @@ def per_batch(ds: h5py.Dataset) -> int:
     return int(ds.attrs.get(PER_BATCH, 0))
 
 
+def folded(ds: h5py.Dataset) -> int:
+    """The rows per sample a dataset stored (N, k, ...) folds (0: not folded)."""
+    return int(ds.attrs.get(FOLDED, 0))
+
+
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
     """The rows `ds` holds once `completed` samples are: one per sample, or one per batch."""
     size = per_batch(ds)
@@ -150,7 +160,7 @@ def rows_note(ds: h5py.Dataset) -> str:
     """How a dataset's rows map to samples, when not one row per sample ('' otherwise)."""
     if per_batch(ds):
         return f"one row per batch of {per_batch(ds)} samples (no batch axis)"
-    fold = int(ds.attrs.get(FOLDED, 0))
+    fold = folded(ds)
     return f"axis 1: the {fold} rows per sample folded into the batch axis" if fold else ""
 
 
@@ -257,32 +267,6 @@ def read_provenance(path: Path) -> dict[str, str]:
         return {n: str(f.attrs[n]) for n in names if n in f.attrs}
 
 
-def captures_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
-    """Every captured layer → its sites → dataset. A function call site's layer holds a
-    slash (`block/gelu.0`), so layers are the groups that hold datasets, at any depth."""
-    out: dict[str, dict[str, h5py.Dataset]] = {}
-    group = f.get("captures")
-    if group is None:
-        return out
-
-    def visit(name: str, obj: Any) -> None:
-        if isinstance(obj, h5py.Dataset) and not is_dimension(obj):
-            layer, site = name.rsplit("/", 1)
-            out.setdefault(layer, {})[site] = obj
-
-    group.visititems(visit)
-    return out
-
-
-def derived_of(f: h5py.File) -> dict[str, dict[str, h5py.Dataset]]:
-    """Every derived method → its layers → dataset."""
-    group = f.get("derived", {})
-    return {
-        method: {k: ds for k, ds in g.items() if not is_dimension(ds)}
-        for method, g in group.items()
-    }
-
-
 def dataset_names(f: h5py.File) -> list[str]:
     """Every data-holding dataset's path in the file (rows of samples or batches; not the
     empty datasets that only name a dimension)."""
@@ -328,64 +312,8 @@ def mark_complete(f: h5py.File, rows: int) -> None:
     f.attrs["status"] = "complete"
 
 
-# Named dimensions (HDF5 dimension scales, netCDF-4's convention: xarray, netCDF tools and
-# HDFView read them). Per-sample rows are SAMPLE, one dimension for the file whose coordinate
-# is /sample (the dataset indices); rows once per batch are BATCH; k rows per sample folded
-# add FOLD. AXES names the other axes by path (the first fnmatch pattern that matches; `*`
-# crosses `/`): `{layout}` is what the probe found of a capture (LAYOUT_AXES), `{input}` the
-# model input's axes; an axis nothing names is `dim_<k>`.
+# The coordinate of the `sample` dimension (io/dimensions.py names every axis).
 SAMPLE = "sample"
-BATCH = "batch"
-FOLD = "fold"
-AXES: dict[str, str] = {
-    SAMPLE: SAMPLE,
-    "samples/tokens": "sample token",
-    "samples/mask": "sample token",
-    "samples/*": "sample",
-    "model/output": "sample class",
-    "captures/*": "sample {layout}",
-    "derived/*/*.completeness_gap": "sample",
-    "derived/*/input": "sample {input}",
-    "derived/guided_grad_cam/*": "sample {input}",
-    "derived/*/*": "sample y x",
-}
-LAYOUT_AXES = {
-    "nchw": ("channel", "y", "x"),
-    "nhwc": ("y", "x", "channel"),
-    "tokens": ("token", "feature"),
-    "vector": ("feature",),
-}
-
-
-@dataclass(frozen=True)
-class AxisFacts:
-    """What a run knows of the axes of its input (per sample) and captures (per row)."""
-
-    input: tuple[str, ...] = ()
-    tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-
-
-def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]:
-    """The dimension names of dataset `path`: its rows' axis (SAMPLE, BATCH; FOLD), then
-    what AXES says when it fits the dataset's rank, else `dim_<k>`."""
-    rule = next((r for pattern, r in AXES.items() if fnmatchcase(path, pattern)), SAMPLE)
-    words: list[str] = []
-    for word in rule.split():
-        if word == "{layout}":
-            words += facts.tensors.get(path, ("?",))
-        elif word == "{input}":
-            words += facts.input or ("?",)
-        else:
-            words.append(word)
-    rows = words[:1] if words[:1] == [SAMPLE] else []
-    if rows and per_batch(ds):
-        rows = [BATCH]
-    elif rows and int(ds.attrs.get(FOLDED, 0)):
-        rows.append(FOLD)
-    rest = words[1:] if rows else words
-    if len(rows) + len(rest) != len(ds.shape) or "?" in rest:
-        rest = [f"dim_{k}" for k in range(len(rows), len(ds.shape))]
-    return (*rows, *rest)
 
 
 # A dimension with no values of its own is an empty dataset marked as a scale, whose NAME
@@ -398,3 +326,63 @@ SCALE_ATTRS = ("CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "DIMENSION_L
 def is_dimension(ds: h5py.Dataset) -> bool:
     """Whether `ds` only names a dimension (holds no data)."""
     return NOT_A_VARIABLE in str(ds.attrs.get("NAME", ""))  # bytes or str, as written
+
+
+# /evaluate/<dataset>/<attribution path>, e.g. the path derived/grad_cam/features.18.
+EVALUATE, SANITY = "evaluate", "sanity"
+FRACTIONS = "fractions"  # curves' attribute: the fraction of pixels perturbed per column
+AUC_SUFFIX, SCORE_SUFFIX = ".auc", ".score"
+# The similarity a sanity verdict is read from (Adebayo et al.: rank correlation of |map|).
+VERDICT_SIMILARITY = "spearman_abs"
+
+
+def evaluate_key(dataset: str, attribution: str, suffix: str = "") -> str:
+    """`/evaluate/<dataset>/<attribution path><suffix>` (suffix: '', AUC_SUFFIX, SCORE_SUFFIX)."""
+    return f"{EVALUATE}/{dataset}/{attribution.strip('/')}{suffix}"
+
+
+def sanity_key(method: str, similarity: str) -> str:
+    """`/sanity/<method>/<similarity>` (N, steps + 1); similarity `maps`: (N, steps + 1, h, w)."""
+    return f"{SANITY}/{method}/{similarity}"
+
+
+def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
+    """The /sanity group's attributes: the randomised modules in order, and the threshold."""
+    return {SANITY: {"layers": np.array(layers, dtype=h5py.string_dtype()), "threshold": threshold}}
+
+
+def read_sanity(f: h5py.File) -> tuple[list[str], float]:
+    """The /sanity group's randomised layers (in order) and its threshold."""
+    attrs = f[SANITY].attrs
+    return [str(x) for x in attrs.get("layers", [])], float(attrs.get("threshold", np.nan))
+
+
+def read_fractions(ds: h5py.Dataset) -> np.ndarray:
+    """The fraction of pixels perturbed at each column of an evaluation curve."""
+    return np.asarray(ds.attrs[FRACTIONS])
+
+
+def write_attrs(f: h5py.File, attrs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Attributes (path → {name: value}) onto `f`'s datasets and groups, before SWMR."""
+    for path, values in attrs.items():
+        for name, value in values.items() if path in f else ():
+            f[path].attrs[name] = value
+
+
+def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
+    """Every group's attributes of `src` onto `dst` (a resumed copy, the torchrun join)."""
+    src.visititems(
+        lambda n, o: copy_attrs(o, dst[n]) if isinstance(o, h5py.Group) and n in dst else None
+    )
+
+
+def verdict_of(f: h5py.File, method: str) -> tuple[bool, float] | None:
+    """A method's sanity verdict (passed, score), or None where it has none yet."""
+    attrs = f[SANITY][method].attrs
+    whole = {"passed", "score"} <= set(attrs)
+    return (bool(attrs["passed"]), float(attrs["score"])) if whole else None
+
+
+def mark_verdict(f: h5py.File, method: str, score: float, passed: bool) -> None:
+    """A method's sanity verdict onto its /sanity group (before a file is complete)."""
+    f[SANITY][method].attrs.update({"score": score, "passed": passed})

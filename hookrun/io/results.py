@@ -15,7 +15,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import HookrunError
-from hookrun.io import layout
+from hookrun.io import layout, walk
 
 __all__ = ["Results", "open_results", "summary"]
 
@@ -61,13 +61,13 @@ class Results:
     @property
     def layers(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """Every captured layer → its sites → dataset shape (N, ...)."""
-        captured = layout.captures_of(self.file)
+        captured = walk.captures_of(self.file)
         return {layer: {site: ds.shape for site, ds in g.items()} for layer, g in captured.items()}
 
     @property
     def derived(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """Every derived method → its layers → dataset shape."""
-        derived = layout.derived_of(self.file)
+        derived = walk.derived_of(self.file)
         return {m: {layer: ds.shape for layer, ds in g.items()} for m, g in derived.items()}
 
     @property
@@ -110,7 +110,7 @@ class Results:
 
     def __repr__(self) -> str:
         lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]
-        found = {**layout.captures_of(self.file), **layout.derived_of(self.file)}
+        found = {**walk.captures_of(self.file), **walk.derived_of(self.file)}
         for layer, sites in found.items():
             for site, ds in sites.items():
                 note = layout.rows_note(ds)
@@ -161,6 +161,7 @@ def summary(
         for name, ds in _gaps_of(res.file).items():
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
         lines += _vanished(res.file, min(rows, show))
+        lines += _evaluated(res.file, rows)
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
     note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
@@ -172,7 +173,7 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
     """A warning for each attribution that is exactly zero in its first `rows` rows: the
     target's gradient vanished (torchvision ViT's zero-initialised head with random weights
     gives zeros everywhere); numbers that are right but say nothing should not pass unseen."""
-    found = [ds for group in layout.derived_of(f).values() for ds in group.values()]
+    found = [ds for group in walk.derived_of(f).values() for ds in group.values()]
     if layout.INPUT_GRAD in f:
         found.append(f[layout.INPUT_GRAD])
     return [
@@ -185,6 +186,31 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
         and ds.dtype.kind == "f"
         and not np.any(ds[:rows])
     ]
+
+
+def _evaluated(f: h5py.File, rows: int) -> list[str]:
+    """One line per evaluated attribution (the means over samples of its per-sample
+    numbers: AUCs, ROAD score) and one per sanity-checked method (its verdict)."""
+    means: dict[str, list[str]] = {}
+    for metric, datasets in walk.group_of(f, layout.EVALUATE).items():
+        for name, ds in datasets.items():
+            if ds.ndim == 1 and rows:
+                for suffix in (layout.AUC_SUFFIX, layout.SCORE_SUFFIX):
+                    if name.endswith(suffix):
+                        value = float(np.mean(ds[:rows].astype(np.float64)))
+                        what = f"{metric}{' AUC' if suffix == layout.AUC_SUFFIX else ''}"
+                        means.setdefault(name.removesuffix(suffix), []).append(
+                            f"{what} {value:.3f}"
+                        )
+    lines = [f"evaluate {a}: {', '.join(v)} (mean of {rows})" for a, v in means.items()]
+    for method, verdict in walk.read_verdicts(f).items():
+        if verdict is not None:
+            word, sign = ("PASSES", "<") if verdict[0] else ("FAILS", ">=")
+            lines.append(
+                f"sanity {method}: {word} (mean median spearman_abs {verdict[1]:.2f} {sign} "
+                f"{layout.read_sanity(f)[1]:.2f})"
+            )
+    return lines
 
 
 def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
@@ -200,7 +226,7 @@ def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
 
 def _gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
     """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
-    found = [(m, k, ds) for m, group in layout.derived_of(f).items() for k, ds in group.items()]
+    found = [(m, k, ds) for m, group in walk.derived_of(f).items() for k, ds in group.items()]
     return {
         f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}": ds
         for m, k, ds in found

@@ -51,11 +51,14 @@ RESUME_IGNORES = (
     "sink.path",
     "sink.checksum",  # a resumed file keeps the filters its datasets were created with
     "model.preset",  # only guards a preset's name; files from before it have no such key
+    "evaluate.rank_by",  # what a sweep ranks by, read after the run
 )
 
 
 def _without(config: dict, keys: tuple[str, ...]) -> dict:
-    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    # An empty section is a feature left off: a file written before the section existed
+    # (evaluate and sanity came after 0.1.0) has the same config as one that leaves it empty.
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items() if v != {}}
     for key in keys:
         head, _, tail = key.partition(".")
         if tail and isinstance(config.get(head), dict):

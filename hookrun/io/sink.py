@@ -25,7 +25,8 @@ import torch
 from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.appender import CapturesFile, FileOptions
-from hookrun.io.layout import AxisFacts, Provenance
+from hookrun.io.dimensions import AxisFacts
+from hookrun.io.layout import Provenance
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
 
@@ -48,6 +49,8 @@ class SinkOptions:
     folds: Mapping[str, int] = field(default_factory=dict)
     batch_size: int = 1
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the dimension names
+    # Attributes of new datasets and groups (path → {name: value}): evaluation's fractions.
+    attrs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def file_options(self) -> FileOptions:
@@ -59,6 +62,7 @@ class SinkOptions:
             dict(self.folds),
             self.batch_size,
             self.axes,
+            dict(self.attrs),
         )
 
 

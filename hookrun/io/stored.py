@@ -19,6 +19,7 @@ from hookrun.io.layout import (
     FileState,
     Provenance,
     copy_attrs,
+    copy_group_attrs,
     dataset_names,
     mark_complete,
     open_readonly,
@@ -27,6 +28,7 @@ from hookrun.io.layout import (
     rows_note,
     write_header,
 )
+from hookrun.io.walk import write_verdicts
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
@@ -98,6 +100,7 @@ def rewrite_rows(path: Path) -> None:
             for start in range(0, rows, step):
                 out[start : start + step] = ds[start : min(rows, start + step)]
         attach(dst, read_names(src), _checksummed(src))
+        copy_group_attrs(src, dst)
     fresh.replace(path)  # atomic: the old file stays whole until the copy is
 
 
@@ -136,6 +139,8 @@ def join_shards(
                     raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
             attach(out, read_names(opened[0]), _checksummed(opened[0]))
+            copy_group_attrs(opened[0], out)
+            write_verdicts(out, samples, opened)  # over every shard's rows
             mark_complete(out, samples)
     finally:
         for f in opened:

@@ -22,7 +22,7 @@ from torch import nn
 
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.errors import HookrunError
-from hookrun.io.layout import LAYOUT_AXES, AxisFacts
+from hookrun.io.dimensions import LAYOUT_AXES, AxisFacts
 
 __all__ = [
     "Layout",

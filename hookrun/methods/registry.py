@@ -98,13 +98,7 @@ METHODS: Registry[Method] = Registry("a method")
 
 def register_method(name: str):
     """Class decorator: register a Method under its `derive:` name."""
-
-    def add(cls: type[Method]) -> type[Method]:
-        cls.name = name
-        METHODS.register(name)(cls())
-        return cls
-
-    return add
+    return METHODS.register_class(name)
 
 
 @dataclass(frozen=True)

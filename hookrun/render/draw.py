@@ -9,15 +9,14 @@ What is drawn follows what the file holds, for the first `max_samples` rows:
   as a heat map; (C, H, W) results (Guided Grad-CAM) like gradients;
 - other (C, H, W) `output` captures (feature maps): one make_grid per layer and sample
   (normalize=True, scale_each=True, nrow=ceil(sqrt(C)));
+- evaluation (/evaluate, /sanity): curves, perturbed images, the sanity grid (evaluation.py);
 and one contact sheet per run with a row per sample.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +26,16 @@ import numpy as np
 from omegaconf import OmegaConf
 from PIL import Image
 
-from hookrun.io import layout
-from hookrun.render.pictures import feature_grid, heat_overlay, seed_normalize, to_uint8
+from hookrun.io import layout, walk
+from hookrun.render.evaluation import render_evaluation
+from hookrun.render.pictures import (
+    display_image,
+    feature_grid,
+    heat_overlay,
+    save_whole,
+    seed_normalize,
+    to_uint8,
+)
 
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -52,25 +59,10 @@ class _Picture:
     image: np.ndarray = field(repr=False)  # (H, W, 3) uint8
 
 
-def _whole(target: Path, save: Callable[[Path], None]) -> None:
-    """Write `target` whole or not at all: a run killed while drawing leaves no cut PNG
-    that looks like a picture (a rename is atomic; the pictures can be drawn again)."""
-    part = target.with_name(f".{target.name}.part")
-    save(part)
-    os.replace(part, target)
-
-
 def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
     if layout.INPUT_PHOTO not in f:
         return None
-    x = f[layout.INPUT_PHOTO][row].astype(np.float32)
-    dataset = config.get("dataset", {})
-    mean, std = dataset.get("mean"), dataset.get("std")
-    if x.ndim == 3 and mean and std and len(mean) == x.shape[0]:
-        x = x * np.asarray(std)[:, None, None] + np.asarray(mean)[:, None, None]
-    elif x.max() > x.min():
-        x = (x - x.min()) / (x.max() - x.min())
-    return np.clip(x, 0, 1)
+    return display_image(f[layout.INPUT_PHOTO][row], config.get("dataset", {}))
 
 
 def _class_names(config: dict) -> list[str] | None:
@@ -102,7 +94,7 @@ def _natural(name: str) -> list:
 
 def _feature_layers(f: h5py.File, derived_layers: set[str]) -> dict[str, h5py.Dataset]:
     """Layers whose (C, H, W) outputs are drawn as feature-map grids, in the model's order."""
-    captured = layout.captures_of(f)
+    captured = walk.captures_of(f)
     out = {}
     for layer in sorted(captured, key=_natural):
         ds = captured[layer].get("output")
@@ -131,7 +123,7 @@ def render(
         rows = min(state.completed, max_samples)
         derived = {
             f"{m}/{layer}": ds
-            for m, group in layout.derived_of(f).items()
+            for m, group in walk.derived_of(f).items()
             for layer, ds in group.items()
         }
         features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
@@ -176,14 +168,17 @@ def render(
                 target = out_dir / f"{index:05d}_{stem}.png"
                 out_dir.mkdir(parents=True, exist_ok=True)
                 pixels = to_uint8(image)
-                _whole(target, lambda part, p=pixels: Image.fromarray(p).save(part, format="PNG"))
+                save_whole(
+                    target, lambda part, p=pixels: Image.fromarray(p).save(part, format="PNG")
+                )
                 pictures.append(_Picture(kind, row, target, pixels))
+        evaluated = render_evaluation(f, out_dir, rows, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
-        return []
+        return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
     if tensorboard_dir is not None:
         _to_tensorboard(pictures, tensorboard_dir, plan_text)
-    return [p.path for p in pictures] + [sheet]
+    return [p.path for p in pictures] + evaluated + [sheet]
 
 
 def _wrapped(title: str, width: int = 32) -> str:
@@ -225,7 +220,7 @@ def _contact_sheet(pictures: list[_Picture], labels: list[str], target: Path, ti
                 )
     fig.suptitle(title.replace("_", " "))
     fig.tight_layout(h_pad=1.5)  # rows of square pictures stay apart
-    _whole(target, lambda part: fig.savefig(part, dpi=100, format="png"))
+    save_whole(target, lambda part: fig.savefig(part, dpi=100, format="png"))
     plt.close(fig)
     return target
 

@@ -4,6 +4,9 @@ overlays and feature-map grids, and arrays → uint8 RGB."""
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -11,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torchvision.utils import make_grid
 
-__all__ = ["MIN_SIDE", "seed_normalize", "heat_overlay", "feature_grid", "to_uint8"]
+__all__ = [
+    "MIN_SIDE",
+    "seed_normalize",
+    "heat_overlay",
+    "feature_grid",
+    "to_uint8",
+    "display_image",
+    "save_whole",
+]
 
 # Pictures narrower than this are scaled up (nearest) so an 8x8 digit stays visible.
 MIN_SIDE = 128
@@ -56,3 +67,23 @@ def feature_grid(maps: np.ndarray) -> np.ndarray:
     tiles = torch.from_numpy(maps.astype(np.float32))[:, None]
     nrow = math.ceil(math.sqrt(len(tiles)))
     return make_grid(tiles, nrow=nrow, normalize=True, scale_each=True, pad_value=1.0).numpy()
+
+
+def display_image(x: np.ndarray, dataset: dict) -> np.ndarray:
+    """A model input (C, H, W) as a picture in [0, 1]: the dataset's normalisation undone
+    (its `mean` and `std`), else min-max scaled."""
+    x = x.astype(np.float32)
+    mean, std = dataset.get("mean"), dataset.get("std")
+    if x.ndim == 3 and mean and std and len(mean) == x.shape[0]:
+        x = x * np.asarray(std)[:, None, None] + np.asarray(mean)[:, None, None]
+    elif x.max() > x.min():
+        x = (x - x.min()) / (x.max() - x.min())
+    return np.clip(x, 0, 1)
+
+
+def save_whole(target: Path, save: Callable[[Path], None]) -> None:
+    """Write `target` whole or not at all: a run killed while drawing leaves no cut PNG
+    that looks like a picture (a rename is atomic; the pictures can be drawn again)."""
+    part = target.with_name(f".{target.name}.part")
+    save(part)
+    os.replace(part, target)

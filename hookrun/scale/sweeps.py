@@ -2,7 +2,9 @@
 
 A job that fails in a multirun records its traceback in its own log and a `failed` row, and
 the sweep carries on; when every job is done, `sweep_summary.csv` in the sweep directory has
-one row per job (overrides, status, rows, file), and the sweep exits non-zero if any failed.
+one row per job (overrides, status, rows, file, and one column per evaluation metric and
+attribution: the mean over samples its file holds), the jobs that evaluated their
+attributions are ranked (scale/ranking.py), and the sweep exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hookrun.scale.ranking import job_means, write_ranking
+
 __all__ = ["JOB_FILE", "write_job_summary", "SweepSummary"]
 
 JOB_FILE = "job_summary.json"
@@ -26,14 +30,18 @@ log = logging.getLogger(__name__)
 def write_job_summary(
     run_dir: Path, overrides: list[str], status: str, rows: int, path: Path | None, error: str
 ) -> None:
-    """One job's row, written in its own directory (jobs may run in other processes)."""
-    row = {
+    """One job's row, written in its own directory (jobs may run in other processes); a
+    complete job's evaluation means are read from its file here (under torchrun: rank 0's
+    joined file over every shard)."""
+    row: dict[str, Any] = {
         "overrides": " ".join(overrides),
         "status": status,
         "rows": rows,
         "file": str(path or ""),
         "error": error,
     }
+    if status == "complete" and path is not None:
+        row["evaluation"] = job_means(path)
     (run_dir / JOB_FILE).write_text(json.dumps(row))
 
 
@@ -61,10 +69,16 @@ class SweepSummary(Callback):
                     }
                 )
         target = sweep_dir / "sweep_summary.csv"
+        means = [r.get("evaluation", {}).get("means", {}) for r in rows]
+        extra = sorted({column for m in means for column in m})
         with target.open("w", newline="") as f:
-            writer = csv.DictWriter(f, ["job", "overrides", "status", "rows", "file", "error"])
+            columns = ["job", "overrides", "status", "rows", "file", "error", *extra]
+            writer = csv.DictWriter(f, columns, extrasaction="ignore")
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows({**r, **m} for r, m in zip(rows, means, strict=True))
+        ranked = write_ranking(sweep_dir, rows)
+        if ranked:
+            log.info("sweep: ranking in %s", ranked[1])
         failed = [r for r in rows if r["status"] != "complete"]
         log.info("sweep: %d job(s), %d failed; summary in %s", len(rows), len(failed), target)
         if failed:

@@ -22,9 +22,11 @@ from omegaconf.errors import OmegaConfBaseException
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import Action, build_action
 from hookrun.errors import HookrunError
+from hookrun.evaluate.config import SanityConfig, parse_evaluate, parse_sanity
 from hookrun.memory import check_fits
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import check_model
+from hookrun.spec.experiments import attribution_experiments, method_nodes
 from hookrun.spec.schema import (
     DeviceConfig,
     HookConfig,
@@ -38,7 +40,16 @@ from hookrun.spec.schema import (
 )
 from hookrun.typed import check_range, freeze, parse_typed
 
-__all__ = ["HookSpec", "RunSpec", "build_spec", "MODEL_KEYS", "release_model_keys", "check_sizes"]
+__all__ = [
+    "HookSpec",
+    "SanityMethod",
+    "SanitySpec",
+    "RunSpec",
+    "build_spec",
+    "MODEL_KEYS",
+    "release_model_keys",
+    "check_sizes",
+]
 
 log = logging.getLogger("hookrun")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -69,6 +80,28 @@ class HookSpec:
 
 
 @dataclass(frozen=True)
+class SanityMethod:
+    """One method of the sanity check: its experiment's hooks and derived results."""
+
+    name: str  # the experiment (conf/experiment/<name>.yaml)
+    hooks: tuple[HookSpec, ...]
+    derive: Any  # method name → parsed Args, read-only, in file order
+
+    @property
+    def derived(self) -> str | None:
+        """The derived method whose result is the map; None: the input gradient is."""
+        return list(self.derive)[-1] if self.derive else None
+
+
+@dataclass(frozen=True)
+class SanitySpec:
+    """`sanity:` parsed: its keys and each checked method's hooks and derived results."""
+
+    config: SanityConfig
+    methods: tuple[SanityMethod, ...]
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything a run needs to know, typed and read-only (see conf/config.yaml for each
     key's meaning)."""
@@ -96,6 +129,8 @@ class RunSpec:
     experiment: str | None
     # The resolved config as YAML: the file's `config` attribute, compared on resume.
     config_yaml: str
+    evaluate: Any = None  # EvaluateSpec (hookrun/evaluate/config.py), or None
+    sanity: SanitySpec | None = None
 
     @property
     def needs_backward(self) -> bool:
@@ -119,10 +154,10 @@ def _hooks(raw: dict[str, Any], target: TargetConfig) -> tuple[HookSpec, ...]:
     return tuple(hooks)
 
 
-def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
+def _derive(raw: dict[str, Any], target: TargetConfig, prefix: str = "derive") -> dict[str, Any]:
     out = {}
     for name, node in (raw or {}).items():
-        key = f"derive.{name}"
+        key = f"{prefix}.{name}"
         method = METHODS.get(name, key)
         args = parse_typed(node, method.Args, key)
         if hasattr(args, "layer") and not args.layer:
@@ -143,6 +178,39 @@ def _derive(raw: dict[str, Any], target: TargetConfig) -> dict[str, Any]:
             )
         out[name] = args
     return out
+
+
+def _sanity(raw: Any, cfg: DictConfig, target: TargetConfig) -> SanitySpec | None:
+    """Each checked method's hooks and derived results, from its experiment file with
+    `sanity.derive.<method>` over its arguments."""
+    config = parse_sanity(raw, attribution_experiments())
+    if config is None:
+        return None
+    overrides, methods = dict(config.derive), []
+    for name in config.methods:
+        hooks_raw, derive_raw = method_nodes(name, cfg)
+        for method in derive_raw:
+            if method in overrides:
+                derive_raw[method] = {**(derive_raw[method] or {}), **(overrides[method] or {})}
+        hooks = _hooks(hooks_raw, target)
+        for hook in hooks:
+            freeze(hook.select)
+        derive = _derive(derive_raw, target, prefix="sanity.derive")
+        methods.append(SanityMethod(name, hooks, freeze(derive)))
+    for method in overrides:  # the preset's arguments for a method left out do nothing
+        METHODS.get(method, f"sanity.derive.{method}")
+    return SanitySpec(config, tuple(methods))
+
+
+def _check_class(target: TargetConfig, evaluate: Any, sanity: SanitySpec | None) -> None:
+    """Evaluation scores the target class's probability and the sanity check explains one
+    class: both need a class per sample."""
+    users = [k for k, v in (("evaluate", evaluate), ("sanity", sanity)) if v]
+    if users and target.kind in (TargetKind.sum, TargetKind.none):
+        raise HookrunError(
+            f"target.kind: {target.kind.value!r} has no class for {users[0]} (it scores the "
+            "target class); valid: predicted, label, index"
+        )
 
 
 def _dataset(raw: Any) -> Any:
@@ -289,6 +357,9 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     if hasattr(dataset, "sample_shape"):  # a kind whose config gives its samples' shape
         size = getattr(dataset, "size", None)
         check_sizes(run.batch_size, run.limit, derive, dataset.sample_shape(), size)
+    evaluate = parse_evaluate(run.evaluate)
+    sanity = _sanity(run.sanity, cfg, run.target)
+    _check_class(run.target, evaluate, sanity)
     spec = RunSpec(
         model=model,
         dataset=dataset,
@@ -312,10 +383,18 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
         logger=run.logger,
         experiment=experiment,
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        evaluate=evaluate,
+        sanity=sanity,
     )
     for value in (model, dataset, run.target, run.sink, run.device):
         freeze(value)
     for hook in hooks:
         freeze(hook.select)
     object.__setattr__(spec, "derive", freeze(derive))
+    if evaluate is not None:
+        freeze(evaluate.config)
+        for _, args in evaluate.metrics:
+            freeze(args)
+    if sanity is not None:
+        freeze(sanity.config)
     return spec

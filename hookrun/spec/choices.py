@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import ACTIONS
+from hookrun.evaluate.registry import METRICS
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import MODEL_SOURCES
 
@@ -26,6 +27,7 @@ _POINTS = (
     ("`dataset.kind`", "hookrun/data/kinds.py", DATASETS),
     ("`hooks.<name>.action`", "hookrun/engine/actions.py", ACTIONS),
     ("`derive.<method>`", "hookrun/methods/", METHODS),
+    ("`evaluate.metrics`", "hookrun/evaluate/", METRICS),
     ("`model.source`", "hookrun/models/sources.py", MODEL_SOURCES),
 )
 

@@ -10,9 +10,11 @@ methods in `hookrun.methods.registry.py` — and turns OmegaConf's errors into o
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -32,6 +34,7 @@ __all__ = [
     "SinkConfig",
     "DeviceConfig",
     "RunConfig",
+    "conf_dir",
     "register_configs",
 ]
 
@@ -183,6 +186,19 @@ class RunConfig(Frozen):
     render_max: int = 16
     # null, or tensorboard: the pictures and the plan also go to <run dir>/tensorboard.
     logger: str | None = None
+    # Faithfulness of the run's attributions (evaluate=faithfulness; hookrun/evaluate/):
+    # metrics, of, reduce, batch_size, rank_by and each metric's arguments. {}: none.
+    evaluate: Any = field(default_factory=dict)
+    # The sanity check by model randomisation (experiment=sanity_check). {}: none.
+    sanity: Any = field(default_factory=dict)
+
+
+def conf_dir() -> Path:
+    """The config tree: conf/ inside the installed package, else the checkout's conf/."""
+    packaged = Path(str(importlib.resources.files("hookrun"))) / "conf"
+    if (packaged / "config.yaml").is_file():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "conf"
 
 
 def _package_dir(name: str) -> str:

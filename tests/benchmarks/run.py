@@ -1,6 +1,7 @@
 """hookrun's benchmarks: every comparison side by side in one process, median of repetitions.
 
     python tests/benchmarks/run.py [--device cpu|cuda] [--size 224] [--reps 5] [--out FILE]
+    python tests/benchmarks/run.py --only-ig | --only-eval   (one comparison, no file written)
 
 Not part of the test run (pytest collects test_*.py only). Writes a markdown table (default
 tests/benchmarks/RESULTS.md) that README's "Performance" section shows. Every variant sees the
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torchvision
 from captum.attr import GuidedBackprop, LayerGradCam
+from evaluation import evaluation_rows  # this folder, like loops
 from loops import (  # this folder: run as a script, it is first on sys.path
     bare_loop,
     bare_then_tofile,
@@ -181,7 +183,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     parser.add_argument("--only-ig", action="store_true", help="only integrated gradients")
     parser.add_argument("--only-scales", action="store_true", help="only the dimension names")
+    parser.add_argument(
+        "--only-eval", action="store_true", help="only evaluation (deletion, insertion, ROAD)"
+    )
     args = parser.parse_args()
+    if args.only_eval:
+        rows = evaluation_rows(args.size, args.batch, min(args.reps, 3))
+        print("\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows))
+        return
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval().to(device)
@@ -363,6 +372,9 @@ def main() -> None:
             f"{small:.0f} → {large:.0f} MiB",
         )
     )
+
+    # Evaluation: 3 repetitions at most (pytorch-grad-cam's ROAD takes a minute per batch).
+    rows += evaluation_rows(args.size, args.batch, min(args.reps, 3))
 
     machine = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

@@ -21,7 +21,7 @@ from torch import nn
 
 import hookrun
 from hookrun.errors import HookrunError
-from hookrun.io import layout
+from hookrun.io import dimensions, layout
 from hookrun.io.dimensions import read_names
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.verify import verify
@@ -124,23 +124,23 @@ def test_rows_per_batch_and_folded_rows_have_their_own_axes(tmp_path):
     assert verify(result.path)[0]
 
 
-def _sink(path, records: dict[str, np.ndarray], axes: layout.AxisFacts | None = None) -> None:
-    with HDF5Sink(path, SinkOptions(axes=axes or layout.AxisFacts())) as sink:
+def _sink(path, records: dict[str, np.ndarray], axes: dimensions.AxisFacts | None = None) -> None:
+    with HDF5Sink(path, SinkOptions(axes=axes or dimensions.AxisFacts())) as sink:
         sink.write(records)
 
 
 def test_unknown_datasets_get_dim_k_and_a_table_entry_names_them(tmp_path, monkeypatch):
     index = np.arange(3, dtype=np.int64)
     scores = np.ones((3, 5), np.float32)
-    records = {layout.SAMPLES_INDEX: index, "evaluate/deletion/auc": scores}
+    records = {layout.SAMPLES_INDEX: index, "extra/deletion/auc": scores}
     _sink(tmp_path / "plain.h5", records)
     with h5py.File(tmp_path / "plain.h5") as f:
-        assert read_names(f)["evaluate/deletion/auc"] == ("sample", "dim_1")
+        assert read_names(f)["extra/deletion/auc"] == ("sample", "dim_1")
     # Another branch's group is one line in the table.
-    monkeypatch.setitem(layout.AXES, "evaluate/*/*", "sample step")
+    monkeypatch.setitem(dimensions.AXES, "extra/*/*", "sample step")
     _sink(tmp_path / "named.h5", records)
     tree = xarray.open_datatree(tmp_path / "named.h5", engine="h5netcdf")
-    assert tree["evaluate/deletion"].auc.dims == ("sample", "step")
+    assert tree["extra/deletion"].auc.dims == ("sample", "step")
     tree.close()
 
 
@@ -154,8 +154,8 @@ def test_one_name_with_two_sizes_along_groups_gets_its_size(tmp_path):
         "captures/block/output_1": np.zeros((n, 3, 2, 2), np.float32),
         "captures/block/gelu.0/output": np.zeros((n, 5, 4, 4), np.float32),
     }
-    nchw = layout.LAYOUT_AXES["nchw"]
-    facts = layout.AxisFacts(nchw, {k: nchw for k in records if k.startswith("captures")})
+    nchw = dimensions.LAYOUT_AXES["nchw"]
+    facts = dimensions.AxisFacts(nchw, {k: nchw for k in records if k.startswith("captures")})
     _sink(tmp_path / "f.h5", records, facts)
     tree = xarray.open_datatree(tmp_path / "f.h5", engine="h5netcdf")  # aligned, or it raises
     assert tree["captures/block"].output.dims == ("sample", "channel", "y", "x")

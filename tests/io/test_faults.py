@@ -5,7 +5,6 @@ Every resumed file is compared byte for byte with an uninterrupted run."""
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -16,14 +15,21 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import folder_resnet, hook, photo_folder, read, run_config
+from conftest import (
+    folder_resnet,
+    hook,
+    killed_after,
+    photo_folder,
+    read,
+    run_config,
+    spawn,
+    wait_rows,
+)
 from PIL import Image
 
 import hookrun
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
-
-TESTS = Path(__file__).resolve().parents[1]
 
 # resnet18 on 32 px noise: ~21 KiB a row, a few dozen rows a second on this machine.
 RUN = [
@@ -39,54 +45,9 @@ RUN = [
 ]
 
 
-def spawn(args: list[str], cwd: Path, limit_bytes: int | None = None) -> subprocess.Popen:
-    """`python -m hookrun ARGS` as a user starts it; with `limit_bytes`, under `ulimit -f`
-    with SIGXFSZ ignored, so a write past the limit fails with EFBIG instead of killing."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "hookrun", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=limit if limit_bytes else None,
-    )
-
-
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
-
-
-def wait_rows(proc: subprocess.Popen, path: Path, rows: int, timeout: float = 120) -> int:
-    """Poll the running file until `completed` reaches `rows`; the rows seen."""
-    completed, deadline = 0, time.monotonic() + timeout
-    while completed < rows and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-        try:
-            with open_readonly(path) as f:
-                completed = int(f.attrs["completed"])
-        except (OSError, KeyError):
-            pass  # not created yet, or not yet in SWMR mode
-    return completed
-
-
-def killed_after(args: list[str], cwd: Path, run_dir: Path, rows: int) -> int:
-    """`python -m hookrun ARGS` into `run_dir`, SIGKILLed once its file holds `rows` rows;
-    the rows seen before the kill."""
-    proc = spawn([*args, f"hydra.run.dir={run_dir}"], cwd)
-    seen = wait_rows(proc, run_dir / "captures.h5", rows)
-    proc.kill()
-    proc.wait()
-    assert seen >= rows
-    return seen
 
 
 def attrs(path: Path) -> dict:
@@ -389,11 +350,12 @@ def test_the_dry_run_estimate_counts_the_path_width(tmp_path):
     files = photo_folder(tmp_path / "photos", 5)
     width = max(len(p.encode()) for p in files)
     run = run_config(tmp_path / "run", [*folder_resnet(tmp_path / "photos", 24, 1), "dry_run=true"])
-    # layer1 at 24 px: 64 x 6 x 6 floats; the output 1000 floats; index, label, target int64.
-    per_row = (64 * 6 * 6 + 1000) * 4 + 3 * 8 + width
+    # layer1 at 24 px: 64 x 6 x 6 floats; the output 1000 floats; index, label, target and
+    # the /sample coordinate int64.
+    per_row = (64 * 6 * 6 + 1000) * 4 + 4 * 8 + width
     assert f"source path {width} B" in run.plan_text
-    # Besides, HDF5's own metadata: 12 KiB a file and 1 KiB for each of its 6 datasets.
-    metadata = (12 + 6) * 1024
+    # Besides, HDF5's own metadata: 12 KiB a file and 1 KiB for each of its 7 datasets.
+    metadata = (12 + 7) * 1024
     assert f"estimated file size {(per_row * 5 + metadata) / 1024:.1f} KiB" in run.plan_text
 
 

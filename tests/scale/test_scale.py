@@ -5,10 +5,6 @@ from __future__ import annotations
 import csv
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import h5py
@@ -16,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import xarray
-from conftest import dimensions_of, hook, hookrun_cli, read, run_config
+from conftest import dimensions_of, hook, hookrun_cli, killed_after, read, run_config, torchrun
 
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
@@ -99,22 +95,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
     args = [*KILLABLE, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hookrun", *args],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    completed, deadline = 0, time.monotonic() + 240
-    while completed < 40 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-        try:
-            with open_readonly(path) as f:
-                completed = int(f.attrs["completed"])
-        except (OSError, KeyError):
-            pass  # not created yet, or not yet in SWMR mode
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    completed = killed_after(KILLABLE, tmp_path, run_dir, 40)
     assert 40 <= completed < 1600, "the run must be killed mid-way"
 
     with open_readonly(path) as f:  # a killed file opens read-only, rows intact
@@ -184,7 +165,7 @@ def test_torchrun_two_processes_read_as_one_file(tmp_path):
         single = read(run_config(tmp_path / "single", overrides).path)
     finally:
         torch.set_num_threads(threads)
-    proc = _torchrun(overrides, tmp_path)
+    proc = torchrun(overrides, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
     shards = sorted(p.name for p in merged.parent.glob("captures.rank*.h5"))
@@ -278,7 +259,7 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
             [str(Path(__file__).parents[1])] + [os.environ.get("PYTHONPATH", "")]
         ),
     }
-    proc = _torchrun(overrides, tmp_path, env)
+    proc = torchrun(overrides, tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (merged,) = tmp_path.glob("outputs/*/*/captures.h5")
     single = hookrun_cli([*overrides, "hydra.run.dir=single"], tmp_path)
@@ -308,21 +289,6 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
     tree.close()
 
 
-def _torchrun(
-    overrides: list[str], cwd: Path, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end."""
-    args = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *overrides]
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-
-
 def test_dry_run_estimate_under_torchrun_counts_each_shards_chunks(tmp_path):
     """Each shard is chunked for its own rows: 6 and 4 rows of 200 KiB, 5 rows to a chunk
     for the whole run, make 3 chunks on disk (5+5 and 4), not the 2 one file would hold."""
@@ -337,12 +303,12 @@ def test_dry_run_estimate_under_torchrun_counts_each_shards_chunks(tmp_path):
         "progress=false",
         *hook("c", "layer1", "output", "capture"),
     ]
-    dry = _torchrun([*overrides, "dry_run=true", "hydra.run.dir=dry"], tmp_path)
+    dry = torchrun([*overrides, "dry_run=true", "hydra.run.dir=dry"], tmp_path)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "dry run: nothing written" in dry.stdout and not list((tmp_path / "dry").glob("*.h5"))
     number, unit = re.search(r"estimated file size ([\d.]+) (\w+)", dry.stdout).groups()
     estimate = float(number) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
-    real = _torchrun([*overrides, "hydra.run.dir=real"], tmp_path)
+    real = torchrun([*overrides, "hydra.run.dir=real"], tmp_path)
     assert real.returncode == 0, real.stderr[-3000:]
     size = sum(p.stat().st_size for p in (tmp_path / "real").glob("captures*.h5"))
     assert len(list((tmp_path / "real").glob("captures*.h5"))) == 3

@@ -11,6 +11,7 @@ from conftest import compose_config
 from hookrun.data.kinds import DATASETS
 from hookrun.engine.actions import ACTIONS
 from hookrun.errors import HookrunError
+from hookrun.evaluate.registry import METRICS
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import MODEL_SOURCES
 from hookrun.spec.build import build_spec
@@ -27,6 +28,7 @@ README = (ROOT / "README.md").read_text()
         ("++hooks.h.action=nope", "hooks.h.action", ACTIONS),
         ("++derive.nope.layer=layer4", "derive.nope", METHODS),
         ("++model.source=nope", "model.source", MODEL_SOURCES),
+        ("+evaluate.metrics=[nope]", "evaluate.metrics[0]", METRICS),
     ],
 )
 def test_errors_list_the_registrys_choices(override, key, registry):
@@ -42,7 +44,7 @@ def test_errors_list_the_registrys_choices(override, key, registry):
 
 def test_readme_lists_exactly_the_registered_choices():
     assert choices_table() in README, "run: python -m hookrun.spec.choices --write"
-    for registry in (DATASETS, ACTIONS, METHODS, MODEL_SOURCES):
+    for registry in (DATASETS, ACTIONS, METHODS, METRICS, MODEL_SOURCES):
         assert registry.choices() and all(f"`{n}`" in choices_table() for n in registry.choices())
 
 
