@@ -3,9 +3,10 @@ site is hooked), derived results per batch, records queued to the writer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -183,6 +184,20 @@ def _evaluate(run: Prepared, step: BatchStep, batch: tuple, records: Mapping) ->
     return out
 
 
+def _on_bare_model(recorder: Recorder, stage: str, work: Callable[[], Mapping]) -> Mapping:
+    """`work()` timed as `stage`, once the batch's host copies are ready (it reads them),
+    with the run's hooks standing aside: derived methods' and the evaluation's own passes
+    run on the bare model (or on hooks of their own)."""
+    for event in recorder.events:
+        event.synchronize()
+    with recorder.timer.stage(stage):
+        recorder.paused = True
+        try:
+            return work()
+        finally:
+            recorder.paused = False
+
+
 def stream(run: Prepared) -> int:
     """The run's batches (this rank's share, from the resume point) into its file; the
     number of rows this process computed."""
@@ -221,22 +236,10 @@ def stream(run: Prepared) -> int:
                 break
             records = step(batch)
             if run.derivations:
-                for event in recorder.events:
-                    event.synchronize()  # derived results read the host copies now
-                with timer.stage("derive"):
-                    recorder.paused = True  # methods' own passes run on the bare model
-                    try:
-                        records.update(derive(run.derivations, records, step.context()))
-                    finally:
-                        recorder.paused = False
+                work = partial(derive, run.derivations, records, step.context())
+                records.update(_on_bare_model(recorder, "derive", work))
             if run.evaluation is not None or run.sanity is not None:
-                for event in recorder.events:
-                    event.synchronize()  # evaluation reads the host copies now
-                with timer.stage("evaluate"):
-                    recorder.paused = True  # evaluation runs the bare model (or its own hooks)
-                    try:
-                        records.update(_evaluate(run, step, batch, records))
-                    finally:
-                        recorder.paused = False
+                work = partial(_evaluate, run, step, batch, records)
+                records.update(_on_bare_model(recorder, "evaluate", work))
             sink.write(records, recorder.events, copier.give_back)
     return len(todo)
