@@ -148,7 +148,9 @@ def test_one_rank_killed_resumes_to_the_single_bytes_and_another_world_size_is_r
     os.kill(rank_pids(job.pid)[1], signal.SIGKILL)  # one rank, not the launcher
     assert job.wait(timeout=120) != 0
     partial = [rows_of(s) for s in shards]
-    assert all(0 < rows < 32 for rows in partial), partial
+    # rank 1 was killed mid-stream; rank 0 may have finished its 32 rows before torchrun
+    # stopped it (seen on a loaded 2-core machine), which the resume must handle too
+    assert 0 < partial[1] < 32 and 0 < partial[0] <= 32, partial
     with open_readonly(shards[1]) as f:
         assert f.attrs["status"] == "running"  # killed: no status written after the kill
     assert not (run_dir / "captures.h5").exists()
