@@ -27,14 +27,28 @@ __all__ = [
     "files_fingerprint",
     "SourceFiles",
     "source_files",
+    "token_data",
 ]
 
 
-def build_dataset(cfg: Any, seed: int, limit: int | None) -> Dataset:
+def build_dataset(cfg: Any, seed: int, limit: int | None, tokenizer: Any = None) -> Dataset:
     """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples;
     every image file of the run checked up front (a bad last file stops the run before
-    its first batch, not after hours)."""
-    data = _limited(DATASETS.get(cfg.kind, "dataset.kind").build(cfg, seed), limit)
+    its first batch, not after hours). Token kinds (data/tokens.py) are tokenized with the
+    language model's `tokenizer`; other kinds refuse one."""
+    kind = DATASETS.get(cfg.kind, "dataset.kind")
+    if getattr(kind, "tokens", False) != (tokenizer is not None):
+        token_kinds = [
+            k for k in DATASETS.choices() if getattr(DATASETS.get(k, ""), "tokens", False)
+        ]
+        if tokenizer is None:
+            valid = "a language model: model=hf or model=tiny_lm"
+        else:
+            valid = f"with a language model: {', '.join(token_kinds)}"
+        raise HookrunError(f"dataset.kind: {cfg.kind}; valid {valid}")
+    if tokenizer is not None:
+        return _limited(kind.build(cfg, seed, tokenizer), limit)
+    data = _limited(kind.build(cfg, seed), limit)
     for _, path, _ in _file_rows(data) or ():
         check_image(path)
     return data
@@ -112,12 +126,21 @@ def has_labels(data: Dataset) -> bool:
     return bool(getattr(data, "has_labels", False))
 
 
+def token_data(data: Dataset) -> Any:
+    """The token dataset (data/tokens.py) under `data`'s subsets, or None for other data."""
+    while isinstance(data, Subset):
+        data = data.dataset
+    return data if getattr(data, "tokens", False) else None
+
+
 def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
-    """(dataset index, source path, label) of every row, in row order, for datasets read
-    from files (an image folder); None for others."""
+    """(dataset index, source path, label or line) of every row, in row order, for datasets
+    read from files (an image folder, text); None for others."""
     rows: Any = range(len(data))  # type: ignore[arg-type]
     while isinstance(data, Subset):
         rows, data = [data.indices[i] for i in rows], data.dataset
+    if getattr(data, "tokens", False):
+        return [(i, *data.sources[i]) for i in rows]
     samples = getattr(data, "samples", None)
     if not isinstance(samples, list):
         return None
@@ -132,12 +155,14 @@ def files_fingerprint(data: Dataset) -> str:
     if rows is None:
         return ""
     digest = hashlib.sha256()
+    sizes: dict[str, int] = {}  # a text file is the source of many rows
     for _, path, label in rows:
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            size = -1  # unreadable now: the read names it
-        digest.update(f"{path}\t{size}\t{label}\n".encode())
+        if path not in sizes:
+            try:
+                sizes[path] = os.stat(path).st_size
+            except OSError:
+                sizes[path] = -1  # unreadable now: the read names it
+        digest.update(f"{path}\t{sizes[path]}\t{label}\n".encode())
     return digest.hexdigest()
 
 
@@ -149,10 +174,17 @@ class SourceFiles:
     # UTF-8 bytes of the longest path of the whole run, known before its first batch: one
     # width for every batch, every torchrun shard and every resumed run.
     width: int
+    # Text: each row's 1-based line in its file (/samples/line); None for image files.
+    lines: dict[int, int] | None = None
 
     def of(self, index: torch.Tensor) -> list[str]:
         """The source files of a batch's rows, by dataset index."""
         return [self.by_index[int(i)] for i in index]
+
+    def lines_of(self, index: torch.Tensor) -> torch.Tensor:
+        """The source lines of a batch's rows, by dataset index (int64)."""
+        assert self.lines is not None
+        return torch.tensor([self.lines[int(i)] for i in index], dtype=torch.int64)
 
 
 def source_files(data: Dataset) -> SourceFiles | None:
@@ -162,7 +194,9 @@ def source_files(data: Dataset) -> SourceFiles | None:
     if rows is None:
         return None
     by_index = {i: os.path.abspath(path) for i, path, _ in rows}
-    return SourceFiles(by_index, max((len(os.fsencode(p)) for p in by_index.values()), default=1))
+    lines = {i: int(line) for i, _, line in rows} if token_data(data) is not None else None
+    width = max((len(os.fsencode(p)) for p in set(by_index.values())), default=1)
+    return SourceFiles(by_index, width, lines)
 
 
 def worker_init(worker_id: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from hookrun.engine.positions import Positions, parse_positions
 from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
 from hookrun.registry import Registry
@@ -58,6 +59,8 @@ class Action:
     captures: ClassVar[bool] = False
     # Puts stored rows in per sample (patch): needs a site with one row per sample.
     reads_rows: ClassVar[bool] = False
+    # `args.positions` on token data (engine/positions.py): where along the tokens it acts.
+    positions: Positions | None = None
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -80,6 +83,8 @@ class Action:
     def describe(self) -> str:
         """`clamp{min=0.0}`: how the plan prints this action."""
         items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
+        if self.positions is not None:
+            items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
         return f"{self.name}{{{items}}}" if items else self.name
 
 
@@ -241,7 +246,16 @@ class Noise(Action):
 def build_action(name: str, args: dict[str, Any], key: str) -> Action:
     """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
     cls = ACTIONS.get(name, f"{key}.action")
+    args = dict(args)
+    positions = parse_positions(args.pop("positions", None), f"{key}.args.positions")
+    if positions is not None and cls.reads_rows:
+        raise HookrunError(
+            f"{key}.args.positions: {positions.describe()} with action {name}, which puts "
+            "whole stored rows back; valid: no positions (patch the whole tensor)"
+        )
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     check_finite(f"{key}.args", parsed)
     cls.check(parsed, key)
-    return cls(parsed)
+    action = cls(parsed)
+    action.positions = positions
+    return action

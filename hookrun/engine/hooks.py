@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from hookrun.engine.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
 from hookrun.engine.leaves import leaves, rebuild
 from hookrun.engine.plan import HookPlan, PlannedHook
+from hookrun.engine.positions import act_at
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.engine.transfer import HostCopier
@@ -66,6 +67,8 @@ class Recorder:
         """Start a batch whose first row is dataset position `batch_start`."""
         self.batch_start = batch_start
         self.rows = torch.zeros(0, dtype=torch.int64)  # the batch's dataset indices (runner)
+        # Token data: the batch's attention mask (N, T), where `args.positions` count from.
+        self.mask: torch.Tensor | None = None
         self.records: dict[str, torch.Tensor] = {}
         self.calls: defaultdict[str, int] = defaultdict(int)
         # Where each backward pass must reach: one edge per hooked gradient tensor.
@@ -117,7 +120,7 @@ def _apply(
     hooks: list[PlannedHook], tensor: torch.Tensor, recorder: Recorder, key: str
 ) -> torch.Tensor:
     for hook in hooks:
-        tensor = hook.action.apply(tensor, _Context(recorder, hook.name, key))
+        tensor = act_at(hook.action, tensor, _Context(recorder, hook.name, key), recorder.mask)
     return tensor
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from hookrun.engine.actions import Action
 from hookrun.engine.functions import resolve_words
+from hookrun.engine.positions import positions_shape
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
@@ -152,7 +153,10 @@ class HookPlan:
         out = {}
         for hook, key, leaf in self.sites(shapes):
             if hook.action.captures:
-                out[key] = hook.action.stored_shape(leaf.shape, f"hooks.{hook.name}")
+                shape = leaf.shape
+                if hook.action.positions is not None:
+                    shape = positions_shape(hook.action.positions, shape)
+                out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
                 if leaf.fold != 1 and out[key] != leaf.shape:
                     raise HookrunError(
                         f"hooks.{hook.name}.args.pool: /{key} {_rows_text(leaf)}, not feature "

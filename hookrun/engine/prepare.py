@@ -23,8 +23,10 @@ from hookrun.data.loader import (
     files_fingerprint,
     has_labels,
     source_files,
+    token_data,
     wrap_dataset,
 )
+from hookrun.data.tokens import check_vocab
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
@@ -32,6 +34,7 @@ from hookrun.engine.plan_text import FileShape, describe_plan, describe_results
 from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
+from hookrun.engine.tokencheck import check_token_run
 from hookrun.errors import HookrunError
 from hookrun.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.evaluate.registry import Stored
@@ -44,6 +47,7 @@ from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
 from hookrun.methods.layouts import axis_facts
 from hookrun.methods.registry import Derivation, plan_derivations
+from hookrun.models.hf import load_tokenizer, model_vocabulary
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
@@ -54,7 +58,7 @@ __all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
 
 log = logging.getLogger("hookrun")
 
-STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,9 @@ def _prepare(
         shape = tuple(data[0][0].shape)
         check_sizes(spec.batch_size, spec.limit, spec.derive, shape, len(data))
     else:
-        data = build_dataset(spec.dataset, spec.seed, spec.limit)
+        # A language model's token data is read with its tokenizer (no weights loaded yet).
+        tokenizer = load_tokenizer(spec.model) if spec.model.source == "hf" else None
+        data = build_dataset(spec.dataset, spec.seed, spec.limit, tokenizer)
     if caller.model is not None:
         model, weights_file = caller.model, None
     else:
@@ -175,6 +181,9 @@ def _prepare(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
     model.to(device)
+    tokens = token_data(data)
+    if tokens is not None:
+        check_vocab(tokens, model_vocabulary(model))
     sample = data[0][0].to(device)
     try:  # the first forward passes of the user's model: a failure there is bad input
         spec = resolve_cam_layer(spec, model, sample)
@@ -188,6 +197,7 @@ def _prepare(
             f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
             f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
         ) from None
+    check_token_run(spec, plan, shapes, data, tokens)
     plan, idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:

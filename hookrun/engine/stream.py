@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import Subset
 from tqdm import tqdm
 
-from hookrun.data.loader import SourceFiles, has_labels, make_loader
+from hookrun.data.loader import SourceFiles, has_labels, make_loader, token_data
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
 from hookrun.engine.interrupt import until_signal
 from hookrun.engine.leaves import model_logits
@@ -28,6 +28,7 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.randomize import weights_kept
 from hookrun.evaluate.sanity import PreparedMethod
 from hookrun.io import layout
+from hookrun.io.encoding import path_rows
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.methods.registry import BatchContext, derive
 from hookrun.scale import distributed
@@ -43,6 +44,10 @@ class RowFacts:
 
     labelled: bool = False
     files: SourceFiles | None = None
+    # Token data (data/tokens.py): ids to /samples/tokens, the attention mask to the hooks'
+    # `args.positions` and, where rows are padded, to /samples/mask.
+    tokens: bool = False
+    padded: bool = False
 
 
 class BatchStep:
@@ -70,8 +75,11 @@ class BatchStep:
         recorder.begin(int(index[0]))
         recorder.rows = index
         timer = recorder.timer
+        host = inputs
         inputs = inputs.to(self.device, non_blocking=True)
         self.inputs = inputs  # before any hook changed it: what derived passes start from
+        if self.facts.tokens:
+            recorder.mask = inputs[:, 1]
         if plan.needs_backward:
             with torch.enable_grad():
                 with timer.stage("forward"):
@@ -95,7 +103,13 @@ class BatchStep:
             records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
         files = self.facts.files
         if files is not None:
-            records[layout.SAMPLES_PATH] = layout.path_rows(files.of(index), files.width)
+            records[layout.SAMPLES_PATH] = path_rows(files.of(index), files.width)
+            if files.lines is not None:
+                records[layout.SAMPLES_LINE] = files.lines_of(index)
+        if self.facts.tokens:
+            records[layout.SAMPLES_TOKENS] = host[:, 0].to(torch.int32)
+            if self.facts.padded:
+                records[layout.SAMPLES_MASK] = host[:, 1].to(torch.bool)
         return records
 
     def context(self) -> BatchContext:
@@ -208,7 +222,9 @@ def stream(run: Prepared) -> int:
     todo = Subset(run.data, range(mine.start + run.done, mine.stop))
     copier = HostCopier()
     recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
-    facts = RowFacts(has_labels(run.data), run.files)
+    tokens = token_data(run.data)
+    padded = bool(getattr(tokens, "padded", False))
+    facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
     options = SinkOptions(

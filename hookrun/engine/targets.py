@@ -15,6 +15,10 @@ from hookrun.spec.schema import TargetConfig, TargetKind
 
 __all__ = ["NO_TARGET", "check_target", "choose_targets", "target_scores", "backward_seed"]
 
+# Kinds whose target is each row's label: a class, or a language model's token (the token
+# data puts a text row's next token or a prompt's answer token there).
+_FROM_LABELS = (TargetKind.label, TargetKind.next_token, TargetKind.answer)
+
 # Stored in /samples/target when the backward pass starts from no single class (sum, none).
 NO_TARGET = -1
 
@@ -27,10 +31,10 @@ def check_target(target: TargetConfig, output_shape: tuple[int, ...], has_labels
             f"target.index: {target.index} is out of range for a model output of {classes} "
             f"value(s) per sample; valid: 0..{classes - 1}"
         )
-    if target.kind == TargetKind.label and not has_labels:
+    if target.kind in _FROM_LABELS and not has_labels:
         raise HookrunError(
-            "target.kind: 'label' but this dataset has no labels; valid here: predicted, "
-            "index, sum, none"
+            f"target.kind: '{target.kind.value}' but this dataset has no labels (for answer: "
+            "no row has an answer); valid here: predicted, index, sum, none"
         )
 
 
@@ -44,12 +48,12 @@ def choose_targets(
         return flat.argmax(dim=1).cpu()
     if target.kind == TargetKind.index:
         return torch.full((n,), int(target.index), dtype=torch.int64)
-    if target.kind == TargetKind.label:
+    if target.kind in _FROM_LABELS:
         bad = (labels < 0) | (labels >= classes)
         if bool(bad.any()):
             raise HookrunError(
-                f"target.kind: 'label', but a sample has label {int(labels[bad][0])} and the "
-                f"model has {classes} outputs; valid labels: 0..{classes - 1}"
+                f"target.kind: '{target.kind.value}', but a sample has label "
+                f"{int(labels[bad][0])} and the model has {classes} outputs; valid labels: 0..{classes - 1}"
             )
         return labels.to(torch.int64).cpu()
     return torch.full((n,), NO_TARGET, dtype=torch.int64)

@@ -26,6 +26,7 @@ from hookrun.io.layout import (
     SAMPLES_INDEX,
     Provenance,
     dataset_names,
+    mark_bfloat16,
     mark_completed,
     mark_rows,
     mark_status,
@@ -180,6 +181,8 @@ class CapturesFile:
             track_times=False,  # same numbers → same bytes, whenever the run happened
         )
         mark_rows(ds, fold, self.options.batch_size)
+        if self.options.dtype == "bfloat16" and array.dtype == np.uint16:
+            mark_bfloat16(ds)  # only floats reach the file as uint16
 
     def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
         """Final status (`complete`; `failed` or `interrupted` with the error recorded), then

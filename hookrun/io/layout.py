@@ -16,7 +16,6 @@ every row up to `completed` intact, and io/stored.py copies them into a fresh fi
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,9 @@ __all__ = [
     "SAMPLES_PATH",
     "SAMPLES_TOKENS",
     "SAMPLES_MASK",
-    "path_rows",
+    "SAMPLES_LINE",
+    "mark_bfloat16",
+    "is_bfloat16",
     "read_paths",
     "MODEL_OUTPUT",
     "INPUT_PHOTO",
@@ -96,6 +97,7 @@ SAMPLES_TARGET = "samples/target"
 SAMPLES_PATH = "samples/path"
 SAMPLES_TOKENS = "samples/tokens"  # token ids (N, T) of token data
 SAMPLES_MASK = "samples/mask"  # (N, T) bool, True at real tokens, when rows are padded
+SAMPLES_LINE = "samples/line"  # text: each row's 1-based line in its /samples/path file
 MODEL_OUTPUT = "model/output"
 
 
@@ -171,14 +173,6 @@ def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
     for name, value in src.attrs.items():
         if name not in SCALE_ATTRS:
             dst.attrs[name] = value
-
-
-def path_rows(paths: list[str], width: int) -> np.ndarray:
-    """Rows of /samples/path: UTF-8 of `width` bytes each. One width for the whole run,
-    from every file it reads, so resumed rows and torchrun shards share one dtype (HDF5
-    virtual datasets cannot hold variable-length strings). A file name that is not UTF-8
-    keeps its bytes (os.fsencode), and `read_paths` gives back the same str."""
-    return np.array([os.fsencode(p) for p in paths], dtype=h5py.string_dtype("utf-8", width))
 
 
 def read_paths(f: h5py.File) -> list[str] | None:
@@ -303,6 +297,20 @@ def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
     batch of `batch_size`); set before SWMR starts, which allows no new attributes."""
     if fold != 1:
         ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
+
+
+# A dataset of bfloat16 values stored as their raw bits (uint16): `dtype` says so. Read back
+# exactly as float32 by shifting the bits into a float32's high half:
+# (ds[...].astype(np.uint32) << 16).view(np.float32)
+STORED_DTYPE = "dtype"
+
+
+def mark_bfloat16(ds: h5py.Dataset) -> None:
+    ds.attrs[STORED_DTYPE] = "bfloat16"
+
+
+def is_bfloat16(ds: h5py.Dataset) -> bool:
+    return ds.attrs.get(STORED_DTYPE) == "bfloat16"
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:

@@ -26,6 +26,7 @@ from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.appender import CapturesFile, FileOptions
 from hookrun.io.dimensions import AxisFacts
+from hookrun.io.encoding import host_array
 from hookrun.io.layout import Provenance
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
@@ -210,9 +211,5 @@ class HDF5Sink:
 
     def _append(self, batch: dict[str, Any]) -> None:
         assert self._file is not None
-        self._file.append(
-            {
-                k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-                for k, v in batch.items()
-            }
-        )
+        bits = self.options.dtype == "bfloat16"
+        self._file.append({k: host_array(v, bits) for k, v in batch.items()})

@@ -176,7 +176,16 @@ def _axes(shape: tuple[int, ...], image: tuple[int, int] | None, prefix: int | N
 
 
 # Per-row axes of a capture when the input is token ids (T,): by (rank, first axis is T).
-_SEQUENCE = {(2, True): ("token", "feature"), (3, False): ("head", "query", "key")}
+# A language model's tensors by (rank per row, whether the first axis is the T positions):
+# block outputs, one position's vector (`args.positions: last`), listed positions, attention.
+_SEQUENCE = {
+    (2, True): ("token", "feature"),
+    (1, False): ("feature",),
+    (2, False): ("position", "feature"),
+    (3, False): ("head", "query", "key"),
+}
+# The token sample (data/tokens.py): ids, attention mask and read marker over T positions.
+_TOKEN_INPUT = ("part", "token")
 
 
 def axis_facts(
@@ -186,12 +195,13 @@ def axis_facts(
     sample: torch.Tensor,
 ) -> AxisFacts:
     """What the run knows of its axes, for their names in captures.h5: the model input's
-    (an image is channels-first; token ids are tokens) and each capture's per-row shape
-    (`captures`: path → stored shape per row) read as the CAM layouts read a layer; none
+    (an image is channels-first; a token sample is its parts × tokens) and each capture's
+    per-row shape (`captures`: path → stored shape per row) read as the CAM layouts read; none
     for a tensor stored once per batch (a table, not a sample's map)."""
     image = (int(sample.shape[-2]), int(sample.shape[-1])) if sample.dim() >= 2 else None
-    if sample.dim() == 1 and not sample.is_floating_point():
-        given: tuple[str, ...] = ("token",)
+    tokens = sample.dim() == 2 and not sample.is_floating_point()
+    if tokens:
+        given: tuple[str, ...] = _TOKEN_INPUT
     else:
         given = _axes(tuple(sample.shape), image, 0, True)
     prefix, modules = prefix_tokens_of(model), dict(model.named_modules())
@@ -205,8 +215,8 @@ def axis_facts(
             continue
         if layer == INPUT_LAYER:
             tensors[key] = given
-        elif given == ("token",):  # a language model: (T, D) per token, (heads, T, T)
-            first_is_t = bool(row) and row[0] == sample.shape[0]
+        elif tokens:  # a language model: (T, D) per token, (heads, T, T)
+            first_is_t = bool(row) and row[0] == sample.shape[-1]
             tensors[key] = _SEQUENCE.get((len(row), first_is_t), ())
         else:
             tensors[key] = _axes(row, image, prefix, conv)

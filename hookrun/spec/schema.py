@@ -60,11 +60,18 @@ class TargetKind(str, Enum):
     index = "index"
     sum = "sum"
     none = "none"
+    # Language models (token data): the actual next token of a text row at its read
+    # position (dataset.read), or the first token of a prompt's answer — the row's label.
+    next_token = "next_token"
+    answer = "answer"
 
 
 class StoreDtype(str, Enum):
     float32 = "float32"
     float16 = "float16"
+    # Stored as its raw 16 bits (uint16) with the attribute dtype=bfloat16 (io/layout.py):
+    # h5py and numpy have no bfloat16, and the bits read back exactly.
+    bfloat16 = "bfloat16"
 
 
 class Compression(str, Enum):

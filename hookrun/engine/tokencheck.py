@@ -1,0 +1,90 @@
+"""What a run on token data (a language model) may and may not ask for, checked before any work.
+
+The model's input is token ids, so nothing differentiates it: gradient methods on the input
+(derive, evaluate, sanity, an input gradient) are refused with where a gradient does exist
+(the embeddings' output). `args.positions` needs token data and a (tokens, ...) site; listed
+positions must lie inside every row's real tokens. `target.kind` next_token reads text rows'
+next token, answer a prompt's answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from hookrun.engine.plan import CallShapes, HookPlan
+from hookrun.engine.positions import check_lengths, check_positions
+from hookrun.engine.selectors import INPUT_LAYER
+from hookrun.errors import HookrunError
+from hookrun.spec.build import RunSpec
+from hookrun.spec.schema import Site, TargetKind
+
+__all__ = ["check_token_run"]
+
+_GRADIENT_HINT = (
+    "a language model's input is token ids, which have no gradient; valid: a gradient site "
+    "on the embeddings' output, e.g. select: {name: transformer.wte}, at: grad_output"
+)
+# The data kind whose rows carry each language-model target's token.
+_TARGET_DATA = {TargetKind.next_token: "text", TargetKind.answer: "prompts"}
+
+
+def _shortest(data: Dataset, tokens: Any) -> int:
+    """The fewest real tokens of any row of the run."""
+    if not getattr(tokens, "padded", False):
+        return int(data[0][0].shape[-1])
+    return min(int(data[i][0][1].sum()) for i in range(len(data)))  # type: ignore[arg-type]
+
+
+def _check_targets(spec: RunSpec, tokens: Any) -> None:
+    kind = spec.target.kind
+    need = _TARGET_DATA.get(kind)
+    if need is None:
+        return
+    if tokens is None or spec.dataset.kind != need:
+        raise HookrunError(
+            f"target.kind: {kind.value} reads the token each row of dataset={need} names, but "
+            f"the dataset is {spec.dataset.kind}; valid here: "
+            + ", ".join(k.value for k in TargetKind if k not in _TARGET_DATA)
+        )
+
+
+def check_token_run(
+    spec: RunSpec,
+    plan: HookPlan,
+    shapes: Mapping[str, list[CallShapes]],
+    data: Dataset,
+    tokens: Any,
+) -> None:
+    """Refuse what a run on token data (`tokens`: the token dataset, or None for other data)
+    cannot do, each in one line naming the key."""
+    _check_targets(spec, tokens)
+    if tokens is None:
+        for hook in plan.hooks:
+            if hook.action.positions is not None:
+                raise HookrunError(
+                    f"hooks.{hook.name}.args.positions: {hook.action.positions.describe()}, but "
+                    f"dataset={spec.dataset.kind} has no tokens; valid: positions only with "
+                    "token data (dataset=text, dataset=prompts)"
+                )
+        return
+    if spec.derive:
+        raise HookrunError(f"derive: {', '.join(spec.derive)}: {_GRADIENT_HINT}")
+    if spec.evaluate is not None:
+        raise HookrunError(f"evaluate: {_GRADIENT_HINT}")
+    if spec.sanity is not None:
+        raise HookrunError(f"sanity: {_GRADIENT_HINT}")
+    length, shortest = int(data[0][0].shape[-1]), None
+    for hook, _, leaf in plan.sites(shapes):
+        key = f"hooks.{hook.name}"
+        if INPUT_LAYER in hook.layers and hook.site == Site.grad_output:
+            raise HookrunError(f"{key}: the input's gradient: {_GRADIENT_HINT}")
+        positions = hook.action.positions
+        if positions is None:
+            continue
+        check_positions(positions, leaf.shape, length, f"{key}.args.positions")
+        if positions.items:
+            shortest = _shortest(data, tokens) if shortest is None else shortest
+            check_lengths(positions, shortest, f"{key}.args.positions")

@@ -1,0 +1,57 @@
+"""A captured language-model tensor as a token-by-feature matrix for training (an SAE, a
+probe): `Activations(path, "captures/transformer.h.1/output")` is a torch Dataset whose item
+i is the feature vector (D,) of the i-th real token of the run — padding skipped through
+/samples/mask — read from the file a block of rows at a time, so memory holds one block,
+not the corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hookrun.io.encoding import read_floats
+from hookrun.io.layout import SAMPLES_MASK, open_readonly, read_state
+
+__all__ = ["Activations"]
+
+
+class Activations(Dataset):
+    """Token i of a (N, T, D) capture as a float32 tensor (D,). Sequential reads (a sampler
+    that walks blocks in order, or shuffling inside blocks) read each block once; `block`
+    is the rows per read (default: the dataset's HDF5 chunk rows). Only the rows the file
+    counts as complete are read (a running or killed run's file works)."""
+
+    def __init__(self, path: str | Path, key: str, block: int | None = None) -> None:
+        self.path, self.key = Path(path), key
+        with open_readonly(self.path) as f:
+            ds = f[key]
+            rows = read_state(f).completed
+            if ds.ndim != 3:
+                raise ValueError(f"{key} has shape {ds.shape}; valid: a (N, T, D) capture")
+            self.tokens, self.features = ds.shape[1], ds.shape[2]
+            self.block = block or (ds.chunks[0] if ds.chunks else 64)
+            mask = f[SAMPLES_MASK][:rows] if SAMPLES_MASK in f else None
+        # Flat positions n * T + t of the real tokens; None: every position is one.
+        self.real = np.flatnonzero(mask.reshape(-1)) if mask is not None else None
+        self.rows = rows
+        self._cache: tuple[int, np.ndarray] | None = None
+        self._file = None  # opened on first read, in the process (DataLoader worker) reading
+
+    def __len__(self) -> int:
+        return len(self.real) if self.real is not None else self.rows * self.tokens
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        flat = int(self.real[i]) if self.real is not None else i
+        row, token = divmod(flat, self.tokens)
+        start = row - row % self.block
+        if self._cache is None or self._cache[0] != start:
+            if self._file is None:
+                self._file = open_readonly(self.path)
+            stop = min(start + self.block, self.rows)
+            self._cache = (start, np.asarray(read_floats(self._file[self.key], slice(start, stop))))
+        return torch.from_numpy(np.array(self._cache[1][row - start, token], dtype=np.float32))

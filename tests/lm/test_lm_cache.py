@@ -1,0 +1,83 @@
+"""experiment=lm_cache as users run it: SIGKILL mid-stream then resume=true gives the bytes of
+an uninterrupted run; two torchrun processes give the single-process numbers; the dry run
+says the file's size; the Activations dataset reads the capture as a token × feature matrix."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+from conftest import hookrun_cli, killed_after, read, run_config, torchrun
+from lm_models import SENTENCES, save_lm
+
+from hookrun.io.activations import Activations
+from hookrun.verify import verify
+
+
+def _corpus(path, lines: int):
+    words = " ".join(SENTENCES).split()
+    text = [
+        " ".join(words[(i * 7) % len(words) :] + words[: (i * 7) % len(words)])
+        for i in range(lines)
+    ]
+    path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    return path
+
+
+def _args(tmp_path, lines: int, batch: int) -> list[str]:
+    if not (tmp_path / "lm").exists():
+        save_lm(tmp_path / "lm", "gpt2")
+    corpus = _corpus(tmp_path / "corpus.txt", lines)
+    return [
+        "experiment=lm_cache",
+        "model=hf",
+        f"model.path={tmp_path / 'lm'}",
+        f"dataset.path={corpus}",
+        "dataset.context=16",
+        f"batch_size={batch}",
+        "progress=false",
+    ]
+
+
+def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
+    args = _args(tmp_path, 400, 2)
+    reference = run_config(tmp_path / "reference", args).path
+    with h5py.File(reference) as f:
+        rows = f["samples/tokens"].shape[0]
+        assert f["captures/transformer.h.1/output"].dtype == np.float16
+        assert f["samples/line"][0] == 1 and f["samples/path"][0].decode().endswith("corpus.txt")
+    run_dir = tmp_path / "killed"
+    seen = killed_after(args, tmp_path, run_dir, 6)
+    assert seen < rows, "the run must be killed mid-stream"
+    proc = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed, expected = read(run_dir / "captures.h5"), read(reference)
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        assert resumed[key].tobytes() == expected[key].tobytes(), key
+    assert verify(run_dir / "captures.h5")[0]
+
+
+def test_two_torchrun_processes_give_the_single_process_numbers(tmp_path):
+    args = _args(tmp_path, 40, 3)
+    single = read(run_config(tmp_path / "single", args).path)
+    job = torchrun([*args, f"hydra.run.dir={tmp_path / 'sharded'}"], tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+    joined = read(tmp_path / "sharded" / "captures.h5")
+    assert joined.keys() == single.keys()
+    for key in single:
+        np.testing.assert_array_equal(joined[key], single[key], err_msg=key)
+
+
+def test_dry_run_says_the_size_and_activations_read_the_tokens_in_order(tmp_path):
+    args = _args(tmp_path, 20, 4)
+    dry = hookrun_cli([*args, "dry_run=true"], tmp_path)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "captures/transformer.h.1/output" in dry.stdout + dry.stderr
+    path = run_config(tmp_path / "run", args).path
+    with h5py.File(path) as f:
+        whole = f["captures/transformer.h.0/output"][:].astype(np.float32)
+    matrix = Activations(path, "captures/transformer.h.0/output", block=3)
+    assert len(matrix) == whole.shape[0] * whole.shape[1]  # packed rows: no padding
+    picked = [5, 0, len(matrix) - 1, 17]
+    for i in picked:
+        np.testing.assert_array_equal(matrix[i].numpy(), whole.reshape(-1, whole.shape[2])[i])

@@ -1,0 +1,150 @@
+"""Captures on language models equal a hand-written `register_forward_hook` loop on the same
+Hugging Face model, row by row without padding, at every position kind, for GPT-2, Llama,
+GPT-NeoX and BERT; bfloat16 captures read back exactly; what token data cannot do is refused."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import hook, run_config
+from lm_models import FAMILIES, save_lm, write_jsonl
+
+from hookrun.errors import HookrunError
+from hookrun.io.encoding import read_floats
+
+BLOCKS = r"'(transformer\.h|model\.layers|gpt_neox\.layers|bert\.encoder\.layer)\.\d+'"
+PROMPTS = [
+    {"prompt": "The cat sat on the", "answer": " mat"},
+    {"prompt": "A quick brown fox", "answer": " jumps"},
+    {"prompt": "Hooks", "answer": " capture"},
+    {"prompt": "def add(a, b): return a +", "answer": " b"},
+    {"prompt": "The lazy dog sat", "answer": " on"},
+]
+
+
+def _hand_blocks(model, ids: list[int], pattern: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each block's output (T, D) and the logits (T, V) for one unpadded row, by hand."""
+    seen: list[torch.Tensor] = []
+    modules = dict(model.named_modules())
+    handles = [
+        modules[pattern.format(i)].register_forward_hook(
+            lambda m, a, o: seen.append((o[0] if isinstance(o, tuple) else o)[0].detach())
+        )
+        for i in range(2)
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, logits
+
+
+def _overrides(folder, kind: str, data, positions: str) -> list[str]:
+    return [
+        "model=hf",
+        f"model.path={folder}",
+        f"model.class={kind}",
+        "dataset=prompts",
+        f"dataset.path={data}",
+        "batch_size=3",
+        "render=false",
+        "target.kind=answer",
+        f"++hooks.blocks.select.regex={BLOCKS}",
+        "++hooks.blocks.at=output",
+        "++hooks.blocks.action=capture",
+        f"++hooks.blocks.args.positions={positions}",
+    ]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_block_captures_equal_a_hand_hook_loop_at_every_position_kind(tmp_path, family):
+    model, kind = save_lm(tmp_path / "lm", family)
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    pattern = FAMILIES[family][2]
+    for positions in ("all", "last", "[0,-2]"):
+        out = tmp_path / positions.strip("[]").replace(",", "_")
+        result = run_config(out, _overrides(tmp_path / "lm", kind, data, positions))
+        with h5py.File(result.path) as f:
+            tokens, mask = f["samples/tokens"][:], f["samples/mask"][:]
+            assert tokens.dtype == np.int32 and mask.dtype == bool
+            stored = {i: f[f"captures/{pattern.format(i)}/output"][:] for i in range(2)}
+            output, target = f["model/output"][:], f["samples/target"][:]
+        assert mask.sum(1).tolist() == [len(row) for row in _row_ids(tokens, mask)]
+        assert len(set(mask.sum(1).tolist())) > 1  # the rows are padded: lengths differ
+        for n, ids in enumerate(_row_ids(tokens, mask)):
+            blocks, logits = _hand_blocks(model, ids, pattern)
+            length = len(ids)
+            picked = {"all": slice(None), "last": length - 1, "[0,-2]": [0, length - 2]}
+            want = picked[positions]
+            for i in range(2):
+                got = stored[i][n][:length] if positions == "all" else stored[i][n]
+                np.testing.assert_allclose(got, blocks[i][want].numpy(), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(output[n], logits[length - 1].numpy(), atol=1e-5)
+        answers = [model_tokenizer_first(tmp_path / "lm", r["answer"]) for r in PROMPTS]
+        assert target.tolist() == answers
+
+
+def _row_ids(tokens: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    return [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
+
+
+def model_tokenizer_first(folder, answer: str) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return tok(answer, add_special_tokens=False)["input_ids"][0]
+
+
+def test_bfloat16_captures_read_back_exactly(tmp_path):
+    model, kind = save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    overrides = [*_overrides(tmp_path / "lm", kind, data, "last"), "sink.dtype=bfloat16"]
+    result = run_config(tmp_path / "run", overrides)
+    with h5py.File(result.path) as f:
+        ds = f["captures/transformer.h.1/output"]
+        assert ds.dtype == np.uint16 and ds.attrs["dtype"] == "bfloat16"
+        got = read_floats(ds)
+        tokens, mask = f["samples/tokens"][:], f["samples/mask"][:]
+    for n, ids in enumerate(_row_ids(tokens, mask)):
+        blocks, _ = _hand_blocks(model, ids, "transformer.h.{}")
+        want = blocks[1][len(ids) - 1].to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(got[n], want)  # exactly the bfloat16 values
+
+
+def test_what_token_data_cannot_do_is_refused_naming_the_key(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    base = _overrides(tmp_path / "lm", "causal_lm", data, "last")
+    cases = {
+        "hooks.blocks.args.positions: position 9 is past the shortest row": [
+            *base,
+            "++hooks.blocks.args.positions=[0,9]",
+        ],
+        "derive: saliency": [*base, "++derive.saliency={}"],
+        "target.kind: next_token": [*base, "target.kind=next_token"],
+        "hooks.blocks.args.positions: 'middle'": [*base, "++hooks.blocks.args.positions=middle"],
+    }
+    for said, overrides in cases.items():
+        with pytest.raises(HookrunError) as err:
+            run_config(tmp_path / "refused", overrides)
+        assert said in str(err.value), (said, str(err.value))
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "refused" / "captures.h5").exists()
+
+
+def test_positions_on_image_data_are_refused(tmp_path):
+    overrides = [
+        "model=seed_convnet",
+        "dataset=constant",
+        "dataset.shape=[1,4,4]",
+        "dataset.size=1",
+        "render=false",
+        *hook("c", "conv", "output", "capture"),
+        "++hooks.c.args.positions=last",
+    ]
+    with pytest.raises(HookrunError, match=r"hooks\.c\.args\.positions: last, but dataset="):
+        run_config(tmp_path, overrides)
