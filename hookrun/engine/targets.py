@@ -53,7 +53,8 @@ def choose_targets(
         if bool(bad.any()):
             raise HookrunError(
                 f"target.kind: '{target.kind.value}', but a sample has label "
-                f"{int(labels[bad][0])} and the model has {classes} outputs; valid labels: 0..{classes - 1}"
+                f"{int(labels[bad][0])} and the model has {classes} outputs; valid labels: "
+                f"0..{classes - 1}"
             )
         return labels.to(torch.int64).cpu()
     return torch.full((n,), NO_TARGET, dtype=torch.int64)
