@@ -88,7 +88,16 @@ def string_field(row: dict[str, Any], name: str, where: tuple[str, int], key: st
     """`row[name]` when it is a string, None when it is absent or null; refused naming `key`
     and the line when it is anything else."""
     value = row.get(name)
-    if value is None or isinstance(value, str):
+    if value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # a JSON escape such as \ud800 is a lone surrogate
+        except UnicodeEncodeError as err:
+            raise HookrunError(
+                f"{key}: {where[0]}:{where[1]}: {name!r} holds the lone surrogate "
+                f"U+{ord(value[err.start]):04X}, not UTF-8 text; valid: a string of characters"
+            ) from None
         return value
     kind = type(value).__name__
     raise HookrunError(

@@ -250,6 +250,7 @@ BAD_LINES = [
     ("t.jsonl", b'{"text": "the"}\n{"text": 5}\n', {}, "dataset.field", 2, "a string"),
     ("t.jsonl", b'{"body": "the"}\n{"body": null}\n', {"field": "body"}, "dataset.field", 2, ""),
     ("t.txt", b"the cat\nthe \xff cat\n", {}, "dataset.path", 2, "UTF-8"),
+    ("t.jsonl", b'{"text": "a"}\n{"text": "the \\ud800"}\n', {}, "dataset.field", 2, "UTF-8"),
     ("t.txt", b"the cat\ndog\n", {"pack": False}, "dataset.read", 2, "tokens"),
     ("t.txt", b"the cat\ndog\n", {"pack": False, "read": 0}, "dataset.read", 2, ""),
 ]
