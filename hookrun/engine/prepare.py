@@ -23,10 +23,9 @@ from hookrun.data.loader import (
     files_fingerprint,
     has_labels,
     source_files,
-    token_data,
     wrap_dataset,
 )
-from hookrun.data.tokens import check_vocab
+from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
@@ -181,7 +180,7 @@ def _prepare(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
     model.to(device)
-    tokens = token_data(data)
+    tokens = token_rows(data)
     if tokens is not None:
         check_vocab(tokens, model_vocabulary(model))
     sample = data[0][0].to(device)
