@@ -261,9 +261,11 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
 def _check_vocab(cfg: ModelConfig, size: Any, tokenizer: Any) -> None:
     if not isinstance(size, int) or size >= len(tokenizer):
         return
-    key = "model.config.vocab_size" if cfg.config is not None else "model.path"
+    key, what = "model.config.vocab_size", str(size)
+    if cfg.config is None:
+        key, what = "model.path", f"{cfg.path}/config.json's vocab_size {size}"
     raise HookrunError(
-        f"{key}: vocab_size {size} is below the tokenizer's {len(tokenizer)} tokens; valid: "
+        f"{key}: {what} is below the tokenizer's {len(tokenizer)} tokens; valid: "
         f"vocab_size >= {len(tokenizer)} (a token id past the embedding would fail)"
     )
 
