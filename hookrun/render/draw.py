@@ -66,12 +66,10 @@ def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
 
 
 def _class_names(config: dict) -> list[str] | None:
-    from hookrun.models.sources import class_names
-    from hookrun.spec.schema import ModelConfig
-    from hookrun.typed import parse_typed
+    from hookrun.models.sources import class_names, parse_model
 
     try:
-        return class_names(parse_typed(config.get("model", {}), ModelConfig, "model"))
+        return class_names(parse_model(config.get("model", {})))
     except Exception:  # an old or foreign file: draw without names rather than fail
         return None
 
