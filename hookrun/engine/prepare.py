@@ -46,7 +46,7 @@ from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
 from hookrun.methods.layouts import axis_facts
 from hookrun.methods.registry import Derivation, plan_derivations
-from hookrun.models.hf import load_tokenizer, model_vocabulary
+from hookrun.models.hf import load_tokenizer
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
@@ -182,7 +182,7 @@ def _prepare(
     model.to(device)
     tokens = token_rows(data)
     if tokens is not None:
-        check_vocab(tokens, model_vocabulary(model))
+        check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
     sample = data[0][0].to(device)
     try:  # the first forward passes of the user's model: a failure there is bad input
         spec = resolve_cam_layer(spec, model, sample)

@@ -124,7 +124,7 @@ def test_what_token_data_cannot_do_is_refused_naming_the_key(tmp_path):
             *base,
             "++hooks.blocks.args.positions=[0,9]",
         ],
-        "derive: saliency": [*base, "++derive.saliency={}"],
+        "derive: integrated_gradients": [*base, "++derive.integrated_gradients={}"],
         "target.kind: next_token": [*base, "target.kind=next_token"],
         "hooks.blocks.args.positions: 'middle'": [*base, "++hooks.blocks.args.positions=middle"],
     }
@@ -143,7 +143,7 @@ def test_positions_on_image_data_are_refused(tmp_path):
         "dataset.shape=[1,4,4]",
         "dataset.size=1",
         "render=false",
-        *hook("c", "conv", "output", "capture"),
+        *hook("c", "conv1", "output", "capture"),
         "++hooks.c.args.positions=last",
     ]
     with pytest.raises(HookrunError, match=r"hooks\.c\.args\.positions: last, but dataset="):
