@@ -36,6 +36,7 @@ from hookrun.render.pictures import (
     seed_normalize,
     to_uint8,
 )
+from hookrun.render.tokens import render_tokens
 
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -171,6 +172,7 @@ def render(
                 )
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
+        evaluated += render_tokens(f, out_dir, rows, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
