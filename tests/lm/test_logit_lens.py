@@ -15,6 +15,7 @@ from conftest import run_config
 from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
 
 from hookrun.errors import HookrunError
+from hookrun.io.dimensions import read_names
 
 PROMPTS = [
     {"prompt": "The cat sat on the", "answer": " mat"},
@@ -111,6 +112,10 @@ def test_the_picture_and_no_target_gives_nan(tmp_path):
     result = run_config(tmp_path / "run", args, "logit_lens")
     assert (tmp_path / "run" / "images" / "logit_lens" / "logit_lens.png").stat().st_size > 0
     got = _read(result.path)
+    with h5py.File(result.path) as f:
+        names = read_names(f)
+    assert names["derived/logit_lens/top_ids"] == ("sample", "layer", "position", "k")
+    assert names["derived/logit_lens/target_prob"] == ("sample", "layer")
     assert not np.isnan(got["target_prob"]).any()
     # target.kind=predicted: after the last block the target is the likeliest token there.
     last = got["mask"].sum(1) - 1
@@ -177,6 +182,10 @@ def test_an_unknown_architecture_is_refused_then_runs_once_its_head_is_named(tmp
 @pytest.mark.parametrize(
     ("more", "said"),
     [
+        (
+            ["++derive.integrated_gradients={}"],  # the lens passes on token data, IG not
+            "derive: integrated_gradients: a language model's input is token ids",
+        ),
         (["derive.logit_lens.k=0"], "derive.logit_lens.k: 0; valid: 1 or more"),
         (["derive.logit_lens.k=100000"], "derive.logit_lens.k: 100000; valid: 1.."),
         (
