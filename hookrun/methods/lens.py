@@ -88,8 +88,8 @@ class LensState:
 def project(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
     """Logits (..., V) in float32 of block outputs `hidden` (..., D): norm, then unembed, on
     the modules' device and in their dtype."""
-    param = next(state.unembed.parameters())
-    h = hidden.to(param.device, param.dtype)
+    param = next(state.unembed.parameters(), None)
+    h = hidden if param is None else hidden.to(param.device, param.dtype)
     if state.norm is not None:
         h = state.norm(h)
     out = state.unembed(h)

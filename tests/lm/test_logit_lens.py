@@ -186,6 +186,10 @@ def test_an_unknown_architecture_is_refused_then_runs_once_its_head_is_named(tmp
             ["++derive.integrated_gradients={}"],  # the lens passes on token data, IG not
             "derive: integrated_gradients: a language model's input is token ids",
         ),
+        (
+            ["model.class=base", "++hooks.resid.select.regex='h\\.\\d+'"],
+            "derive.logit_lens: no known final norm and unembedding for GPT2Model",
+        ),
         (["derive.logit_lens.k=0"], "derive.logit_lens.k: 0; valid: 1 or more"),
         (["derive.logit_lens.k=100000"], "derive.logit_lens.k: 100000; valid: 1.."),
         (
