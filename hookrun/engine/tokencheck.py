@@ -2,8 +2,9 @@
 
 The model's input is token ids, so nothing differentiates it: gradient methods on the input
 (derive, evaluate, sanity, an input gradient) are refused with where a gradient does exist
-(the embeddings' output). `args.positions` needs token data and a (tokens, ...) site; listed
-positions must lie inside every row's real tokens. `target.kind` next_token reads text rows'
+(the embeddings' output); derived methods that declare `tokens_ok` (the logit lens) pass.
+`args.positions` needs token data and a (tokens, ...) site; listed positions must lie inside
+every row's real tokens. `target.kind` next_token reads text rows'
 next token, answer a prompt's answer.
 """
 
@@ -18,6 +19,7 @@ from hookrun.engine.plan import CallShapes, HookPlan
 from hookrun.engine.positions import check_lengths, check_positions
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.errors import HookrunError
+from hookrun.methods.registry import METHODS
 from hookrun.spec.build import RunSpec
 from hookrun.spec.schema import Site, TargetKind
 
@@ -70,8 +72,9 @@ def check_token_run(
                     "token data (dataset=text, dataset=prompts)"
                 )
         return
-    if spec.derive:
-        raise HookrunError(f"derive: {', '.join(spec.derive)}: {_GRADIENT_HINT}")
+    gradients = [name for name in spec.derive if not METHODS.get(name, "derive").tokens_ok]
+    if gradients:
+        raise HookrunError(f"derive: {', '.join(gradients)}: {_GRADIENT_HINT}")
     if spec.evaluate is not None:
         raise HookrunError(f"evaluate: {_GRADIENT_HINT}")
     if spec.sanity is not None:

@@ -56,6 +56,7 @@ __all__ = [
     "copy_attrs",
     "capture_key",
     "derived_key",
+    "LOGIT_LENS",
     "gap_key",
     "GAP_SUFFIX",
     "chunk_shape",
@@ -91,6 +92,7 @@ __all__ = [
 
 # The groups of captured tensors, of each row's facts, and of derived results.
 CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
+LOGIT_LENS = "logit_lens"  # methods/lens.py: derived/logit_lens/{top_ids,top_probs,target_prob}
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"

@@ -5,5 +5,6 @@ from hookrun.methods import (
     cam,  # noqa: F401  (registers grad_cam, cam, guided_grad_cam)
     cam_plus,  # noqa: F401  (registers grad_cam_pp, layer_cam)
     integrated,  # noqa: F401  (registers integrated_gradients)
+    lens,  # noqa: F401  (registers logit_lens)
     smoothgrad,  # noqa: F401  (registers smoothgrad)
 )

@@ -6,7 +6,10 @@ hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
 `derive.<name>:` accepts) and `check`, the captures it `requires`, an optional `prepare` on
 the model before the first batch, and `compute` on one batch of records. A method that needs
 passes of its own over the input (integrated gradients, SmoothGrad) sets `runs_passes` and
-implements `passes` on a `BatchContext` instead; the run's hooks stand aside meanwhile.
+implements `passes` on a `BatchContext` instead; the run's hooks stand aside meanwhile. A
+method that writes several results from the captures and the batch (the logit lens: the
+read marker of token data) sets `reads_batch` and implements `compute_batch`; captures only
+its prepared state can name (every block of the model) come from `requires_prepared`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ class Method:
     needs_class: ClassVar[bool] = False
     # True: the method runs its own forward/backward passes (`passes`), not `compute`.
     runs_passes: ClassVar[bool] = False
+    # True: `compute_batch` (the records and the batch → every result by path), not `compute`.
+    reads_batch: ClassVar[bool] = False
+    # True: the method means something on token data (a language model's input is token ids:
+    # gradient methods on the input are refused there, engine/tokencheck.py).
+    tokens_ok: ClassVar[bool] = False
+    # The experiment whose hooks capture what the method reads (named when they are missing).
+    example: ClassVar[str] = "grad_cam"
 
     @classmethod
     def check(cls, args: Any, key: str) -> None:
@@ -73,11 +83,21 @@ class Method:
         """The capture datasets this method reads."""
         raise NotImplementedError
 
+    def requires_prepared(self, args: Any, state: Any) -> list[str]:
+        """The capture datasets the prepared state says the method reads (none by default)."""
+        return []
+
     def prepare(self, args: Any, model: nn.Module, sample: torch.Tensor) -> Any:
         """State computed once from the model before the first batch (None by default)."""
         return None
 
     def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_batch(
+        self, args: Any, state: Any, records: Mapping[str, torch.Tensor], batch: BatchContext
+    ) -> dict[str, torch.Tensor]:
+        """A `reads_batch` method's results for one batch, keyed by HDF5 path (host tensors)."""
         raise NotImplementedError
 
     def passes(self, args: Any, state: Any, batch: BatchContext) -> dict[str, torch.Tensor]:
@@ -127,14 +147,20 @@ def plan_derivations(
     out = []
     for name, args in requests.items():
         method = METHODS.get(name, f"derive.{name}")
-        missing = [k for k in method.requires(args) if k not in capture_keys]
-        if missing:
-            raise HookrunError(
-                f"derive.{name}: needs the captures {', '.join('/' + k for k in missing)}; add "
-                "hooks that capture them (see conf/experiment/grad_cam.yaml)"
-            )
-        out.append(Derivation(method, args, method.prepare(args, model, sample)))
+        _check_captures(method, method.requires(args), capture_keys)
+        state = method.prepare(args, model, sample)
+        _check_captures(method, method.requires_prepared(args, state), capture_keys)
+        out.append(Derivation(method, args, state))
     return out
+
+
+def _check_captures(method: Method, needed: list[str], capture_keys: set[str]) -> None:
+    missing = [k for k in needed if k not in capture_keys]
+    if missing:
+        raise HookrunError(
+            f"derive.{method.name}: needs the captures {', '.join('/' + k for k in missing)}; "
+            f"add hooks that capture them (see conf/experiment/{method.example}.yaml)"
+        )
 
 
 def derive(
@@ -150,6 +176,10 @@ def derive(
             if batch is None:
                 raise RuntimeError(f"{d.method.name} runs passes of its own: needs the batch")
             out.update(d.method.passes(d.args, d.state, batch))
+        elif d.method.reads_batch:
+            if batch is None:
+                raise RuntimeError(f"{d.method.name} reads the batch: needs it")
+            out.update(d.method.compute_batch(d.args, d.state, records, batch))
         else:
             out[d.key] = d.method.compute(d.args, d.state, records)
     return out

@@ -28,6 +28,7 @@ from PIL import Image
 
 from hookrun.io import layout, walk
 from hookrun.render.evaluation import render_evaluation
+from hookrun.render.lens import render_lens
 from hookrun.render.pictures import (
     display_image,
     feature_grid,
@@ -124,6 +125,7 @@ def render(
             f"{m}/{layer}": ds
             for m, group in walk.derived_of(f).items()
             for layer, ds in group.items()
+            if m != layout.LOGIT_LENS  # tables, not maps: drawn by render_lens
         }
         features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
         names = _class_names(config)
@@ -173,6 +175,7 @@ def render(
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
         evaluated += render_tokens(f, out_dir, rows, config)
+        evaluated += render_lens(f, out_dir, rows, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
