@@ -35,6 +35,9 @@ from hookrun.io.layout import (
     EVALUATE,
     MODEL_OUTPUT,
     NOT_A_VARIABLE,
+    PATCHING,
+    PATCHING_CLEAN,
+    PATCHING_CORRUPTED,
     SAMPLE,
     SAMPLES,
     SAMPLES_INDEX,
@@ -46,6 +49,7 @@ from hookrun.io.layout import (
     derived_key,
     folded,
     gap_key,
+    patching_key,
     per_batch,
     sanity_key,
 )
@@ -88,6 +92,10 @@ AXES: dict[str, str] = {
     f"{EVALUATE}/*": "sample fraction",
     sanity_key("*", "maps"): "sample step y x",
     f"{SANITY}/*": "sample step",
+    # Patching: a grid per site kind (and its raw logit differences), the runs' differences.
+    patching_key(PATCHING_CLEAN): "sample",
+    patching_key(PATCHING_CORRUPTED): "sample",
+    f"{PATCHING}/*": "sample layer position",
 }
 LAYOUT_AXES = {
     "nchw": ("channel", "y", "x"),

@@ -80,6 +80,8 @@ __all__ = [
     "VERDICT_SIMILARITY",
     "evaluate_key",
     "sanity_key",
+    "PATCHING",
+    "patching_key",
     "sanity_attrs",
     "read_sanity",
     "read_fractions",
@@ -179,8 +181,7 @@ def read_paths(f: h5py.File) -> list[str] | None:
     """The source file of each complete row, or None for a dataset not read from files."""
     if SAMPLES_PATH not in f:
         return None
-    rows = f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]
-    return [str(p) for p in rows]
+    return [str(p) for p in f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]]
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -226,9 +227,7 @@ class FileState:
 
 
 def _state(f: h5py.File) -> FileState:
-    attrs = f.attrs
-    config = attrs.get("config")
-    status = attrs.get("status")
+    attrs, config, status = f.attrs, f.attrs.get("config"), f.attrs.get("status")
     return FileState(
         status=None if status is None else str(status),
         completed=int(attrs.get("completed", 0)),
@@ -283,8 +282,7 @@ def write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
 
 def mark_status(f: h5py.File, status: str, error: str = "") -> None:
     """The file's `status` (running, complete, failed, interrupted) and its `error`."""
-    f.attrs["error"] = error
-    f.attrs["status"] = status
+    f.attrs.update({"error": error, "status": status})
 
 
 def mark_completed(f: h5py.File, rows: int) -> None:
@@ -315,14 +313,12 @@ def is_bfloat16(ds: h5py.Dataset) -> bool:
 
 def mark_complete(f: h5py.File, rows: int) -> None:
     """The final attributes of a file written whole in one go (the torchrun join)."""
-    f.attrs["error"] = ""
     mark_completed(f, rows)
-    f.attrs["status"] = "complete"
+    f.attrs.update({"error": "", "status": "complete"})
 
 
 # The coordinate of the `sample` dimension (io/dimensions.py names every axis).
 SAMPLE = "sample"
-
 
 # A dimension with no values of its own is an empty dataset marked as a scale, whose NAME
 # starts with netCDF's sentence (h5netcdf and netCDF-C skip such datasets as variables).
@@ -352,6 +348,15 @@ def evaluate_key(dataset: str, attribution: str, suffix: str = "") -> str:
 def sanity_key(method: str, similarity: str) -> str:
     """`/sanity/<method>/<similarity>` (N, steps + 1); similarity `maps`: (N, steps + 1, h, w)."""
     return f"{SANITY}/{method}/{similarity}"
+
+
+# /patching/<kind> (N, layers, positions), <kind>_logit_diff; clean, corrupted (N,): grid.py
+PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
+LOGIT_DIFF_SUFFIX = "_logit_diff"
+
+
+def patching_key(name: str, suffix: str = "") -> str:
+    return f"{PATCHING}/{name}{suffix}"
 
 
 def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
@@ -387,8 +392,7 @@ def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
 def verdict_of(f: h5py.File, method: str) -> tuple[bool, float] | None:
     """A method's sanity verdict (passed, score), or None where it has none yet."""
     attrs = f[SANITY][method].attrs
-    whole = {"passed", "score"} <= set(attrs)
-    return (bool(attrs["passed"]), float(attrs["score"])) if whole else None
+    return (bool(attrs["passed"]), float(attrs["score"])) if "score" in attrs else None
 
 
 def mark_verdict(f: h5py.File, method: str, score: float, passed: bool) -> None:
