@@ -82,6 +82,7 @@ __all__ = [
     "sanity_key",
     "PATCHING",
     "patching_key",
+    "read_patching",
     "sanity_attrs",
     "read_sanity",
     "read_fractions",
@@ -169,9 +170,8 @@ def rows_note(ds: h5py.Dataset) -> str:
 
 
 def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
-    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join),
-    less the dimension-scale ones: they hold references into `src`'s file, and the copy gets
-    its own scales (io/dimensions.py)."""
+    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join), less
+    the dimension-scale ones: they point into `src`'s file (the copy gets its own scales)."""
     for name, value in src.attrs.items():
         if name not in SCALE_ATTRS:
             dst.attrs[name] = value
@@ -239,8 +239,7 @@ def _state(f: h5py.File) -> FileState:
 
 
 def read_state(source: Path | h5py.File) -> FileState:
-    """The status, rows, config and experiment a file records (an open file, or a path);
-    OSError naming the damage when rows it counts as complete are not in the file."""
+    """A file's status, rows, config and experiment; OSError when rows it counts are missing."""
     if isinstance(source, h5py.File):
         return _state(source)
     with open_readonly(source) as f:
@@ -261,8 +260,7 @@ def read_provenance(path: Path) -> dict[str, str]:
 
 
 def dataset_names(f: h5py.File) -> list[str]:
-    """Every data-holding dataset's path in the file (rows of samples or batches; not the
-    empty datasets that only name a dimension)."""
+    """Every data-holding dataset's path (not the empty ones that only name a dimension)."""
     names: list[str] = []
 
     def visit(name: str, obj: Any) -> None:
@@ -275,9 +273,7 @@ def dataset_names(f: h5py.File) -> list[str]:
 
 def write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
     """The provenance attributes (or any mapping of them) onto a new file."""
-    items = dataclasses.asdict(header) if isinstance(header, Provenance) else header
-    for key, value in items.items():
-        f.attrs[key] = value
+    f.attrs.update(dataclasses.asdict(header) if isinstance(header, Provenance) else header)
 
 
 def mark_status(f: h5py.File, status: str, error: str = "") -> None:
@@ -291,8 +287,7 @@ def mark_completed(f: h5py.File, rows: int) -> None:
 
 
 def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
-    """Say how a new dataset's rows map to samples (`fold` as in FOLDED; 0: one row per
-    batch of `batch_size`); set before SWMR starts, which allows no new attributes."""
+    """How a new dataset's rows map to samples (`fold` as FOLDED; 0: per batch), before SWMR."""
     if fold != 1:
         ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
 
@@ -357,6 +352,11 @@ LOGIT_DIFF_SUFFIX = "_logit_diff"
 
 def patching_key(name: str, suffix: str = "") -> str:
     return f"{PATCHING}/{name}{suffix}"
+
+
+def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:
+    """A patching grid's module per layer (attribute `layers`) and its `positions`."""
+    return [str(x) for x in ds.attrs["layers"]], np.asarray(ds.attrs["positions"])
 
 
 def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
