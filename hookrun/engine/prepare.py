@@ -251,10 +251,10 @@ def _prepare(
     evaluated: dict[str, Stored] = {
         **(evaluation.stored() if evaluation else {}),
         **(sanity.stored() if sanity else {}),
-        **(patching.stored() if patching else {}),
     }
-    derived.update({k: v.shape for k, v in evaluated.items()})
-    new_attrs = {k: dict(v.attrs) for k, v in evaluated.items() if v.attrs}
+    patched = patching.stored() if patching else {}
+    derived.update({k: v.shape for k, v in (evaluated | patched).items()})
+    new_attrs = {k: dict(v.attrs) for k, v in (evaluated | patched).items() if v.attrs}
     new_attrs |= sanity.attrs() if sanity else {}
     new_attrs |= patching.attrs() if patching else {}
     shards = tuple(
@@ -277,7 +277,7 @@ def _prepare(
     if sanity is not None:
         plan_text += f"\nSanity check ({sanity.config.mode}) randomises: {', '.join(sanity.layers)}"
     if patching is not None:
-        plan_text += "\n" + patching.describe()
+        plan_text += "\n" + patching.describe(itemsize)
     return Prepared(
         spec=spec,
         run_dir=run_dir,

@@ -17,6 +17,7 @@ replace, in copy (l, p), layer l's output at position p by the clean value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +111,9 @@ class PatchingGrid:
         """The /patching group's attributes (what clean and corrupted are)."""
         return {layout.PATCHING: {"clean": "prompt", "corrupted": "counterfactual"}}
 
-    def describe(self) -> str:
-        """The dry-run lines: the grid, and how the patched passes are chunked."""
+    def describe(self, itemsize: int) -> str:
+        """The dry-run lines: the grid, how the patched passes are chunked, and the datasets
+        with their bytes per sample (in the estimated file size above)."""
         cells = self.layers * len(self.positions)
         sized = (
             "patching.batch_size"
@@ -121,12 +123,16 @@ class PatchingGrid:
                 " per row (4 B × tokens × (vocab + 12 × width + heads × tokens))"
             )
         )
-        return (
+        lines = [
             f"Patching ({', '.join(self.modules)}): clean = the prompt, corrupted = the "
             f"counterfactual; {_CELL.format(layers=self.layers, positions=len(self.positions))}"
             f" = {cells} cells per site kind, batched {self.rows_per_pass} rows per patched "
             f"forward ({sized})"
-        )
+        ]
+        for key, stored in self.stored().items():
+            size = format_bytes(math.prod(stored.shape) * itemsize)
+            lines.append(f"    {str(list(stored.shape)):<20} {size:>11}/sample  /{key}")
+        return "\n".join(lines)
 
     def batch(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, index: torch.Tensor

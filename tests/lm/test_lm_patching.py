@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import run_config
+from conftest import hookrun_cli, killed_after, read, run_config
 from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
 
 from hookrun.errors import HookrunError
@@ -217,3 +217,32 @@ def test_an_architecture_without_known_module_names_is_refused(tmp_path):
     with pytest.raises(HookrunError, match=r"^patching.sites: resid, attn, mlp on a bert model"):
         run_config(tmp_path / "run", args)
     assert FAMILIES["bert"][0] == "masked_lm"
+
+
+def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl", ROWS * 14)
+    args = [*_args(tmp_path / "lm", data), "progress=false"]
+    reference = run_config(tmp_path / "reference", args).path
+    run_dir = tmp_path / "killed"
+    seen = killed_after(args, tmp_path, run_dir, 6)
+    assert seen < len(ROWS) * 14, "the run must be killed mid-stream"
+    proc = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed, expected = read(run_dir / "captures.h5"), read(reference)
+    assert resumed.keys() == expected.keys() and "patching/resid" in expected
+    for key in expected:
+        assert resumed[key].tobytes() == expected[key].tobytes(), key
+
+
+def test_the_dry_run_says_the_grid_its_chunks_and_datasets(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    args = [*_args(tmp_path / "lm", data, "patching.batch_size=5"), "dry_run=true"]
+    proc = hookrun_cli([*args, f"hydra.run.dir={tmp_path / 'dry'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert "per row: 2 layers × 14 positions = 28 cells per site kind" in said
+    assert "batched 5 rows per patched forward (patching.batch_size)" in said
+    assert "[2, 14]" in said and "/patching/mlp_logit_diff" in said
+    assert not (tmp_path / "dry" / "captures.h5").exists()
