@@ -12,7 +12,8 @@ past a row's last real token).
 Per batch: one clean forward capturing every patched module's output, one corrupted
 forward, then the layers × positions patched runs batched: the corrupted batch stacked once
 per cell, `rows_per_pass` rows per forward (chunks of whole copies), with forward hooks that
-replace, in copy (l, p), layer l's output at position p by the clean value.
+replace, in copy (l, p), layer l's output at position p by the clean value. The passes run
+on the bare model: the run's own hooks stand aside (engine/stream.py), as for the evaluation.
 """
 
 from __future__ import annotations
