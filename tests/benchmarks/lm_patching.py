@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import h5py
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lm"))  # lm_models
@@ -84,15 +85,18 @@ def _prompts(path: Path, rows: int) -> list[dict]:
     return out
 
 
-def _hand(model, tok, rows: list[dict], batch: int, sites: list[str]) -> int:
-    """The hand loop over every batch; the number of cells it computed."""
+def _hand(model, tok, rows: list[dict], shape: tuple[int, int], sites: list[str]) -> int:
+    """The hand loop over every batch of `shape` = (rows, tokens) (padded to the tokens hookrun
+    pads to: the same work); the number of real (row, position) cells it computed."""
     cells = 0
     named = dict(model.named_modules())
     layers = CONFIG["n_layer"]
+    batch, length = shape
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
-        clean = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
-        corrupt = tok([r["counterfactual"] for r in chunk], return_tensors="pt", padding=True)
+        pad = {"return_tensors": "pt", "padding": "max_length", "max_length": length}
+        clean = tok([r["prompt"] for r in chunk], **pad)
+        corrupt = tok([r["counterfactual"] for r in chunk], **pad)
         read = clean["attention_mask"].sum(1) - 1
         rows_at = torch.arange(len(chunk))
         right = torch.tensor([tok(r["answer"])["input_ids"][0] for r in chunk])
@@ -129,7 +133,7 @@ def _hand(model, tok, rows: list[dict], batch: int, sites: list[str]) -> int:
                         h = named[PATTERNS[s].format(i)].register_forward_hook(hook)
                         diff(model(**corrupt, use_cache=False))
                         h.remove()
-                        cells += len(chunk)
+                        cells += int((clean["attention_mask"][:, p] == 1).sum())
     return cells
 
 
@@ -169,16 +173,17 @@ def main() -> None:
         result = hookrun.run(overrides, run_dir=work / f"run{rep}")
         ours.append(time.perf_counter() - start)
         with h5py.File(result.path) as f:
-            shape = f[f"patching/{sites[0]}"].shape  # (rows, layers, positions)
-        cells = shape[0] * shape[1] * shape[2] * len(sites)
+            grid = f[f"patching/{sites[0]}"]  # (rows, layers, positions)
+            real = f["samples/mask"][:] if "samples/mask" in f else np.ones(grid.shape[::2], bool)
+            cells = int(real.sum()) * grid.shape[1] * len(sites)
         start = time.perf_counter()
-        done = _hand(model, tok, rows, args.batch, sites)
+        done = _hand(model, tok, rows, (args.batch, real.shape[1]), sites)
         hand.append(time.perf_counter() - start)
         assert done == cells, (done, cells)
     a, b = _median(ours), _median(hand)
     print(
         f"lm_patching: GPT-2 {CONFIG['n_layer']} layers × width {CONFIG['n_embd']}, {args.rows} "
-        f"prompts of {shape[2]} tokens, sites {', '.join(sites)}, batch {args.batch}, "
+        f"prompts of ≤ {real.shape[1]} tokens, sites {', '.join(sites)}, batch {args.batch}, "
         f"{cells} cells; median of {args.reps}; {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, cpu"
     )
