@@ -174,7 +174,9 @@ def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
     data = _prompts(tmp_path / "prompts.jsonl")
     full = run_config(tmp_path / "full", _args(tmp_path / "lm", data)).path
     listed = _args(tmp_path / "lm", data, "patching.positions=[7,0,3]", "patching.sites=[mlp]")
-    some = run_config(tmp_path / "some", listed).path
+    some = run_config(tmp_path / "some", [*listed, "render=true"]).path
+    # The picture: the mlp grid alone (mean over rows and the first row).
+    assert [p.name for p in (tmp_path / "some").rglob("patching_*.png")] == ["patching_mlp.png"]
     with h5py.File(full) as a, h5py.File(some) as b:
         assert "patching/resid" not in b and list(b["patching/mlp"].attrs["positions"]) == [7, 0, 3]
         np.testing.assert_allclose(
