@@ -49,6 +49,7 @@ from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.hf import load_tokenizer
 from hookrun.models.language import LanguageModel
 from hookrun.models.sources import build_model, model_label
+from hookrun.patching.grid import PatchingGrid, plan_patching
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.scale.provenance import provenance
@@ -95,6 +96,7 @@ class Prepared:
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
     evaluation: Evaluation | None = None  # evaluate: metrics × attributions, per batch
     sanity: SanityCheck | None = None  # the sanity check, per batch
+    patching: PatchingGrid | None = None  # activation patching (hookrun/patching/), per batch
     # Attributes of the datasets and groups the run creates (evaluation's), by path.
     attrs: dict[str, dict] = field(default_factory=dict)
 
@@ -212,6 +214,7 @@ def _prepare(
             f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
         ) from None
     check_token_run(spec, plan, shapes, data, tokens)
+    patching = plan_patching(spec.patching, model, tokens, len(data))
     plan, idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:
@@ -249,9 +252,11 @@ def _prepare(
         **(evaluation.stored() if evaluation else {}),
         **(sanity.stored() if sanity else {}),
     }
-    derived.update({k: v.shape for k, v in evaluated.items()})
-    new_attrs = {k: dict(v.attrs) for k, v in evaluated.items() if v.attrs}
+    patched = patching.stored() if patching else {}
+    derived.update({k: v.shape for k, v in (evaluated | patched).items()})
+    new_attrs = {k: dict(v.attrs) for k, v in (evaluated | patched).items() if v.attrs}
     new_attrs |= sanity.attrs() if sanity else {}
+    new_attrs |= patching.attrs() if patching else {}
     shards = tuple(
         len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
         for rank in range(world.size)
@@ -271,6 +276,8 @@ def _prepare(
         plan_text += "\n" + describe_results({k: v.shape for k, v in evaluated.items()}, itemsize)
     if sanity is not None:
         plan_text += f"\nSanity check ({sanity.config.mode}) randomises: {', '.join(sanity.layers)}"
+    if patching is not None:
+        plan_text += "\n" + patching.describe(itemsize)
     return Prepared(
         spec=spec,
         run_dir=run_dir,
@@ -293,5 +300,6 @@ def _prepare(
         axes=axis_facts(plan.capture_shapes(shapes), plan.folds(shapes), model, sample),
         evaluation=evaluation,
         sanity=sanity,
+        patching=patching,
         attrs=new_attrs,
     )

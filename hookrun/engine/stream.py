@@ -258,5 +258,8 @@ def stream(run: Prepared) -> int:
             if run.evaluation is not None or run.sanity is not None:
                 work = partial(_evaluate, run, step, batch, records)
                 records.update(_on_bare_model(recorder, "evaluate", work))
+            if run.patching is not None:  # the layers × positions grids (hookrun/patching/)
+                work = partial(run.patching.batch, run.model, step.inputs, batch[1], batch[2])
+                records.update(_on_bare_model(recorder, "patching", work))
             sink.write(records, recorder.events, copier.give_back)
     return len(todo)

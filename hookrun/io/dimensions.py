@@ -36,6 +36,9 @@ from hookrun.io.layout import (
     LOGIT_LENS,
     MODEL_OUTPUT,
     NOT_A_VARIABLE,
+    PATCHING,
+    PATCHING_CLEAN,
+    PATCHING_CORRUPTED,
     SAMPLE,
     SAMPLES,
     SAMPLES_INDEX,
@@ -47,6 +50,7 @@ from hookrun.io.layout import (
     derived_key,
     folded,
     gap_key,
+    patching_key,
     per_batch,
     sanity_key,
 )
@@ -91,6 +95,10 @@ AXES: dict[str, str] = {
     f"{EVALUATE}/*": "sample fraction",
     sanity_key("*", "maps"): "sample step y x",
     f"{SANITY}/*": "sample step",
+    # Patching: a grid per site kind (and its raw logit differences), the runs' differences.
+    patching_key(PATCHING_CLEAN): "sample",
+    patching_key(PATCHING_CORRUPTED): "sample",
+    f"{PATCHING}/*": "sample layer position",
 }
 LAYOUT_AXES = {
     "nchw": ("channel", "y", "x"),

@@ -81,6 +81,9 @@ __all__ = [
     "VERDICT_SIMILARITY",
     "evaluate_key",
     "sanity_key",
+    "PATCHING",
+    "patching_key",
+    "read_patching",
     "sanity_attrs",
     "read_sanity",
     "read_fractions",
@@ -169,9 +172,8 @@ def rows_note(ds: h5py.Dataset) -> str:
 
 
 def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
-    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join),
-    less the dimension-scale ones: they hold references into `src`'s file, and the copy gets
-    its own scales (io/dimensions.py)."""
+    """A file's or dataset's attributes onto its copy (a resumed file, the torchrun join), less
+    the dimension-scale ones: they point into `src`'s file (the copy gets its own scales)."""
     for name, value in src.attrs.items():
         if name not in SCALE_ATTRS:
             dst.attrs[name] = value
@@ -181,8 +183,7 @@ def read_paths(f: h5py.File) -> list[str] | None:
     """The source file of each complete row, or None for a dataset not read from files."""
     if SAMPLES_PATH not in f:
         return None
-    rows = f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]
-    return [str(p) for p in rows]
+    return [str(p) for p in f[SAMPLES_PATH].asstr(errors="surrogateescape")[: _state(f).completed]]
 
 
 # The model input's pseudo-layer: the batch itself, and the input gradient.
@@ -228,9 +229,7 @@ class FileState:
 
 
 def _state(f: h5py.File) -> FileState:
-    attrs = f.attrs
-    config = attrs.get("config")
-    status = attrs.get("status")
+    attrs, config, status = f.attrs, f.attrs.get("config"), f.attrs.get("status")
     return FileState(
         status=None if status is None else str(status),
         completed=int(attrs.get("completed", 0)),
@@ -242,8 +241,7 @@ def _state(f: h5py.File) -> FileState:
 
 
 def read_state(source: Path | h5py.File) -> FileState:
-    """The status, rows, config and experiment a file records (an open file, or a path);
-    OSError naming the damage when rows it counts as complete are not in the file."""
+    """A file's status, rows, config and experiment; OSError when rows it counts are missing."""
     if isinstance(source, h5py.File):
         return _state(source)
     with open_readonly(source) as f:
@@ -264,8 +262,7 @@ def read_provenance(path: Path) -> dict[str, str]:
 
 
 def dataset_names(f: h5py.File) -> list[str]:
-    """Every data-holding dataset's path in the file (rows of samples or batches; not the
-    empty datasets that only name a dimension)."""
+    """Every data-holding dataset's path (not the empty ones that only name a dimension)."""
     names: list[str] = []
 
     def visit(name: str, obj: Any) -> None:
@@ -278,15 +275,12 @@ def dataset_names(f: h5py.File) -> list[str]:
 
 def write_header(f: h5py.File, header: Provenance | Mapping[str, Any]) -> None:
     """The provenance attributes (or any mapping of them) onto a new file."""
-    items = dataclasses.asdict(header) if isinstance(header, Provenance) else header
-    for key, value in items.items():
-        f.attrs[key] = value
+    f.attrs.update(dataclasses.asdict(header) if isinstance(header, Provenance) else header)
 
 
 def mark_status(f: h5py.File, status: str, error: str = "") -> None:
     """The file's `status` (running, complete, failed, interrupted) and its `error`."""
-    f.attrs["error"] = error
-    f.attrs["status"] = status
+    f.attrs.update({"error": error, "status": status})
 
 
 def mark_completed(f: h5py.File, rows: int) -> None:
@@ -295,8 +289,7 @@ def mark_completed(f: h5py.File, rows: int) -> None:
 
 
 def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
-    """Say how a new dataset's rows map to samples (`fold` as in FOLDED; 0: one row per
-    batch of `batch_size`); set before SWMR starts, which allows no new attributes."""
+    """How a new dataset's rows map to samples (`fold` as FOLDED; 0: per batch), before SWMR."""
     if fold != 1:
         ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
 
@@ -317,14 +310,12 @@ def is_bfloat16(ds: h5py.Dataset) -> bool:
 
 def mark_complete(f: h5py.File, rows: int) -> None:
     """The final attributes of a file written whole in one go (the torchrun join)."""
-    f.attrs["error"] = ""
     mark_completed(f, rows)
-    f.attrs["status"] = "complete"
+    f.attrs.update({"error": "", "status": "complete"})
 
 
 # The coordinate of the `sample` dimension (io/dimensions.py names every axis).
 SAMPLE = "sample"
-
 
 # A dimension with no values of its own is an empty dataset marked as a scale, whose NAME
 # starts with netCDF's sentence (h5netcdf and netCDF-C skip such datasets as variables).
@@ -354,6 +345,20 @@ def evaluate_key(dataset: str, attribution: str, suffix: str = "") -> str:
 def sanity_key(method: str, similarity: str) -> str:
     """`/sanity/<method>/<similarity>` (N, steps + 1); similarity `maps`: (N, steps + 1, h, w)."""
     return f"{SANITY}/{method}/{similarity}"
+
+
+# /patching/<kind> (N, layers, positions), <kind>_logit_diff; clean, corrupted (N,): grid.py
+PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
+LOGIT_DIFF_SUFFIX = "_logit_diff"
+
+
+def patching_key(name: str, suffix: str = "") -> str:
+    return f"{PATCHING}/{name}{suffix}"
+
+
+def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:
+    """A patching grid's module per layer (attribute `layers`) and its `positions`."""
+    return [str(x) for x in ds.attrs["layers"]], np.asarray(ds.attrs["positions"])
 
 
 def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
@@ -389,8 +394,7 @@ def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
 def verdict_of(f: h5py.File, method: str) -> tuple[bool, float] | None:
     """A method's sanity verdict (passed, score), or None where it has none yet."""
     attrs = f[SANITY][method].attrs
-    whole = {"passed", "score"} <= set(attrs)
-    return (bool(attrs["passed"]), float(attrs["score"])) if whole else None
+    return (bool(attrs["passed"]), float(attrs["score"])) if "score" in attrs else None
 
 
 def mark_verdict(f: h5py.File, method: str, score: float, passed: bool) -> None:

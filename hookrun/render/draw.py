@@ -29,6 +29,7 @@ from PIL import Image
 from hookrun.io import layout, walk
 from hookrun.render.evaluation import render_evaluation
 from hookrun.render.lens import render_lens
+from hookrun.render.patching import render_patching
 from hookrun.render.pictures import (
     display_image,
     feature_grid,
@@ -176,6 +177,7 @@ def render(
         evaluated = render_evaluation(f, out_dir, rows, config)
         evaluated += render_tokens(f, out_dir, rows, config)
         evaluated += render_lens(f, out_dir, rows, config)
+        evaluated += render_patching(f, out_dir, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)

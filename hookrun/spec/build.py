@@ -26,6 +26,7 @@ from hookrun.evaluate.config import SanityConfig, parse_evaluate, parse_sanity
 from hookrun.memory import check_fits
 from hookrun.methods.registry import METHODS
 from hookrun.models.sources import check_model, parse_model
+from hookrun.patching.config import PatchingConfig, parse_patching
 from hookrun.spec.experiments import attribution_experiments, method_nodes
 from hookrun.spec.schema import (
     DeviceConfig,
@@ -131,6 +132,7 @@ class RunSpec:
     config_yaml: str
     evaluate: Any = None  # EvaluateSpec (hookrun/evaluate/config.py), or None
     sanity: SanitySpec | None = None
+    patching: PatchingConfig | None = None  # hookrun/patching/config.py (read-only)
 
     @property
     def needs_backward(self) -> bool:
@@ -314,14 +316,8 @@ def release_model_keys(cfg: DictConfig, overrides: Sequence[str], caller_model: 
             continue
         with open_dict(cfg):
             OmegaConf.update(cfg, key, _AUTO, force_add=True)
-        log.info(
-            "%s: %r is the %s preset's; with %s it is auto (the probe picks; set %s to choose)",
-            key,
-            value,
-            preset or "model",
-            whose,
-            key,
-        )
+        said = f"{key}: {value!r} is the {preset or 'model'} preset's; with {whose} it is auto"
+        log.info("%s (the probe picks; set %s to choose)", said, key)
 
 
 def _huge_ints(node: Any) -> list[tuple[str, int]]:
@@ -385,6 +381,7 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
         evaluate=evaluate,
         sanity=sanity,
+        patching=parse_patching(run.patching),
     )
     for value in (model, dataset, run.target, run.sink, run.device):
         freeze(value)

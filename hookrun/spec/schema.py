@@ -212,6 +212,9 @@ class RunConfig(Frozen):
     evaluate: Any = field(default_factory=dict)
     # The sanity check by model randomisation (experiment=sanity_check). {}: none.
     sanity: Any = field(default_factory=dict)
+    # Activation patching (experiment=lm_patching; hookrun/patching/): sites, positions,
+    # batch_size, memory_mib. {}: none.
+    patching: Any = field(default_factory=dict)
 
 
 def conf_dir() -> Path:

@@ -1,0 +1,69 @@
+"""The `patching:` config node (experiment=lm_patching), merged into a dataclass and checked
+before any work; errors name `patching.<key>`. An empty node turns patching off."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hookrun.errors import HookrunError, nearest
+from hookrun.typed import Frozen, check_range, freeze, parse_typed
+
+__all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching"]
+
+# resid: each block's output; attn: each attention module's output; mlp: each MLP's output.
+SITE_KINDS = ("resid", "attn", "mlp")
+_HEADS = (
+    "patching.sites: heads: per-head attention outputs are not built (they need a hook on "
+    "the input of each attention's output projection, split by head); valid: "
+    + ", ".join(SITE_KINDS)
+)
+
+
+@dataclass
+class PatchingConfig(Frozen):
+    # Site kinds patched, each a grid of its own: resid | attn | mlp.
+    sites: list[str] = field(default_factory=lambda: ["resid"])
+    # Positions patched: all (every position of the padded rows; past a row's last real
+    # token its cells are NaN) or a list of positions (0-based, inside every row).
+    positions: Any = "all"
+    # Rows per patched forward pass (copies of the corrupted batch × its rows); null: as many
+    # as `memory_mib` of activations allow (grid.py says the estimate).
+    batch_size: int | None = None
+    memory_mib: int = 256
+
+
+def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
+    """The read-only PatchingConfig of a `patching:` node (None when it is empty)."""
+    if not raw:
+        return None
+    config = parse_typed(raw, PatchingConfig, "patching")
+    if not config.sites:
+        raise HookrunError(f"patching.sites: []; valid: any of {', '.join(SITE_KINDS)}")
+    for i, kind in enumerate(config.sites):
+        if kind == "heads":
+            raise HookrunError(_HEADS)
+        if kind not in SITE_KINDS:
+            hint = nearest(str(kind), list(SITE_KINDS), n=1)
+            did = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise HookrunError(
+                f"patching.sites[{i}]: {kind!r}{did}; valid: {', '.join(SITE_KINDS)}"
+            )
+    if len(set(config.sites)) != len(config.sites):
+        raise HookrunError(f"patching.sites: {list(config.sites)} names a site kind twice")
+    positions = config.positions
+    if positions != "all":
+        ints = isinstance(positions, list) and positions
+        if not ints or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions):
+            raise HookrunError(
+                f"patching.positions: {positions!r}; valid: all, or a list of token positions "
+                "(0-based ints)"
+            )
+        if min(positions) < 0 or len(set(positions)) != len(positions):
+            raise HookrunError(
+                f"patching.positions: {list(positions)}; valid: distinct positions ≥ 0"
+            )
+    check_range("patching.batch_size", config.batch_size, 1, allow_none=True)
+    check_range("patching.memory_mib", config.memory_mib, 1)
+    return freeze(config)

@@ -1,0 +1,250 @@
+"""experiment=lm_patching: the batched layers × positions grid equals a hand-written loop of
+`register_forward_hook` replacements on the same Hugging Face model (one forward per cell,
+each row run alone without padding), cell by cell, for GPT-2 and Llama and every site kind;
+the endpoints that hold exactly do; what cannot be patched is refused before any work."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import hookrun_cli, killed_after, read, run_config
+from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
+
+from hookrun.errors import HookrunError
+
+# Clean prompt and answer, corrupted (counterfactual) prompt and answer: the same token length
+# under lm_models' tokenizer (8, 10 and 14 tokens: the rows are padded to 14).
+ROWS = [
+    ("The cat sat on the", " mat", "The dog sat on the", " cat"),
+    ("A quick brown fox", " jumps", "A lazy brown fox", " dog"),
+    ("def add(a, b): return a +", " b", "def add(a, b): return b +", " a"),
+]
+# Each site kind's module per layer, written out here (not read from the code under test).
+MODULES = {
+    "gpt2": {
+        "resid": "transformer.h.{}",
+        "attn": "transformer.h.{}.attn",
+        "mlp": "transformer.h.{}.mlp",
+    },
+    "llama": {
+        "resid": "model.layers.{}",
+        "attn": "model.layers.{}.self_attn",
+        "mlp": "model.layers.{}.mlp",
+    },
+}
+
+
+def _prompts(path, rows=ROWS):
+    keys = ("prompt", "answer", "counterfactual", "counterfactual_answer")
+    return write_jsonl(path, [dict(zip(keys, row, strict=False)) for row in rows])
+
+
+def _args(folder, data, *extra: str) -> list[str]:
+    return [
+        "experiment=lm_patching",
+        "model=hf",
+        f"model.path={folder}",
+        f"dataset.path={data}",
+        "batch_size=2",
+        "render=false",
+        *extra,
+    ]
+
+
+def _first_tensor(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _hand_diff(model, ids, answers, patch=None) -> float:
+    """logit(answer) − logit(counterfactual answer) at the last token of `ids` run alone;
+    `patch` = (module, position, value): that module's output there replaced by `value`."""
+    handle = None
+    if patch is not None:
+        module, position, value = patch
+
+        def hook(m, a, output):
+            tensor = _first_tensor(output).clone()
+            tensor[0, position] = value
+            return (tensor, *output[1:]) if isinstance(output, tuple) else tensor
+
+        handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+    finally:
+        if handle is not None:
+            handle.remove()
+    return float(logits[answers[0]] - logits[answers[1]])
+
+
+def _hand_outputs(model, ids, modules) -> list[torch.Tensor]:
+    """Each module's output (T, D) on `ids` run alone."""
+    seen: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_hook(lambda m, a, o: seen.append(_first_tensor(o)[0].detach()))
+        for m in modules
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _hand_grid(model, tok, row, kind_pattern) -> tuple[float, float, np.ndarray]:
+    """Clean and corrupted logit differences and the (layers, length) patched ones of one row,
+    one forward per cell."""
+    prompt, answer, counterfactual, wrong = row
+    clean_ids, corrupt_ids = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
+    answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
+    named = dict(model.named_modules())
+    modules = [named[kind_pattern.format(i)] for i in range(2)]
+    clean_out = _hand_outputs(model, clean_ids, modules)
+    patched = np.array(
+        [
+            [
+                _hand_diff(model, corrupt_ids, answers, (modules[layer], p, clean_out[layer][p]))
+                for p in range(len(clean_ids))
+            ]
+            for layer in range(2)
+        ]
+    )
+    clean = _hand_diff(model, clean_ids, answers)
+    return clean, _hand_diff(model, corrupt_ids, answers), patched
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_grid_equals_a_hand_hook_loop_cell_by_cell(tmp_path, family):
+    model, _ = save_lm(tmp_path / "lm", family)
+    tok = tokenizer()
+    data = _prompts(tmp_path / "prompts.jsonl")
+    # 7 rows per patched forward with batches of 2: chunks of 3 copies cross the layers.
+    args = _args(tmp_path / "lm", data, "patching.batch_size=7")
+    with h5py.File(run_config(tmp_path / "run", args).path) as f:
+        stored = {k: f[f"patching/{k}"][:] for k in f["patching"] if not k.startswith("layer")}
+        layers = [str(x) for x in f["patching/resid"].attrs["layers"]]
+        assert f["patching"].attrs["corrupted"] == "counterfactual"
+    assert layers == [MODULES[family]["resid"].format(i) for i in range(2)]
+    assert stored["resid"].shape == (3, 2, 14) and stored["clean"].shape == (3,)
+    for kind, pattern in MODULES[family].items():
+        for r, row in enumerate(ROWS):
+            clean, corrupted, patched = _hand_grid(model, tok, row, pattern)
+            length = patched.shape[1]
+            np.testing.assert_allclose(stored["clean"][r], clean, atol=1e-5)
+            np.testing.assert_allclose(stored["corrupted"][r], corrupted, atol=1e-5)
+            got = stored[f"{kind}_logit_diff"][r]
+            np.testing.assert_allclose(got[:, :length], patched, atol=1e-5, rtol=0)
+            # The score divides by clean − corrupted (1e-3 in a random model's rows): compared
+            # times it, the logit differences' 1e-5.
+            gap = clean - corrupted
+            score = (patched - corrupted) / gap
+            np.testing.assert_allclose(stored[kind][r][:, :length] * gap, score * gap, atol=2e-5)
+            assert np.isnan(stored[kind][r][:, length:]).all()  # past the row's tokens
+            assert np.isnan(got[:, length:]).all()
+
+
+def test_the_endpoints_that_hold_exactly(tmp_path):
+    """Patching the last block's output at the read position gives the clean run: exactly 1.
+    Patching where clean and corrupted agree (every layer, before the first token that differs:
+    the model is causal) or where nothing reads the patch (the last block's output at a position
+    before the read) changes nothing: exactly 0."""
+    save_lm(tmp_path / "lm", "gpt2")
+    tok = tokenizer()
+    data = _prompts(tmp_path / "prompts.jsonl")
+    args = _args(tmp_path / "lm", data)
+    with h5py.File(run_config(tmp_path / "run", args).path) as f:
+        grids = {k: f[f"patching/{k}"][:] for k in ("resid", "attn", "mlp")}
+    for r, (prompt, _, counterfactual, _) in enumerate(ROWS):
+        clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
+        first = next(i for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)) if a != b)
+        read = len(clean) - 1
+        assert first > 0
+        assert grids["resid"][r, -1, read] == 1.0
+        assert (grids["resid"][r, -1, :read] == 0).all()
+        for kind, grid in grids.items():
+            assert (grid[r, :, :first] == 0).all(), kind
+
+
+def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    full = run_config(tmp_path / "full", _args(tmp_path / "lm", data)).path
+    listed = _args(tmp_path / "lm", data, "patching.positions=[7,0,3]", "patching.sites=[mlp]")
+    some = run_config(tmp_path / "some", [*listed, "render=true"]).path
+    # The picture: the mlp grid alone (mean over rows and the first row).
+    assert [p.name for p in (tmp_path / "some").rglob("patching_*.png")] == ["patching_mlp.png"]
+    with h5py.File(full) as a, h5py.File(some) as b:
+        assert "patching/resid" not in b and list(b["patching/mlp"].attrs["positions"]) == [7, 0, 3]
+        np.testing.assert_allclose(
+            b["patching/mlp"][:], a["patching/mlp"][:][:, :, [7, 0, 3]], atol=1e-6
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "rows", "said"),
+    [
+        (
+            [],
+            [ROWS[0], ("A quick brown fox", " jumps", "A fox", " dog")],
+            "prompts.jsonl:2: the counterfactual has",
+        ),
+        ([], [ROWS[0], ROWS[1][:2]], "prompts.jsonl:2 has no 'counterfactual'"),
+        (["patching.sites=[resid,blocks]"], ROWS, "patching.sites[1]: 'blocks'"),
+        (
+            ["patching.sites=[heads]"],
+            ROWS,
+            "patching.sites: heads: per-head attention outputs are not built",
+        ),
+        (["patching.positions=[2,8]"], ROWS, "patching.positions: 8 is past the row at"),
+        (["patching.positions=[-1]"], ROWS, "patching.positions: [-1]"),
+    ],
+)
+def test_refused_in_one_line_before_any_work(tmp_path, extra, rows, said):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", _args(tmp_path / "lm", data, *extra))
+    assert said in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_an_architecture_without_known_module_names_is_refused(tmp_path):
+    save_lm(tmp_path / "lm", "bert")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    args = _args(tmp_path / "lm", data, "model.class=masked_lm")
+    with pytest.raises(HookrunError, match=r"^patching.sites: resid, attn, mlp on a bert model"):
+        run_config(tmp_path / "run", args)
+    assert FAMILIES["bert"][0] == "masked_lm"
+
+
+def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl", ROWS * 14)
+    args = [*_args(tmp_path / "lm", data), "progress=false"]
+    reference = run_config(tmp_path / "reference", args).path
+    run_dir = tmp_path / "killed"
+    seen = killed_after(args, tmp_path, run_dir, 6)
+    assert seen < len(ROWS) * 14, "the run must be killed mid-stream"
+    proc = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed, expected = read(run_dir / "captures.h5"), read(reference)
+    assert resumed.keys() == expected.keys() and "patching/resid" in expected
+    for key in expected:
+        assert resumed[key].tobytes() == expected[key].tobytes(), key
+
+
+def test_the_dry_run_says_the_grid_its_chunks_and_datasets(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    args = [*_args(tmp_path / "lm", data, "patching.batch_size=5"), "dry_run=true"]
+    proc = hookrun_cli([*args, f"hydra.run.dir={tmp_path / 'dry'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert "per row: 2 layers × 14 positions = 28 cells per site kind" in said
+    assert "batched 5 rows per patched forward (patching.batch_size)" in said
+    assert "[2, 14]" in said and "/patching/mlp_logit_diff" in said
+    assert not (tmp_path / "dry" / "captures.h5").exists()
