@@ -10,9 +10,18 @@ import h5py
 import numpy as np
 import torch
 
-from hookrun.io.layout import is_bfloat16
+__all__ = ["host_array", "read_floats", "path_rows", "mark_bfloat16", "is_bfloat16"]
 
-__all__ = ["host_array", "read_floats", "path_rows"]
+# The dataset attribute that says its uint16 values are bfloat16 bits.
+STORED_DTYPE = "dtype"
+
+
+def mark_bfloat16(ds: h5py.Dataset) -> None:
+    ds.attrs[STORED_DTYPE] = "bfloat16"
+
+
+def is_bfloat16(ds: h5py.Dataset) -> bool:
+    return ds.attrs.get(STORED_DTYPE) == "bfloat16"
 
 
 def host_array(value: Any, bfloat16: bool) -> np.ndarray:
@@ -38,7 +47,7 @@ def read_floats(ds: h5py.Dataset, rows: Any = ()) -> np.ndarray:
 
 
 def path_rows(paths: list[str], width: int) -> np.ndarray:
-    """Rows of /samples/path: UTF-8 of `width` bytes each. One width for the whole run,
+    """Rows of the source-path dataset: UTF-8 of `width` bytes each. One width for the run,
     from every file it reads, so resumed rows and torchrun shards share one dtype (HDF5
     virtual datasets cannot hold variable-length strings). A file name that is not UTF-8
     keeps its bytes (os.fsencode), and `layout.read_paths` gives back the same str."""
