@@ -21,12 +21,12 @@ import numpy as np
 
 from hookrun.io import storage
 from hookrun.io.dimensions import AxisFacts, name_dimensions
-from hookrun.io.encoding import mark_bfloat16
 from hookrun.io.layout import (
     SAMPLE,
     SAMPLES_INDEX,
     Provenance,
     dataset_names,
+    mark_bfloat16,
     mark_completed,
     mark_rows,
     mark_status,

@@ -10,18 +10,9 @@ import h5py
 import numpy as np
 import torch
 
-__all__ = ["host_array", "read_floats", "path_rows", "mark_bfloat16", "is_bfloat16"]
+from hookrun.io.layout import is_bfloat16
 
-# The dataset attribute that says its uint16 values are bfloat16 bits.
-STORED_DTYPE = "dtype"
-
-
-def mark_bfloat16(ds: h5py.Dataset) -> None:
-    ds.attrs[STORED_DTYPE] = "bfloat16"
-
-
-def is_bfloat16(ds: h5py.Dataset) -> bool:
-    return ds.attrs.get(STORED_DTYPE) == "bfloat16"
+__all__ = ["host_array", "read_floats", "path_rows"]
 
 
 def host_array(value: Any, bfloat16: bool) -> np.ndarray:

@@ -39,6 +39,8 @@ __all__ = [
     "SAMPLES_TOKENS",
     "SAMPLES_MASK",
     "SAMPLES_LINE",
+    "mark_bfloat16",
+    "is_bfloat16",
     "read_paths",
     "MODEL_OUTPUT",
     "INPUT_PHOTO",
@@ -295,6 +297,14 @@ def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
     batch of `batch_size`); set before SWMR starts, which allows no new attributes."""
     if fold != 1:
         ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
+
+
+def mark_bfloat16(ds: h5py.Dataset) -> None:
+    ds.attrs["dtype"] = "bfloat16"  # its uint16 values are bfloat16 bits (io/encoding.py)
+
+
+def is_bfloat16(ds: h5py.Dataset) -> bool:
+    return ds.attrs.get("dtype") == "bfloat16"
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:
