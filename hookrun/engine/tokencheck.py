@@ -44,7 +44,7 @@ def _check_targets(spec: RunSpec, tokens: Any) -> None:
     if need is None:
         return
     if tokens is None or spec.dataset.kind != need:
-        have = "image data" if tokens is None else f"dataset={spec.dataset.kind}"
+        have = "data without tokens" if tokens is None else f"dataset={spec.dataset.kind}"
         raise HookrunError(
             f"target.kind: {kind.value} reads the token each row of dataset={need} names, but "
             f"this run reads {have}; valid here: "
