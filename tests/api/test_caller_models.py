@@ -25,6 +25,10 @@ REFUSED = {
     # A language-model experiment selects transformer blocks, which image models lack.
     ("resnet18", "lm_cache"): "matches no module",
     ("vit", "lm_cache"): "matches no module",
+    ("resnet18", "lm_patching"): "target.kind: answer",
+    ("vit", "lm_patching"): "target.kind: answer",
+    ("resnet18", "logit_lens"): "target.kind: answer",
+    ("vit", "logit_lens"): "target.kind: answer",
 }
 
 
