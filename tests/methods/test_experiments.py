@@ -84,6 +84,8 @@ def test_every_experiment_file_is_tested():
                 "integrated_gradients",
                 "layer_cam",
                 "lm_cache",  # tests/lm/test_lm_cache.py
+                "lm_patching",  # tests/lm/test_lm_patching.py
+                "logit_lens",  # tests/lm/test_logit_lens.py
                 "patch",
                 "saliency",
                 "sanity_check",
@@ -276,7 +278,11 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
     )
 
 
-@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e != "capture"])
+# The language-model experiments draw their own pictures (tests/lm/).
+LANGUAGE = ("lm_cache", "lm_patching", "logit_lens")
+
+
+@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])
 def test_every_picture_is_a_real_image(runs, name):
     result, _ = runs(name)
     pngs = sorted(result.images.glob("*.png"))
