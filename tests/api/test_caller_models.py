@@ -27,8 +27,8 @@ REFUSED = {
     ("vit", "lm_cache"): "matches no module",
     ("resnet18", "lm_patching"): "target.kind: answer",
     ("vit", "lm_patching"): "target.kind: answer",
-    ("resnet18", "logit_lens"): "target.kind: answer",
-    ("vit", "logit_lens"): "target.kind: answer",
+    ("resnet18", "logit_lens"): "matches no module",
+    ("vit", "logit_lens"): "matches no module",
 }
 
 
