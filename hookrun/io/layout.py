@@ -388,7 +388,8 @@ def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
 def verdict_of(f: h5py.File, method: str) -> tuple[bool, float] | None:
     """A method's sanity verdict (passed, score), or None where it has none yet."""
     attrs = f[SANITY][method].attrs
-    return (bool(attrs["passed"]), float(attrs["score"])) if "score" in attrs else None
+    whole = {"passed", "score"} <= set(attrs)  # half a verdict is damage (verify says so)
+    return (bool(attrs["passed"]), float(attrs["score"])) if whole else None
 
 
 def mark_verdict(f: h5py.File, method: str, score: float, passed: bool) -> None:
