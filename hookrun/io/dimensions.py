@@ -46,6 +46,7 @@ from hookrun.io.layout import (
     derived_key,
     folded,
     gap_key,
+    pattern_key,
     per_batch,
     sanity_key,
 )
@@ -76,6 +77,7 @@ AXES: dict[str, str] = {
     SAMPLES_MASK: "sample token",
     f"{SAMPLES}/*": "sample",
     MODEL_OUTPUT: "sample class",
+    pattern_key("*"): "sample head query key",
     f"{CAPTURES}/*": "sample {layout}",
     gap_key("*", "*"): "sample",
     derived_key("*", "input"): "sample {input}",
