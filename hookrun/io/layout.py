@@ -38,7 +38,8 @@ __all__ = [
     "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension", "EVALUATE", "SANITY", "FRACTIONS",
     "AUC_SUFFIX", "SCORE_SUFFIX", "VERDICT_SIMILARITY", "evaluate_key", "sanity_key",
     "sanity_attrs", "read_sanity", "read_fractions", "verdict_of", "mark_verdict", "write_attrs",
-    "copy_group_attrs",
+    "copy_group_attrs", "INDUCTION_SCORE", "INDUCTION_ROWS", "LAYERS_ATTR",
+    "induction_layers", "SUMMARIES",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -86,6 +87,18 @@ def pattern_key(module: str, call: int = 0) -> str:
     return f"{CAPTURES}/{module}/{PATTERN}" + (f".call{call}" if call else "")
 
 
+# experiment=induction (hookrun/methods/induction.py): the induction score per head (layers,
+# heads) with the layer names in its attribute LAYERS_ATTR, and each row's (N, layers, heads).
+INDUCTION_SCORE, INDUCTION_ROWS, LAYERS_ATTR = "induction/score", "induction/rows", "layers"
+# Datasets of a whole run with no sample axis (written once the file is complete).
+SUMMARIES = (INDUCTION_SCORE,)
+
+
+def induction_layers(f: h5py.File) -> list[str]:
+    """The layer names of /induction/score's rows."""
+    return [str(x) for x in f[INDUCTION_SCORE].attrs.get(LAYERS_ATTR, [])]
+
+
 def derived_key(method: str, layer: str) -> str:
     """The HDF5 path of one derived result."""
     return f"{DERIVED}/{method}/{layer}"
@@ -117,7 +130,10 @@ def folded(ds: h5py.Dataset) -> int:
 
 
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
-    """The rows `ds` holds once `completed` samples are: one per sample, or one per batch."""
+    """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
+    (a whole-run summary, SUMMARIES, holds the rows it has: it has no sample axis)."""
+    if ds.name.lstrip("/") in SUMMARIES:
+        return ds.shape[0]
     size = per_batch(ds)
     return -(-completed // size) if size else completed
 

@@ -28,6 +28,7 @@ from PIL import Image
 
 from hookrun.io import layout, walk
 from hookrun.render.evaluation import render_evaluation
+from hookrun.render.induction import render_induction
 from hookrun.render.pictures import (
     display_image,
     feature_grid,
@@ -173,6 +174,7 @@ def render(
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
         evaluated += render_tokens(f, out_dir, rows, config)
+        evaluated += render_induction(f, out_dir)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)
