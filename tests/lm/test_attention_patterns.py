@@ -182,3 +182,50 @@ def test_refusals(tmp_path, select, extra, match):
         run_config(tmp_path / "run", [*overrides, *extra])
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_patch_puts_another_models_pattern_in_one_head(tmp_path):
+    """Model B run with head 0 of layer 0's pattern patched from model A's stored run equals
+    B by hand with that head's probabilities replaced by A's own output_attentions."""
+    model_a, kind = save_lm(tmp_path / "a", "gpt2", seed=0)
+    model_b, _ = save_lm(tmp_path / "b", "gpt2", seed=1)
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    clean = run_config(
+        tmp_path / "clean", _overrides(tmp_path / "a", kind, data, "transformer.h.0.attn")
+    )
+    patched = _overrides(tmp_path / "b", kind, data, "transformer.h.0.attn", "patch")
+    result = run_config(
+        tmp_path / "patched",
+        [*patched, f"++hooks.attn.args.file={clean.path}", "++hooks.attn.args.heads=[0]"],
+    )
+    with h5py.File(result.path) as f:
+        rows, output = _rows(f), f["model/output"][:]
+    attn = model_b.transformer.h[0].attn
+    seen = {}
+
+    def keep_values(module, args, out):  # c_attn's output: q, k, v concatenated
+        seen["v"] = out.split(attn.embed_dim, dim=-1)[2]
+
+    def replace_head(module, args):
+        x, v = args[0].clone(), seen["v"]
+        heads = v.view(*v.shape[:2], attn.num_heads, attn.head_dim).transpose(1, 2)
+        mixed = (seen["p"] @ heads[:, :1]).transpose(1, 2).reshape(*v.shape[:2], -1)
+        x[..., : attn.head_dim] = mixed
+        return (x,)
+
+    handles = [
+        attn.c_attn.register_forward_hook(keep_values),
+        attn.c_proj.register_forward_pre_hook(replace_head),
+    ]
+    try:
+        for n, ids in enumerate(rows):
+            seen["p"] = _hf_attentions(model_a, ids)[0][:, :1]  # A's head 0, (1, 1, T, T)
+            with torch.no_grad():
+                logits = model_b(input_ids=torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(torch.from_numpy(output[n]), logits, atol=1e-5, rtol=0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():  # and the patch changed B's output
+        plain = model_b(input_ids=torch.tensor([rows[0]])).logits[0, -1]
+    assert (torch.from_numpy(output[0]) - plain).abs().max() > 1e-4
