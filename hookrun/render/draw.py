@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from hookrun.io import layout, walk
+from hookrun.render.attention import render_attention
 from hookrun.render.evaluation import render_evaluation
 from hookrun.render.induction import render_induction
 from hookrun.render.pictures import (
@@ -174,6 +175,7 @@ def render(
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
         evaluated += render_tokens(f, out_dir, rows, config)
+        evaluated += render_attention(f, out_dir, rows, config)
         evaluated += render_induction(f, out_dir)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated

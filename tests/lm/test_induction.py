@@ -96,5 +96,8 @@ def test_scores_equal_a_hand_computation_from_output_attentions(tmp_path):
     assert score.shape == (2, 2) and rows.shape == (6, 2, 2)
     np.testing.assert_allclose(score, _hand_scores(model, tokens, 5, 1), atol=1e-6, rtol=0)
     np.testing.assert_allclose(rows[2], _hand_scores(model, tokens[2:3], 5, 1), atol=1e-6)
-    assert (path.parent / "images/induction/induction_scores.png").stat().st_size > 0
+    images = path.parent / "images/induction"
+    assert (images / "induction_scores.png").stat().st_size > 0
+    for layer in layers:
+        assert (images / f"attention_{layer}.png").stat().st_size > 0
     assert verify(path)[0]
