@@ -194,6 +194,7 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
             )
         if spec.at == Site.pattern:
             plan.hooks.append(_pattern_hook(spec, model))
+            _claim(captured, spec, plan.hooks[-1].within or ())
             note = use_eager(model)
             plan.notes += (note,) if note else ()
             continue
@@ -219,17 +220,21 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                 f"{key}.at: {spec.at.value!r} does not exist on the model-input pseudo-layer "
                 f"'input'; valid: {', '.join(s.value for s in INPUT_LAYER_SITES)}"
             )
-        if action.captures:
-            for layer in layers:
-                other = captured.setdefault((layer, spec.at), name)
-                if other != name:
-                    raise HookrunError(
-                        f"{key}: captures {layer}/{spec.at.value}, which hooks.{other} "
-                        "already captures; keep one of them"
-                    )
+        _claim(captured, spec, layers)
         exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
         plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
+
+
+def _claim(captured: dict[tuple[str, Site], str], spec: HookSpec, layers: tuple) -> None:
+    """Refuse a second capture of one (module, site)."""
+    for layer in layers if spec.action.captures else ():
+        other = captured.setdefault((layer, spec.at), spec.name)
+        if other != spec.name:
+            raise HookrunError(
+                f"hooks.{spec.name}: captures {layer}/{spec.at.value}, which hooks.{other} "
+                "already captures; keep one of them"
+            )
 
 
 def _pattern_hook(spec: HookSpec, model: nn.Module) -> PlannedHook:

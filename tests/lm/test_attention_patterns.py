@@ -142,6 +142,7 @@ def test_a_fused_attention_model_is_switched_to_eager_and_the_plan_says_so(tmp_p
     lm = LanguageModel(hf, tok)
     plan = hookrun.run(overrides=[*overrides, "dry_run=true"], model=lm, run_dir=tmp_path / "d")
     assert "switched to eager attention" in plan.plan_text
+    assert "/captures/transformer.h.0.attn/pattern" in plan.plan_text
     result = hookrun.run(overrides=overrides, model=lm, run_dir=tmp_path / "run")
     assert hf.config._attn_implementation == "sdpa"  # the caller's model as it came
     with h5py.File(result.path) as f:
@@ -171,6 +172,20 @@ def test_a_fused_attention_model_is_switched_to_eager_and_the_plan_says_so(tmp_p
             "transformer.h.0.attn",
             ["++hooks.attn.args.heads=[0]"],
             r"^hooks\.attn\.args\.heads: \[0\] with capture at pattern",
+        ),
+        (
+            "transformer.h.0.attn",
+            [
+                "++hooks.again.select.name=transformer.h.*.attn",
+                "++hooks.again.at=pattern",
+                "++hooks.again.action=capture",
+            ],
+            r"^hooks\.again: captures transformer\.h\.0\.attn/pattern, which hooks\.attn",
+        ),
+        (
+            "transformer.h.0.attn",
+            ["++hooks.attn.select.function=softmax"],
+            r"^hooks\.attn\.select\.function: 'softmax' with at: pattern",
         ),
     ],
 )
