@@ -1,7 +1,9 @@
 """`at: pattern`: attention probabilities per head equal the model's own
 `output_attentions=True` ones (eager) for GPT-2, Llama, GPT-NeoX and BERT, padded rows on their
-real tokens; zeroing one head's pattern equals a hand-written ablation of that head; a fused
-(sdpa) model is switched to eager and the plan says so; non-attention modules are refused."""
+real tokens; zeroing one head's pattern equals a hand-written ablation of that head, and
+patching one head from another model's stored run a hand replacement; a fused (sdpa) model is
+switched to eager, the plan says so and the caller's model comes back as it was; a module that
+is not an attention module, positions, heads on a capture and a second capture are refused."""
 
 from __future__ import annotations
 
