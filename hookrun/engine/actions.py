@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from hookrun.engine.positions import Positions, parse_positions
+from hookrun.engine.positions import Positions, parse_heads, parse_positions
 from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
 from hookrun.registry import Registry
@@ -61,6 +61,8 @@ class Action:
     reads_rows: ClassVar[bool] = False
     # `args.positions` on token data (engine/positions.py): where along the tokens it acts.
     positions: Positions | None = None
+    # `args.heads` at a pattern site (engine/pattern.py): the heads it acts on (None: all).
+    heads: tuple[int, ...] | None = None
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -85,6 +87,8 @@ class Action:
         items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
         if self.positions is not None:
             items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
+        if self.heads is not None:
+            items = ", ".join(filter(None, (items, f"heads={list(self.heads)}")))
         return f"{self.name}{{{items}}}" if items else self.name
 
 
@@ -253,9 +257,10 @@ def build_action(name: str, args: dict[str, Any], key: str) -> Action:
             f"{key}.args.positions: {positions.describe()} with action {name}, which puts "
             "whole stored rows back; valid: no positions (patch the whole tensor)"
         )
+    heads = parse_heads(args.pop("heads", None), f"{key}.args.heads")
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     check_finite(f"{key}.args", parsed)
     cls.check(parsed, key)
     action = cls(parsed)
-    action.positions = positions
+    action.positions, action.heads = positions, heads
     return action

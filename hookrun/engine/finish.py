@@ -12,6 +12,7 @@ import torch
 
 from hookrun.engine.prepare import Prepared
 from hookrun.io.results import Results, summary
+from hookrun.methods.induction import induction_of_run
 from hookrun.models.sources import class_names
 from hookrun.scale import distributed
 
@@ -59,6 +60,8 @@ def finish(run: Prepared, rows_here: int) -> Result:
             return Result(run.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
         replace = spec.sink.overwrite or spec.resume  # a resumed run may redo an interrupted merge
         distributed.merge_shards(run.final_path, world, total, spec.batch_size, run.header, replace)
+    # experiment=induction: the scores per head, from the complete file's patterns.
+    induction_of_run(run.final_path, spec.dataset, run.plan, run.model)
     images = None
     if spec.render:
         # Imported here: matplotlib costs a run that draws nothing 0.2-0.3 s of start-up.

@@ -219,7 +219,10 @@ def _call_site(plan: HookPlan, recorder: Recorder):
     def handle(layer: str, func, args: tuple, kwargs: dict) -> Any:
         on_input, on_grad_in = plan.at(layer, Site.input), plan.at(layer, Site.grad_input)
         on_output, on_grad_out = plan.at(layer, Site.output), plan.at(layer, Site.grad_output)
-        if recorder.paused or not (on_input or on_grad_in or on_output or on_grad_out):
+        on_pattern = plan.at(layer, Site.pattern)  # an attention module's softmax call
+        if recorder.paused or not (
+            on_input or on_grad_in or on_output or on_grad_out or on_pattern
+        ):
             return func(*args, **kwargs)  # paused: a derived method's own passes
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
@@ -231,6 +234,8 @@ def _call_site(plan: HookPlan, recorder: Recorder):
         output = func(*args, **kwargs)
         if on_output:
             output = _forward_site(layer, Site.output, on_output, recorder, output, call)
+        if on_pattern:
+            output = _forward_site(layer, Site.pattern, on_pattern, recorder, output, call)
         if on_grad_out and torch.is_grad_enabled():
             _hook_grad_outputs(layer, call, output, on_grad_out, recorder)
         if (

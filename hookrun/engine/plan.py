@@ -14,6 +14,7 @@ from torch import nn
 
 from hookrun.engine.actions import Action
 from hookrun.engine.functions import resolve_words
+from hookrun.engine.pattern import WORD, bind_pattern, use_eager
 from hookrun.engine.positions import positions_shape
 from hookrun.engine.selectors import INPUT_LAYER, select_layers
 from hookrun.errors import HookrunError
@@ -86,6 +87,8 @@ class HookPlan:
     # Selected Linear/Conv modules that never run as modules but whose weight a function
     # call uses (found by the probe): their sites are those calls.
     weighted: tuple[str, ...] = ()
+    # Lines the dry-run text shows above the hooks (e.g. attention switched to eager).
+    notes: tuple[str, ...] = ()
 
     @property
     def words(self) -> tuple[str, ...]:
@@ -184,6 +187,17 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
         name, action = spec.name, spec.action
         key = f"hooks.{name}"
         functions = tuple(_names(spec.select.function))
+        if spec.action.heads is not None and (spec.at != Site.pattern or action.captures):
+            raise HookrunError(
+                f"{key}.args.heads: {list(spec.action.heads)} with {action.name} at "
+                f"{spec.at.value}; valid: heads only for zero, scale, patch, ... at: pattern"
+            )
+        if spec.at == Site.pattern:
+            plan.hooks.append(_pattern_hook(spec, model))
+            _claim(captured, spec, plan.hooks[-1].within or ())
+            note = use_eager(model)
+            plan.notes += (note,) if note else ()
+            continue
         if functions:
             resolve_words(list(functions), f"{key}.select.function")
             narrowed = any((spec.select.name, spec.select.regex, spec.select.type))
@@ -206,17 +220,57 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                 f"{key}.at: {spec.at.value!r} does not exist on the model-input pseudo-layer "
                 f"'input'; valid: {', '.join(s.value for s in INPUT_LAYER_SITES)}"
             )
-        if action.captures:
-            for layer in layers:
-                other = captured.setdefault((layer, spec.at), name)
-                if other != name:
-                    raise HookrunError(
-                        f"{key}: captures {layer}/{spec.at.value}, which hooks.{other} "
-                        "already captures; keep one of them"
-                    )
+        _claim(captured, spec, layers)
         exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
         plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
+
+
+def _claim(captured: dict[tuple[str, Site], str], spec: HookSpec, layers: tuple) -> None:
+    """Refuse a second capture of one (module, site)."""
+    for layer in layers if spec.action.captures else ():
+        other = captured.setdefault((layer, spec.at), spec.name)
+        if other != spec.name:
+            raise HookrunError(
+                f"hooks.{spec.name}: captures {layer}/{spec.at.value}, which hooks.{other} "
+                "already captures; keep one of them"
+            )
+
+
+def _pattern_hook(spec: HookSpec, model: nn.Module) -> PlannedHook:
+    """A pattern site: the softmax calls inside the selected modules (engine/pattern.py)."""
+    key = f"hooks.{spec.name}"
+    if spec.select.function:
+        raise HookrunError(
+            f"{key}.select.function: {spec.select.function!r} with at: pattern; valid: "
+            "select the attention modules by name, regex or type"
+        )
+    if spec.action.positions is not None:
+        raise HookrunError(
+            f"{key}.args.positions: {spec.action.positions.describe()} at pattern, which holds "
+            "every query and key position; valid: null (the whole pattern)"
+        )
+    layers = tuple(select_layers(spec.select, model, f"{key}.select"))
+    if INPUT_LAYER in layers:
+        raise HookrunError(f"{key}.select.name: 'input' has no attention pattern; valid: modules")
+    exact = tuple(n for n in _names(spec.select.name) if _literal(n))
+    return PlannedHook(
+        spec.name, Site.pattern, spec.action, (), spec.backward, exact, (WORD,), layers
+    )
+
+
+def _check_heads(
+    hook: PlannedHook, calls: tuple[str, ...], shapes: Mapping[str, list[CallShapes]]
+) -> None:
+    """Refuse `args.heads` past the heads of a bound pattern site."""
+    for call in calls if hook.action.heads else ():
+        for leaf in (c for shaped in shapes.get(call, []) for c in shaped.outputs):
+            count = leaf.shape[0] if leaf.shape else 0
+            if max(hook.action.heads) >= count:
+                raise HookrunError(
+                    f"hooks.{hook.name}.args.heads: {max(hook.action.heads)} is past the "
+                    f"{count} heads of {call.rsplit('/', 1)[0]}; valid: 0..{count - 1}"
+                )
 
 
 def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPlan:
@@ -225,7 +279,11 @@ def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPl
     calls = [name for name in shapes if "/" in name]
     hooks = []
     for hook in plan.hooks:
-        if hook.functions:
+        if hook.site == Site.pattern:
+            found = bind_pattern(f"hooks.{hook.name}", hook.within or (), hook.exact, calls)
+            _check_heads(hook, found, shapes)
+            hook = dataclasses.replace(hook, layers=found)
+        elif hook.functions:
             found = tuple(
                 name
                 for name in calls
@@ -234,7 +292,7 @@ def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPl
             )
             hook = dataclasses.replace(hook, layers=found)
         hooks.append(hook)
-    return HookPlan(hooks, plan.weighted)
+    return dataclasses.replace(plan, hooks=hooks)
 
 
 def _names(value: object) -> list[str]:
@@ -336,4 +394,4 @@ def _drop_unstorable(
             hook = dataclasses.replace(hook, layers=tuple(x for x in hook.layers if x not in bad))
             dropped[hook.name] = list(bad.values())
         hooks.append(hook)
-    return HookPlan(hooks, plan.weighted), dropped
+    return dataclasses.replace(plan, hooks=hooks), dropped

@@ -46,7 +46,7 @@ def describe_plan(
     """The dry-run text: hooks → modules, shapes, bytes per sample (per batch for tensors
     with no batch axis), and the estimated file size."""
     backward = f"yes, from target.kind={target}" if plan.needs_backward else "no"
-    lines = [f"HookPlan: {len(plan.hooks)} hook(s); backward pass: {backward}"]
+    lines = [*plan.notes, f"HookPlan: {len(plan.hooks)} hook(s); backward pass: {backward}"]
     stored = plan.capture_shapes(shapes)
     folds = plan.folds(shapes)
     for hook in plan.hooks:

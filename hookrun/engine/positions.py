@@ -95,8 +95,30 @@ def _index(positions: Positions, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(items < 0, lengths.unsqueeze(1) + items, items.expand(len(lengths), -1))
 
 
+def parse_heads(value: Any, key: str) -> tuple[int, ...] | None:
+    """`args.heads` (a pattern site's heads an action changes): None or a list of ints."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, int) else value
+    if (
+        isinstance(items, str)
+        or not hasattr(items, "__iter__")
+        or not list(items)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items)
+    ):
+        raise HookrunError(f"{key}: {value!r}; valid: a head index or a list of them (>= 0)")
+    return tuple(dict.fromkeys(items))
+
+
 def act_at(action: Any, tensor: torch.Tensor, ctx: Any, mask: torch.Tensor | None) -> Any:
-    """`action` applied to `tensor` at its `positions` (all of it when none are set)."""
+    """`action` applied to `tensor` at its `positions` (all of it when none are set), and
+    at a pattern site (N, heads, T, T) on its `heads` only (all when none are set)."""
+    heads: tuple[int, ...] | None = getattr(action, "heads", None)
+    if heads is not None and not action.captures:
+        chosen = torch.zeros(tensor.shape[1], dtype=torch.bool, device=tensor.device)
+        chosen[list(heads)] = True
+        shape = (1, -1, *[1] * (tensor.dim() - 2))
+        return torch.where(chosen.view(shape), action.apply(tensor, ctx), tensor)
     positions: Positions | None = getattr(action, "positions", None)
     if positions is None or positions.kind == "all" or mask is None:
         return action.apply(tensor, ctx)

@@ -16,6 +16,7 @@ absolute sum), so the probe keeps no activations.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any
 
@@ -185,6 +186,6 @@ def probe_shapes(
         calls = [_observe_calls(model, plan, weights, batch) for batch in batches]
         shapes.update(_classify_all(calls[0], calls[1]))
         weighted = tuple(name for name in weights.values() if name in shapes)
-    plan = bind_calls(HookPlan(plan.hooks, weighted), shapes)
+    plan = bind_calls(dataclasses.replace(plan, weighted=weighted), shapes)
     shapes[INPUT_LAYER] = [CallShapes((), (Leaf("", tuple(sample.shape)),))]
     return shapes, tuple(model_logits(seen[0][1]).shape[1:]), plan

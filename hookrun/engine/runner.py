@@ -10,6 +10,7 @@ from pathlib import Path
 from hookrun.engine.device import devices_kept, resolve_device
 from hookrun.engine.finish import Result, dry_result, finish
 from hookrun.engine.interrupt import signals_caught, stop_if_signalled
+from hookrun.engine.pattern import attention_kept
 from hookrun.engine.prepare import CallerObjects, prepare
 from hookrun.engine.stream import stream
 from hookrun.evaluate.randomize import weights_kept
@@ -37,6 +38,7 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
         with (
             reproducible(spec.seed, spec.deterministic),
             devices_kept(caller.model),
+            attention_kept(caller.model),  # at: pattern switches fused attention to eager
             weights_kept(caller.model) if randomised else nullcontext(),
             signals_caught(),
         ):

@@ -28,70 +28,20 @@ from hookrun.io import storage
 from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
 
 __all__ = [
-    "CHUNK_BYTES",
-    "CAPTURES",
-    "SAMPLES",
-    "DERIVED",
-    "SAMPLES_INDEX",
-    "SAMPLES_LABEL",
-    "SAMPLES_TARGET",
-    "SAMPLES_PATH",
-    "SAMPLES_TOKENS",
-    "SAMPLES_MASK",
-    "SAMPLES_LINE",
-    "mark_bfloat16",
-    "is_bfloat16",
-    "read_paths",
-    "MODEL_OUTPUT",
-    "INPUT_PHOTO",
-    "INPUT_GRAD",
-    "Provenance",
-    "FileState",
-    "PER_BATCH",
-    "FOLDED",
-    "per_batch",
-    "folded",
-    "rows_for",
-    "rows_note",
-    "copy_attrs",
-    "capture_key",
-    "derived_key",
-    "LOGIT_LENS",
-    "gap_key",
-    "GAP_SUFFIX",
-    "chunk_shape",
-    "open_readonly",
-    "read_state",
-    "read_provenance",
-    "dataset_names",
-    "write_header",
-    "mark_status",
-    "mark_completed",
-    "mark_rows",
-    "mark_complete",
-    "SAMPLE",
-    "NOT_A_VARIABLE",
-    "SCALE_ATTRS",
-    "is_dimension",
-    "EVALUATE",
-    "SANITY",
-    "FRACTIONS",
-    "AUC_SUFFIX",
-    "SCORE_SUFFIX",
-    "VERDICT_SIMILARITY",
-    "evaluate_key",
-    "sanity_key",
-    "PATCHING",
-    "patching_key",
-    "read_patching",
-    "sanity_attrs",
-    "read_sanity",
-    "read_fractions",
-    "verdict_of",
-    "mark_verdict",
-    "write_attrs",
-    "copy_group_attrs",
-]
+    "CHUNK_BYTES", "CAPTURES", "SAMPLES", "DERIVED", "SAMPLES_INDEX", "SAMPLES_LABEL",
+    "SAMPLES_TARGET", "SAMPLES_PATH", "SAMPLES_TOKENS", "SAMPLES_MASK", "SAMPLES_LINE",
+    "mark_bfloat16", "is_bfloat16", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
+    "Provenance", "FileState", "PER_BATCH", "FOLDED", "per_batch", "folded", "rows_for",
+    "rows_note", "copy_attrs", "capture_key", "derived_key", "LOGIT_LENS", "gap_key",
+    "GAP_SUFFIX", "chunk_shape", "open_readonly", "read_state", "read_provenance",
+    "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
+    "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension", "EVALUATE",
+    "SANITY", "FRACTIONS", "AUC_SUFFIX", "SCORE_SUFFIX", "VERDICT_SIMILARITY", "evaluate_key",
+    "sanity_key", "PATCHING", "patching_key", "read_patching", "sanity_attrs", "read_sanity",
+    "read_fractions", "verdict_of", "mark_verdict", "write_attrs", "copy_group_attrs",
+    "pattern_key", "INDUCTION_SCORE", "INDUCTION_ROWS", "LAYERS_ATTR", "induction_layers",
+    "SUMMARIES"
+]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
 CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
@@ -122,9 +72,33 @@ def capture_key(
     one forward pass gets `.call<k>` (ResNet blocks call their one ReLU twice).
     """
     site = getattr(site, "value", site)
+    if site == PATTERN and "/" in layer:  # the attention module's softmax call k
+        module, call_site = layer.rsplit("/", 1)
+        return pattern_key(module, int(call_site.rsplit(".", 1)[1]))
     part = leaf if leaf is not None else (f"_{tensor}" if n_tensors > 1 else "")
     name = f"{site}{part}" + (f".call{call}" if call else "")
     return f"{CAPTURES}/{layer}/{name}"
+
+
+PATTERN = "pattern"
+
+
+def pattern_key(module: str, call: int = 0) -> str:
+    """`/captures/<module>/pattern`: an attention module's probabilities (N, heads, query,
+    key), from its softmax call `call` of one forward (`.call<k>` after the first)."""
+    return f"{CAPTURES}/{module}/{PATTERN}" + (f".call{call}" if call else "")
+
+
+# experiment=induction (hookrun/methods/induction.py): the induction score per head (layers,
+# heads) with the layer names in its attribute LAYERS_ATTR, and each row's (N, layers, heads).
+INDUCTION_SCORE, INDUCTION_ROWS, LAYERS_ATTR = "induction/score", "induction/rows", "layers"
+# Datasets of a whole run with no sample axis (written once the file is complete).
+SUMMARIES = (INDUCTION_SCORE,)
+
+
+def induction_layers(f: h5py.File) -> list[str]:
+    """The layer names of /induction/score's rows."""
+    return [str(x) for x in f[INDUCTION_SCORE].attrs.get(LAYERS_ATTR, [])]
 
 
 def derived_key(method: str, layer: str) -> str:
@@ -158,7 +132,10 @@ def folded(ds: h5py.Dataset) -> int:
 
 
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
-    """The rows `ds` holds once `completed` samples are: one per sample, or one per batch."""
+    """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
+    (a whole-run summary, SUMMARIES, holds the rows it has: it has no sample axis)."""
+    if ds.name.lstrip("/") in SUMMARIES:
+        return ds.shape[0]
     size = per_batch(ds)
     return -(-completed // size) if size else completed
 

@@ -27,9 +27,11 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from hookrun.io import layout, walk
+from hookrun.render.attention import render_attention
 from hookrun.render.evaluation import render_evaluation
 from hookrun.render.lens import render_lens
 from hookrun.render.patching import render_patching
+from hookrun.render.induction import render_induction
 from hookrun.render.pictures import (
     display_image,
     feature_grid,
@@ -178,6 +180,8 @@ def render(
         evaluated += render_tokens(f, out_dir, rows, config)
         evaluated += render_lens(f, out_dir, rows, config)
         evaluated += render_patching(f, out_dir, config)
+        evaluated += render_attention(f, out_dir, rows, config)
+        evaluated += render_induction(f, out_dir)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)

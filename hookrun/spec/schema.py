@@ -46,6 +46,9 @@ class Site(str, Enum):
     output = "output"  # the module's output (forward hook)
     grad_input = "grad_input"  # gradient w.r.t. the module's input, through this module only
     grad_output = "grad_output"  # gradient w.r.t. the module's output
+    # An attention module's probabilities per head (N, heads, query, key): the softmax its
+    # forward computes (hookrun/engine/plan.py binds it to that call; eager attention only).
+    pattern = "pattern"
 
     @property
     def is_grad(self) -> bool:
