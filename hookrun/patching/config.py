@@ -10,7 +10,7 @@ from typing import Any
 from hookrun.errors import HookrunError, nearest
 from hookrun.typed import Frozen, check_range, freeze, parse_typed
 
-__all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching"]
+__all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching", "chosen_layers"]
 
 # resid: each block's output; attn: each attention module's output; mlp: each MLP's output.
 SITE_KINDS = ("resid", "attn", "mlp")
@@ -28,6 +28,9 @@ class PatchingConfig(Frozen):
     # Positions patched: all (every position of the padded rows; past a row's last real
     # token its cells are NaN) or a list of positions (0-based, inside every row).
     positions: Any = "all"
+    # Layers patched: all, one layer (an int: `--multirun patching.layer=0,1,2` gives one
+    # cluster job per layer, each the matching slice of the all-layers grid) or a list.
+    layer: Any = "all"
     # Rows per patched forward pass (copies of the corrupted batch × its rows); null: as many
     # as `memory_mib` of activations allow (grid.py says the estimate).
     batch_size: int | None = None
@@ -64,6 +67,34 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
             raise HookrunError(
                 f"patching.positions: {list(positions)}; valid: distinct positions ≥ 0"
             )
+    _check_layers(config.layer)
     check_range("patching.batch_size", config.batch_size, 1, allow_none=True)
     check_range("patching.memory_mib", config.memory_mib, 1)
     return freeze(config)
+
+
+def _check_layers(layer: Any) -> None:
+    """`patching.layer`: all, an int ≥ 0 or a list of distinct ones (the model's layer
+    count is checked when the grid is planned)."""
+    if layer == "all":
+        return
+    listed = layer if isinstance(layer, list) else [layer]
+    ints = listed and all(isinstance(i, int) and not isinstance(i, bool) for i in listed)
+    if not ints or min(listed) < 0 or len(set(listed)) != len(listed):
+        raise HookrunError(
+            f"patching.layer: {layer!r}; valid: all, a layer index (0-based) or a list of "
+            "distinct ones"
+        )
+
+
+def chosen_layers(layer: Any, count: int) -> list[int]:
+    """The layer indices `patching.layer` names, of a model with `count` layers."""
+    if layer == "all":
+        return list(range(count))
+    listed = list(layer) if isinstance(layer, list | tuple) else [layer]
+    if max(listed) >= count:
+        raise HookrunError(
+            f"patching.layer: {max(listed)} is past the model's {count} layers; valid: 0 to "
+            f"{count - 1}, or all"
+        )
+    return sorted(listed)

@@ -32,7 +32,7 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.registry import Stored
 from hookrun.io import layout
 from hookrun.memory import format_bytes
-from hookrun.patching.config import PatchingConfig
+from hookrun.patching.config import PatchingConfig, chosen_layers
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
 
@@ -250,7 +250,7 @@ def _site_modules(config: PatchingConfig, model: nn.Module) -> dict[str, list[st
                 f"patching.sites: {kind}: the {model_type} model has no module "
                 f"{patterns[kind].format(0)}; valid: a {model_type} model as transformers builds it"
             )
-        out[kind] = names
+        out[kind] = [names[i] for i in chosen_layers(config.layer, len(names))]
     return out
 
 

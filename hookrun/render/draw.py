@@ -29,9 +29,9 @@ from PIL import Image
 from hookrun.io import layout, walk
 from hookrun.render.attention import render_attention
 from hookrun.render.evaluation import render_evaluation
+from hookrun.render.induction import render_induction
 from hookrun.render.lens import render_lens
 from hookrun.render.patching import render_patching
-from hookrun.render.induction import render_induction
 from hookrun.render.pictures import (
     display_image,
     feature_grid,

@@ -184,6 +184,29 @@ def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
         )
 
 
+def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
+    """One cluster job per layer (`--multirun patching.layer=0,1`, the basic launcher here):
+    each job's grid is that layer's slice of the one-run grid, named in `layers`."""
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    full = run_config(tmp_path / "full", _args(tmp_path / "lm", data)).path
+    args = _args(tmp_path / "lm", data, "patching.layer=0,1", "progress=false")
+    proc = hookrun_cli(["-m", *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    jobs = sorted(tmp_path.glob("multirun/*/*/[0-9]*/captures.h5"), key=lambda p: p.parent.name)
+    assert len(jobs) == 2
+    with h5py.File(full) as a:
+        for layer, path in enumerate(jobs):
+            with h5py.File(path) as b:
+                for kind in ("resid", "attn", "mlp"):
+                    names = list(a[f"patching/{kind}"].attrs["layers"])
+                    assert list(b[f"patching/{kind}"].attrs["layers"]) == [names[layer]]
+                    np.testing.assert_allclose(
+                        b[f"patching/{kind}"][:], a[f"patching/{kind}"][:, [layer]], atol=1e-6
+                    )
+                np.testing.assert_array_equal(b["patching/clean"][:], a["patching/clean"][:])
+
+
 @pytest.mark.parametrize(
     ("extra", "rows", "said"),
     [
@@ -201,6 +224,9 @@ def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
         ),
         (["patching.positions=[2,8]"], ROWS, "patching.positions: 8 is past the row at"),
         (["patching.positions=[-1]"], ROWS, "patching.positions: [-1]"),
+        (["patching.layer=2"], ROWS, "patching.layer: 2 is past the model's 2 layers"),
+        (["patching.layer=[0,0]"], ROWS, "patching.layer: [0, 0]; valid: all, a layer index"),
+        (["patching.layer=first"], ROWS, "patching.layer: 'first'; valid: all, a layer index"),
     ],
 )
 def test_refused_in_one_line_before_any_work(tmp_path, extra, rows, said):
