@@ -75,8 +75,11 @@ class CapturesFile:
         self.file = file
         self.options = options
         self.rows = read_state(file).completed
-        self.keys = set(dataset_names(file))
-        self.batch = {k: per_batch(file[k]) for k in self.keys}  # 0: one row per sample
+        # Open handles, looked up once: a path lookup per dataset per batch is most of the
+        # writer's time on small batches.
+        self.datasets = {k: file[k] for k in dataset_names(file)}
+        self.keys = set(self.datasets)
+        self.batch = {k: per_batch(ds) for k, ds in self.datasets.items()}  # 0: one row per sample
         self.broken = False  # HDF5 failed a write: the handle must not flush again
 
     @classmethod
@@ -102,8 +105,8 @@ class CapturesFile:
         f = h5py.File(path, "r+", libver="latest")
         try:
             out = cls(f, options)
-            for key in out.keys:  # rows past `completed` may be half written: drop them
-                f[key].resize(rows_for(f[key], out.rows), axis=0)
+            for ds in out.datasets.values():  # rows past `completed` may be half written
+                ds.resize(rows_for(ds, out.rows), axis=0)
             mark_status(f, "running")
             f.flush()
             if out.keys:
@@ -139,17 +142,18 @@ class CapturesFile:
         # A record with no batch axis is one row per batch: its index comes from the batch
         # size the dataset itself records (a reopened file needs no options to continue).
         spans = {k: (self.rows // b, 1) if b else (self.rows, count) for k, b in self.batch.items()}
-        plain = [self.file[k] for k in arrays if not self.batch[k]]
+        datasets = self.datasets
+        plain = [datasets[k] for k in arrays if not self.batch[k]]
         need = storage.batch_need(plain, self.rows, count)
         once = [k for k in arrays if self.batch[k]]
         if once:
-            need += storage.batch_need([self.file[k] for k in once], spans[once[0]][0], 1)
+            need += storage.batch_need([datasets[k] for k in once], spans[once[0]][0], 1)
         storage.reserve(self.file, need)  # refused: HDF5 untouched
         try:
             for key, array in arrays.items():
                 start, rows = spans[key]
-                self.file[key].resize(start + rows, axis=0)
-                self.file[key][start : start + rows] = array
+                datasets[key].resize(start + rows, axis=0)
+                datasets[key][start : start + rows] = array
             self.file.flush()  # the data is on its way to disk before `completed` says so
             mark_completed(self.file, self.rows + count)
             self.file.flush()
@@ -170,7 +174,7 @@ class CapturesFile:
         if expected and fold == 0:
             expected = -(-expected // self.options.batch_size)
         self.keys.add(key)
-        ds = self.file.create_dataset(
+        ds = self.datasets[key] = self.file.create_dataset(
             key,
             shape=(0, *row),
             maxshape=(None, *row),

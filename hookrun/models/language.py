@@ -10,10 +10,12 @@ state_dict keys are the wrapped model's own (`transformer.h.0.attn`, not
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 __all__ = ["LanguageModel", "OUTPUT_KINDS"]
 
@@ -40,6 +42,11 @@ class LanguageModel(nn.Module):
         object.__setattr__(self, "hf", hf)  # not registered: the names stay the model's own
         self.tokenizer = tokenizer
         self.kind = kind
+        # Causal LMs that take `logits_to_keep` (transformers ≥ 4.45) unembed only the read
+        # positions: the rest of the (N, T, V) logits are never read.
+        takes = "logits_to_keep" in inspect.signature(hf.forward).parameters
+        head = hf.get_output_embeddings() if takes and kind == "causal_lm" else None
+        object.__setattr__(self, "head", head)  # not registered: it is a child already
         for name, child in hf.named_children():
             self.add_module(name, child)
         for name, param in hf._parameters.items():  # tensors at the root, rare but possible
@@ -68,12 +75,38 @@ class LanguageModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, mask, read = x[:, 0], x[:, 1], x[:, 2]
-        out = self.hf(input_ids=ids, attention_mask=mask, return_dict=True, use_cache=False)
+        position = read.argmax(dim=1)
+        rows = torch.arange(x.shape[0], device=x.device)
+        extra: dict[str, Any] = {}
+        if self.head is not None and not _watched(self.head):
+            keep = torch.unique(position)  # sorted: the read position's column in the kept
+            extra["logits_to_keep"] = keep
+            position = torch.searchsorted(keep, position)
+        out = self.hf(
+            input_ids=ids, attention_mask=mask, return_dict=True, use_cache=False, **extra
+        )
         if self.kind == "sequence_classification":
             return out.logits
         states = out.last_hidden_state if self.kind == "base" else out.logits
-        position = read.argmax(dim=1)
-        return states[torch.arange(states.shape[0], device=states.device), position]
+        return states[rows, position]
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, wraps={type(self.hf).__name__}"
+
+
+def _watched(head: nn.Module) -> bool:
+    """Whether anything hooks the unembedding (a capture of its output, a gradient site,
+    a global module hook): then it runs on every position, as the wrapped model runs it."""
+    own = (
+        head._forward_hooks,
+        head._forward_pre_hooks,
+        head._backward_hooks,
+        head._backward_pre_hooks,
+    )
+    global_hooks = (
+        module_hooks._global_forward_hooks,
+        module_hooks._global_forward_pre_hooks,
+        module_hooks._global_backward_hooks,
+        module_hooks._global_backward_pre_hooks,
+    )
+    return any(own) or any(global_hooks)

@@ -380,3 +380,30 @@ def test_without_transformers_model_hf_says_how_to_install_it():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("model.source: 'hf'"), out.stdout
     assert "pip install hookrun[hf]" in lines[0]
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "gpt_neox"])
+def test_causal_lms_unembed_only_the_read_positions_unless_the_unembedding_is_hooked(model_type):
+    """Only the read positions' logits are ever read: the unembedding runs on those alone
+    (the (N, T, V) logits are most of a small model's work), and on every position again
+    as soon as anything hooks it, so a capture of its output is the model's own."""
+    lm = _built(model_type)
+    head = lm.hf.get_output_embeddings()
+    x = _batch([9, 9, 6], reads=[8, 3, 5], pad=256)
+    rows_seen: list[int] = []
+    plain = head.forward
+    head.forward = lambda h: (rows_seen.append(h.shape[1]), plain(h))[1]  # not a hook
+    try:
+        with torch.no_grad():
+            got = lm(x)
+            full = lm.hf(input_ids=x[:, 0], attention_mask=x[:, 1], use_cache=False).logits
+            seen: list[torch.Tensor] = []
+            handle = head.register_forward_hook(lambda m, i, o: seen.append(o))
+            hooked = lm(x)
+            handle.remove()
+    finally:
+        del head.forward
+    assert rows_seen == [3, 9, 9]  # the distinct read positions 3, 5, 8; then all 9 twice
+    want = torch.stack([full[0, 8], full[1, 3], full[2, 5]])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert seen[0].shape == (3, 9, V) and torch.equal(hooked, want)
