@@ -31,6 +31,9 @@ class PatchingConfig(Frozen):
     # Layers patched: all, one layer (an int: `--multirun patching.layer=0,1,2` gives one
     # cluster job per layer, each the matching slice of the all-layers grid) or a list.
     layer: Any = "all"
+    # A stored clean run (a captures.h5 of the same prompts, patching/clean.py) read instead
+    # of a clean forward pass: clean and corrupted as separate jobs. null: one run does both.
+    clean: str | None = None
     # Rows per patched forward pass (copies of the corrupted batch × its rows); null: as many
     # as `memory_mib` of activations allow (grid.py says the estimate).
     batch_size: int | None = None

@@ -32,6 +32,7 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.registry import Stored
 from hookrun.io import layout
 from hookrun.memory import format_bytes
+from hookrun.patching.clean import StoredClean, open_clean
 from hookrun.patching.config import PatchingConfig, chosen_layers
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
@@ -87,6 +88,7 @@ class PatchingGrid:
     wrong: torch.Tensor  # (rows,) int64: each row's counterfactual answer
     rows_per_pass: int  # rows of one patched forward pass (whole copies of the batch)
     row_bytes: int  # the estimate rows_per_pass is made from (per row of a pass)
+    clean: StoredClean | None = None  # patching.clean: the clean run read from a file
 
     @property
     def layers(self) -> int:
@@ -110,7 +112,10 @@ class PatchingGrid:
 
     def attrs(self) -> dict[str, dict[str, Any]]:
         """The /patching group's attributes (what clean and corrupted are)."""
-        return {layout.PATCHING: {"clean": "prompt", "corrupted": "counterfactual"}}
+        said = {"clean": "prompt", "corrupted": "counterfactual"}
+        if self.clean is not None:
+            said |= {"clean_file": str(self.clean.path), "clean_sha256": self.clean.sha256}
+        return {layout.PATCHING: said}
 
     def describe(self, itemsize: int) -> str:
         """The dry-run lines: the grid, how the patched passes are chunked, and the datasets
@@ -124,11 +129,12 @@ class PatchingGrid:
                 " per row (4 B × tokens × (vocab + 12 × width + heads × tokens))"
             )
         )
+        source = f" (read from {self.clean.path})" if self.clean else ""
+        grid = _CELL.format(layers=self.layers, positions=len(self.positions))
         lines = [
-            f"Patching ({', '.join(self.modules)}): clean = the prompt, corrupted = the "
-            f"counterfactual; {_CELL.format(layers=self.layers, positions=len(self.positions))}"
-            f" = {cells} cells per site kind, batched {self.rows_per_pass} rows per patched "
-            f"forward ({sized})"
+            f"Patching ({', '.join(self.modules)}): clean = the prompt{source}, corrupted = "
+            f"the counterfactual; {grid} = {cells} cells per site kind, batched "
+            f"{self.rows_per_pass} rows per patched forward ({sized})"
         ]
         for key, stored in self.stored().items():
             size = format_bytes(math.prod(stored.shape) * itemsize)
@@ -145,7 +151,10 @@ class PatchingGrid:
         corrupt[:, 0] = self.counterfactual[index.cpu()].to(device)
         answers = (labels.to(device), self.wrong[index.cpu()].to(device))
         with torch.inference_mode():
-            seen, logits = self._clean(model, inputs)
+            if self.clean is not None:
+                seen, logits = self.clean.read(index, device)
+            else:
+                seen, logits = self._clean(model, inputs)
             clean = _logit_diff(logits, answers)
             corrupted = _logit_diff(model(corrupt), answers)
             out = {
@@ -315,7 +324,10 @@ def plan_patching(
     width, heads = int(cfg.hidden_size), int(getattr(cfg, "num_attention_heads", 1))
     row_bytes = 4 * length * (int(cfg.vocab_size) + 12 * width + heads * length)
     rows_per_pass = config.batch_size or max(1, config.memory_mib * 2**20 // row_bytes)
-    return PatchingGrid(config, modules, positions, counterfactual, wrong, rows_per_pass, row_bytes)
+    clean = open_clean(config.clean, modules, tokens, rows) if config.clean else None
+    return PatchingGrid(
+        config, modules, positions, counterfactual, wrong, rows_per_pass, row_bytes, clean
+    )
 
 
 def stored_shapes(grid: PatchingGrid | None) -> Mapping[str, tuple[int, ...]]:

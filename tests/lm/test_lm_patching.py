@@ -5,6 +5,8 @@ the endpoints that hold exactly do; what cannot be patched is refused before any
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -205,6 +207,58 @@ def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
                         b[f"patching/{kind}"][:], a[f"patching/{kind}"][:, [layer]], atol=1e-6
                     )
                 np.testing.assert_array_equal(b["patching/clean"][:], a["patching/clean"][:])
+
+
+def _clean_run(folder, lm, data, regex=r"transformer\.h\.\d+(\.attn|\.mlp)?") -> str:
+    """A separate clean job: the prompts' module outputs at every position, float32."""
+    args = [
+        "experiment=lm_cache",
+        "model=hf",
+        f"model.path={lm}",
+        "dataset=prompts",
+        f"dataset.path={data}",
+        "sink.dtype=float32",
+        f"hooks.resid.select.regex='{regex}'",
+        "render=false",
+    ]
+    return str(run_config(folder, args).path)
+
+
+def test_a_stored_clean_run_gives_the_one_run_grid(tmp_path):
+    """Clean and corrupted as two jobs (patching.clean=FILE): the same grid, every kind."""
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    clean = _clean_run(tmp_path / "clean", tmp_path / "lm", data)
+    one = run_config(tmp_path / "one", _args(tmp_path / "lm", data)).path
+    two = run_config(tmp_path / "two", _args(tmp_path / "lm", data, f"patching.clean={clean}")).path
+    with h5py.File(one) as a, h5py.File(two) as b:
+        gap = (a["patching/clean"][:] - a["patching/corrupted"][:])[:, None, None]
+        for key in ("clean", "corrupted", *(f"{k}_logit_diff" for k in ("resid", "attn", "mlp"))):
+            np.testing.assert_allclose(b[f"patching/{key}"][:], a[f"patching/{key}"][:], atol=1e-5)
+        for key in ("resid", "attn", "mlp"):  # scores times the gap: the logit differences' 1e-5
+            got, want = b[f"patching/{key}"][:] * gap, a[f"patching/{key}"][:] * gap
+            np.testing.assert_allclose(got, want, atol=2e-5)
+        assert b["patching"].attrs["clean_file"] == str(Path(clean).resolve())
+        assert len(b["patching"].attrs["clean_sha256"]) == 64
+
+
+def test_a_stored_clean_run_that_does_not_fit_is_refused_before_any_work(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    blocks = _clean_run(tmp_path / "blocks", tmp_path / "lm", data, r"transformer\.h\.\d+")
+    other = _prompts(tmp_path / "other.jsonl", [ROWS[1], ROWS[0], ROWS[2]])
+    swapped = _clean_run(tmp_path / "swapped", tmp_path / "lm", other)
+    cases = {
+        blocks: "has no /captures/transformer.h.0.attn/output for the attn grid",
+        swapped: "holds other tokens than",
+        str(tmp_path / "none.h5"): "is not a file",
+    }
+    for path, said in cases.items():
+        with pytest.raises(HookrunError) as err:
+            run_config(tmp_path / "run", _args(tmp_path / "lm", data, f"patching.clean={path}"))
+        assert str(err.value).startswith("patching.clean: ") and said in str(err.value)
+        assert "\n" not in str(err.value)
+        assert not (tmp_path / "run" / "captures.h5").exists()
 
 
 @pytest.mark.parametrize(
