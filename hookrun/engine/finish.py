@@ -73,7 +73,9 @@ def finish(run: Prepared, rows_here: int) -> Result:
             images = None
     seconds = time.perf_counter() - run.started
     computed = rows_here if spec.resume or world.parallel else None
-    text = summary(run.final_path, seconds, class_names(spec.model), images, computed=computed)
+    # A language model's output columns are its vocabulary: the summary shows the tokens.
+    names = class_names(spec.model) or getattr(run.model, "output_names", lambda: None)()
+    text = summary(run.final_path, seconds, names, images, computed=computed)
     if spec.profile:
         text += "\n" + run.timer.report(seconds)
     log.info("\n%s", text)

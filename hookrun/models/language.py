@@ -11,6 +11,7 @@ state_dict keys are the wrapped model's own (`transformer.h.0.attn`, not
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -90,6 +91,17 @@ class LanguageModel(nn.Module):
         states = out.last_hidden_state if self.kind == "base" else out.logits
         return states[rows, position]
 
+    def output_names(self) -> Sequence[str] | None:
+        """What each column of the output is, for the run summary: the vocabulary's tokens
+        as text (decoded when asked, so a large vocabulary costs nothing), or a
+        classifier's labels; None for a base model's hidden state."""
+        if self.kind == "sequence_classification":
+            labels = getattr(self.config, "id2label", None) or {}
+            return [str(labels.get(i, f"class {i}")) for i in range(len(labels))] or None
+        if self.kind == "base" or self.tokenizer is None:
+            return None
+        return _TokenNames(self.tokenizer, int(self.config.vocab_size))
+
     def extra_repr(self) -> str:
         return f"kind={self.kind}, wraps={type(self.hf).__name__}"
 
@@ -110,3 +122,18 @@ def _watched(head: nn.Module) -> bool:
         module_hooks._global_backward_pre_hooks,
     )
     return any(own) or any(global_hooks)
+
+
+class _TokenNames(Sequence):
+    """`token <id> '<text>'` for each id of a vocabulary, decoded on demand."""
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self.tokenizer, self.size = tokenizer, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.size))]
+        return f"token {i} {self.tokenizer.decode([i])!r}"

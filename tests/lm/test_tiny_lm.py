@@ -71,3 +71,12 @@ def test_lm_cache_defaults_run_tiny_lm_and_equal_a_hand_hook_loop(tmp_path):
         assert got.dtype == np.float16
         # float16 storage: equal to the hand loop's values within float16's resolution
         np.testing.assert_allclose(got.astype(np.float32), want.numpy(), rtol=2e-3, atol=2e-3)
+    # The summary names each row's most likely next token by its text, from the tokenizer
+    # (read: last reads the second-to-last token, whose label is the last).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY, local_files_only=True)
+    with torch.no_grad():
+        top = model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits[:, -2].argmax(-1)
+    for i, t in enumerate(top.tolist()):
+        assert f"sample {i}: top-1 token {t} {tok.decode([t])!r} (p=" in result.summary
