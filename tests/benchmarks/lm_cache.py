@@ -18,7 +18,8 @@ in batches of 8 and writes every block's output for every token as float16 to a 
 - hookrun: `hookrun.run([experiment=lm_cache, model=hf, model.path=…, dataset=text, …,
   limit=ROWS])` in this process, timed whole: config, model load from the folder,
   tokenizing the corpus, the file's open and close — everything but the interpreter's start
-  and the imports (the others' model loading is outside their timings);
+  and the imports (the others' model loading is outside their timings); twice more with
+  `render=false` (no residual_norms.png) and `render=false sink.checksum=false`;
 - bare: the HF model's forward alone (no hooks, nothing written);
 - hand: `register_forward_hook` on every block, each batch written into h5py datasets;
 - TransformerLens: `TransformerBridge.boot_transformers(path, hf_model=…)`,
@@ -428,8 +429,12 @@ def main() -> None:
         "bare": bare(model, data),
         "hand": hand(model, data, work),
         "hookrun": hookrun_variant(model_dir, corpus_path, args.rows, work),
-        "hookrun, sink.checksum=false": hookrun_variant(
-            model_dir, corpus_path, args.rows, work, ["sink.checksum=false"]
+        # What the whole run spends beyond capturing: the picture, the checksums.
+        "hookrun, render=false": hookrun_variant(
+            model_dir, corpus_path, args.rows, work, ["render=false"]
+        ),
+        "hookrun, render=false sink.checksum=false": hookrun_variant(
+            model_dir, corpus_path, args.rows, work, ["render=false", "sink.checksum=false"]
         ),
         "TransformerLens": lens(*lens_copy, model_dir, data, work),
         "nnsight": sight(*sight_copy, data, work),
