@@ -1,1 +1,7 @@
-"""Data: the dataset kinds (a registry) and the loader that batches them in dataset order."""
+"""Data: the dataset kinds (a registry) and the loader that batches them in dataset order.
+
+The token kinds (text, prompts) register themselves in their own modules, imported here so
+that `hookrun.data.kinds.DATASETS` always lists them."""
+
+from hookrun.data import prompts as prompts
+from hookrun.data import tokens as tokens

@@ -57,10 +57,13 @@ _FLOAT = 4  # bytes of one float32 value
 
 @dataclass(frozen=True)
 class DatasetKind:
-    """One registered kind: the config dataclass and the function that builds the dataset."""
+    """One registered kind: the config dataclass and the function that builds the dataset:
+    `build(cfg, seed)`, or `build(cfg, seed, tokenizer)` for a kind of `tokens` (token rows
+    for a language model, hookrun/data/tokens.py, tokenized with the model's tokenizer)."""
 
     schema: type
-    build: Callable[[Any, int], Dataset]
+    build: Callable[..., Dataset]
+    tokens: bool = False
 
 
 DATASETS: Registry[DatasetKind] = Registry("a dataset kind")

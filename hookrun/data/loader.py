@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from hookrun.data.kinds import DATASETS, NO_LABEL, check_image
+from hookrun.data.tokens import token_rows
 from hookrun.errors import HookrunError
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "files_fingerprint",
     "SourceFiles",
     "source_files",
-    "token_data",
 ]
 
 
@@ -126,13 +126,6 @@ def has_labels(data: Dataset) -> bool:
     return bool(getattr(data, "has_labels", False))
 
 
-def token_data(data: Dataset) -> Any:
-    """The token dataset (data/tokens.py) under `data`'s subsets, or None for other data."""
-    while isinstance(data, Subset):
-        data = data.dataset
-    return data if getattr(data, "tokens", False) else None
-
-
 def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
     """(dataset index, source path, label or line) of every row, in row order, for datasets
     read from files (an image folder, text); None for others."""
@@ -151,18 +144,19 @@ def files_fingerprint(data: Dataset) -> str:
     """sha256 over every source file's (path, size, label) in row order, for datasets read
     from files (an image folder); "" for others. A resumed run compares it, so a folder
     whose files were added, removed, renamed or rewritten is not continued."""
+    tokens = token_rows(data)
+    if tokens is not None:
+        return tokens.fingerprint()  # the tokens themselves, not only the files' sizes
     rows = _file_rows(data)
     if rows is None:
         return ""
     digest = hashlib.sha256()
-    sizes: dict[str, int] = {}  # a text file is the source of many rows
     for _, path, label in rows:
-        if path not in sizes:
-            try:
-                sizes[path] = os.stat(path).st_size
-            except OSError:
-                sizes[path] = -1  # unreadable now: the read names it
-        digest.update(f"{path}\t{sizes[path]}\t{label}\n".encode())
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1  # unreadable now: the read names it
+        digest.update(f"{path}\t{size}\t{label}\n".encode())
     return digest.hexdigest()
 
 
@@ -194,7 +188,7 @@ def source_files(data: Dataset) -> SourceFiles | None:
     if rows is None:
         return None
     by_index = {i: os.path.abspath(path) for i, path, _ in rows}
-    lines = {i: int(line) for i, _, line in rows} if token_data(data) is not None else None
+    lines = {i: int(line) for i, _, line in rows} if token_rows(data) is not None else None
     width = max((len(os.fsencode(p)) for p in set(by_index.values())), default=1)
     return SourceFiles(by_index, width, lines)
 

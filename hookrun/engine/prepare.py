@@ -23,10 +23,9 @@ from hookrun.data.loader import (
     files_fingerprint,
     has_labels,
     source_files,
-    token_data,
     wrap_dataset,
 )
-from hookrun.data.tokens import check_vocab
+from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
@@ -47,7 +46,8 @@ from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
 from hookrun.methods.layouts import axis_facts
 from hookrun.methods.registry import Derivation, plan_derivations
-from hookrun.models.hf import load_tokenizer, model_vocabulary
+from hookrun.models.hf import load_tokenizer
+from hookrun.models.language import LanguageModel
 from hookrun.models.sources import build_model, model_label
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
@@ -125,6 +125,22 @@ def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World)
     return 0
 
 
+def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:
+    """The tokenizer token data is read with (no weights loaded yet): the language model's —
+    the caller's LanguageModel's own, or model=hf's — else None (image data)."""
+    if caller_model is None:
+        return load_tokenizer(spec.model) if spec.model.source == "hf" else None
+    if isinstance(caller_model, LanguageModel):
+        return caller_model.tokenizer
+    if type(caller_model).__module__.startswith("transformers."):
+        raise HookrunError(
+            f"model: a {type(caller_model).__name__} (a transformers model) needs its "
+            "tokenizer; valid: hookrun.models.language.LanguageModel(model, tokenizer), or "
+            "model=hf model.path=DIR of its save_pretrained folder"
+        )
+    return None
+
+
 def prepare(
     spec: RunSpec, run_dir: Path, world: World, device: torch.device, caller: CallerObjects
 ) -> Prepared:
@@ -168,9 +184,7 @@ def _prepare(
         shape = tuple(data[0][0].shape)
         check_sizes(spec.batch_size, spec.limit, spec.derive, shape, len(data))
     else:
-        # A language model's token data is read with its tokenizer (no weights loaded yet).
-        tokenizer = load_tokenizer(spec.model) if spec.model.source == "hf" else None
-        data = build_dataset(spec.dataset, spec.seed, spec.limit, tokenizer)
+        data = build_dataset(spec.dataset, spec.seed, spec.limit, _tokenizer(spec, caller.model))
     if caller.model is not None:
         model, weights_file = caller.model, None
     else:
@@ -181,9 +195,9 @@ def _prepare(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
     model.to(device)
-    tokens = token_data(data)
+    tokens = token_rows(data)
     if tokens is not None:
-        check_vocab(tokens, model_vocabulary(model))
+        check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
     sample = data[0][0].to(device)
     try:  # the first forward passes of the user's model: a failure there is bad input
         spec = resolve_cam_layer(spec, model, sample)

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import Subset
 from tqdm import tqdm
 
-from hookrun.data.loader import SourceFiles, has_labels, make_loader, token_data
+from hookrun.data.loader import SourceFiles, has_labels, make_loader
+from hookrun.data.tokens import token_rows
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
 from hookrun.engine.interrupt import until_signal
 from hookrun.engine.leaves import model_logits
@@ -222,7 +223,7 @@ def stream(run: Prepared) -> int:
     todo = Subset(run.data, range(mine.start + run.done, mine.stop))
     copier = HostCopier()
     recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
-    tokens = token_data(run.data)
+    tokens = token_rows(run.data)
     padded = bool(getattr(tokens, "padded", False))
     facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)

@@ -1,8 +1,8 @@
 """A captured language-model tensor as a token-by-feature matrix for training (an SAE, a
-probe): `Activations(path, "captures/transformer.h.1/output")` is a torch Dataset whose item
-i is the feature vector (D,) of the i-th real token of the run — padding skipped through
-/samples/mask — read from the file a block of rows at a time, so memory holds one block,
-not the corpus."""
+probe): `Activations(path, key)` (key: a capture's path in the file, e.g. the output of
+block 1) is a torch Dataset whose item i is the feature vector (D,) of the i-th real token
+of the run — padding skipped through the stored mask — read from the file a block of rows
+at a time, so memory holds one block, not the corpus."""
 
 from __future__ import annotations
 

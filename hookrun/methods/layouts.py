@@ -199,9 +199,10 @@ def axis_facts(
     per-row shape (`captures`: path → stored shape per row) read as the CAM layouts read; none
     for a tensor stored once per batch (a table, not a sample's map)."""
     image = (int(sample.shape[-2]), int(sample.shape[-1])) if sample.dim() >= 2 else None
-    tokens = sample.dim() == 2 and not sample.is_floating_point()
+    # Token ids (T,) of a caller's model, or hookrun's token sample (3, T).
+    tokens = sample.dim() in (1, 2) and not sample.is_floating_point()
     if tokens:
-        given: tuple[str, ...] = _TOKEN_INPUT
+        given: tuple[str, ...] = ("token",) if sample.dim() == 1 else _TOKEN_INPUT
     else:
         given = _axes(tuple(sample.shape), image, 0, True)
     prefix, modules = prefix_tokens_of(model), dict(model.named_modules())

@@ -1,2 +1,3 @@
 """Models: where a model comes from (the model-source registry), the seeds' hand-set models,
-and weights (torchvision names found offline, or state_dict files)."""
+weights (torchvision names found offline, or state_dict files) and Hugging Face language
+models behind the token sample interface (hf.py, language.py)."""

@@ -1,28 +1,34 @@
 """Model sources: where `model:` gets its nn.Module — torchvision or timm by name, the seed
-models, or the user's own class. One registration each (`@_source(name)`); `model.source` picks one
-(null: `custom` when `_target_` is set, `seed` for a seed model's name, else `torchvision`).
+models, the user's own class, or a Hugging Face transformers model (`hf`, hookrun/models/hf.py).
+One registration each (`@_source(name)`); `model.source` picks one (null: `custom` when
+`_target_` is set, `seed` for a seed model's name, else `torchvision`).
 Weights then come from a torchvision weights name, a state_dict file, or a seeded init.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torchvision
 from torch import nn
 
 from hookrun.errors import HookrunError, nearest
+from hookrun.models import hf
 from hookrun.models.seeds import SEED_MODELS
 from hookrun.models.weights import load_weights
 from hookrun.registry import Registry
 from hookrun.spec.schema import ModelConfig
-from hookrun.typed import import_class
+from hookrun.typed import import_class, parse_typed
 
 __all__ = [
     "ModelSource",
     "MODEL_SOURCES",
+    "BuiltModel",
+    "parse_model",
     "source_of",
     "check_model",
     "build_model",
@@ -31,8 +37,21 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model with its weights, the file they came from (None for random init), and
+    whether random init deserves a warning."""
+
+    module: nn.Module
+    weights_file: Path | None
+    random_warning: bool
+
+
 class ModelSource:
     """How one source checks, builds and names its models."""
+
+    # Whether model.name or model._target_ names the model (hf: model.path / model.config).
+    named = True
 
     def check(self, cfg: ModelConfig) -> None:
         """Refuse a config this source cannot build, before anything loads."""
@@ -51,6 +70,15 @@ class ModelSource:
     def warns_random(self, cfg: ModelConfig) -> bool:
         """Whether random init is worth a warning (real architectures, not hand-set ones)."""
         return True
+
+    def build(self, cfg: ModelConfig, weights_path: tuple[str, ...]) -> BuiltModel:
+        """The model with its weights (torch's generator is seeded already)."""
+        model = self.construct(cfg)
+        if cfg.weights is None:
+            return BuiltModel(model, None, self.warns_random(cfg))
+        tv_name = str(cfg.name) if self.weights_names(cfg) else None
+        path = load_weights(model, cfg.weights, model_label(cfg), tv_name, list(weights_path))
+        return BuiltModel(model, path, False)
 
 
 MODEL_SOURCES: Registry[ModelSource] = Registry("a model source")
@@ -176,6 +204,44 @@ class _Custom(ModelSource):
             ) from None
 
 
+@_source("hf")
+class _HuggingFace(ModelSource):
+    named = False
+
+    def check(self, cfg: ModelConfig) -> None:
+        hf.check_hf(cfg)
+
+    def build(self, cfg: ModelConfig, weights_path: tuple[str, ...]) -> BuiltModel:
+        model, path = hf.build_hf(cfg)
+        return BuiltModel(model, path, False)  # model.config: a random init by request
+
+
+# The keys only model.source=hf reads, with their defaults.
+_HF_KEYS = {
+    "path": None,
+    "config": None,
+    "tokenizer": None,
+    "class_": "causal_lm",
+    "dtype": "float32",
+    "trust_remote_code": False,
+}
+_CLASS = re.compile(r"\bclass_\b")
+
+
+def parse_model(node: Any) -> ModelConfig:
+    """The `model:` node as a ModelConfig; the user's key `class` is the field `class_`
+    (a Python keyword), and errors name it `model.class`."""
+    raw = dict(node or {})
+    if "class_" in raw:
+        raise HookrunError("model.class_: unknown key (did you mean 'class'?)")
+    if "class" in raw:
+        raw["class_"] = raw.pop("class")
+    try:
+        return parse_typed(raw, ModelConfig, "model")
+    except HookrunError as err:
+        raise HookrunError(_CLASS.sub("class", str(err))) from None
+
+
 def source_of(cfg: ModelConfig) -> ModelSource:
     """The source `cfg` names, or the one its other keys imply."""
     if cfg.source is not None:
@@ -189,12 +255,22 @@ def source_of(cfg: ModelConfig) -> ModelSource:
 
 def check_model(cfg: ModelConfig) -> None:
     """Everything about `model:` that can be checked before building it."""
+    source = source_of(cfg)
+    if not source.named:
+        source.check(cfg)
+        return
+    for key, default in _HF_KEYS.items():
+        if getattr(cfg, key) != default:
+            raise HookrunError(
+                f"model.{key.rstrip('_')}: {getattr(cfg, key)!r} is read by model.source=hf "
+                f"only; valid: model=hf, or {default!r} with model.source={cfg.source or 'null'}"
+            )
     if not cfg.name and not cfg._target_:
         raise HookrunError(
             "model.name: null; set model.name (e.g. model=torchvision model.name=resnet18) or "
             "model._target_"
         )
-    source_of(cfg).check(cfg)
+    source.check(cfg)
     if cfg.preset and cfg.name != cfg.preset and cfg.weights is not None:
         raise HookrunError(
             f"model.name: {cfg.name!r} with the model={cfg.preset} preset would load that "
@@ -210,30 +286,17 @@ def class_names(cfg: ModelConfig) -> list[str] | None:
 
 def model_label(cfg: ModelConfig) -> str:
     """How messages name the model."""
+    if cfg.source == "hf":
+        given = cfg.config.get("model_type", "?") if cfg.config is not None else "?"
+        return cfg.path or f"a random-init {given} ({cfg.class_})"
     return cfg._target_ or cfg.name or "?"
-
-
-@dataclass(frozen=True)
-class BuiltModel:
-    """A model with its weights, the file they came from (None for random init), and
-    whether random init deserves a warning."""
-
-    module: nn.Module
-    weights_file: Path | None
-    random_warning: bool
 
 
 def build_model(cfg: ModelConfig, seed: int, weights_path: tuple[str, ...] = ()) -> BuiltModel:
     """The model `cfg` names with its weights loaded (or initialised from `seed`)."""
     source = source_of(cfg)
     torch.manual_seed(seed)  # random init is part of the run's reproducible state
-    model = source.construct(cfg)
-    if cfg.weights is None:
-        return BuiltModel(model, None, source.warns_random(cfg))
-    names = source.weights_names(cfg)
-    tv_name = str(cfg.name) if names else None
-    path = load_weights(model, cfg.weights, model_label(cfg), tv_name, list(weights_path))
-    return BuiltModel(model, path, False)
+    return source.build(cfg, tuple(weights_path))
 
 
 @_source("python")

@@ -36,6 +36,7 @@ from hookrun.render.pictures import (
     seed_normalize,
     to_uint8,
 )
+from hookrun.render.tokens import render_tokens
 
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -66,12 +67,10 @@ def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
 
 
 def _class_names(config: dict) -> list[str] | None:
-    from hookrun.models.sources import class_names
-    from hookrun.spec.schema import ModelConfig
-    from hookrun.typed import parse_typed
+    from hookrun.models.sources import class_names, parse_model
 
     try:
-        return class_names(parse_typed(config.get("model", {}), ModelConfig, "model"))
+        return class_names(parse_model(config.get("model", {})))
     except Exception:  # an old or foreign file: draw without names rather than fail
         return None
 
@@ -173,6 +172,7 @@ def render(
                 )
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
+        evaluated += render_tokens(f, out_dir, rows, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)

@@ -25,7 +25,7 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.config import SanityConfig, parse_evaluate, parse_sanity
 from hookrun.memory import check_fits
 from hookrun.methods.registry import METHODS
-from hookrun.models.sources import check_model
+from hookrun.models.sources import check_model, parse_model
 from hookrun.spec.experiments import attribution_experiments, method_nodes
 from hookrun.spec.schema import (
     DeviceConfig,
@@ -348,7 +348,7 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
         key = getattr(err, "full_key", None) or "config"
         msg = str(getattr(err, "msg", err)).splitlines()[0]
         raise HookrunError(f"{key}: {msg}") from None
-    model = parse_typed(run.model, ModelConfig, "model")
+    model = parse_model(run.model)
     check_model(model)
     dataset = _dataset(run.dataset)
     _run_checks(run)

@@ -100,6 +100,20 @@ class ModelConfig(Frozen):
     # The layer CAM / Grad-CAM read (the last feature maps); `auto`: picked by a probe of
     # one sample (hookrun/engine/camlayer.py), the run log says which.
     cam_layer: str | None = "auto"
+    # model.source=hf (hookrun/models/hf.py): a folder written by save_pretrained (read
+    # offline), or a transformers config for a random init (seeded), e.g.
+    # {model_type: gpt2, n_layer: 2}; `tokenizer` a tokenizer folder (null: model.path's, or
+    # for `config` a byte-level tokenizer made from no files).
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    # `model.class` in the config (a Python keyword, so `class_` here): causal_lm | masked_lm
+    # | base | sequence_classification.
+    class_: str = "causal_lm"
+    # float32 | bfloat16 | float16
+    dtype: str = "float32"
+    # Run Python code a model folder ships (auto_map); refused unless true.
+    trust_remote_code: bool = False
 
 
 @dataclass

@@ -22,6 +22,9 @@ EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 REFUSED = {
     ("vit", "cam"): "one linear layer",
     ("vit", "grad_scale"): "matches no module",
+    # A language-model experiment selects transformer blocks, which image models lack.
+    ("resnet18", "lm_cache"): "matches no module",
+    ("vit", "lm_cache"): "matches no module",
 }
 
 

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import hook, run_config
+from conftest import hook, read, run_config
 from lm_models import FAMILIES, save_lm, write_jsonl
 
 from hookrun.errors import HookrunError
@@ -93,10 +93,7 @@ def _row_ids(tokens: np.ndarray, mask: np.ndarray) -> list[list[int]]:
 
 
 def model_tokenizer_first(folder, answer: str) -> int:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return tok(answer, add_special_tokens=False)["input_ids"][0]
+    return tokenizer_of(folder)(answer, add_special_tokens=False)["input_ids"][0]
 
 
 def test_bfloat16_captures_read_back_exactly(tmp_path):
@@ -124,7 +121,7 @@ def test_what_token_data_cannot_do_is_refused_naming_the_key(tmp_path):
             *base,
             "++hooks.blocks.args.positions=[0,9]",
         ],
-        "derive: saliency": [*base, "++derive.saliency={}"],
+        "derive: integrated_gradients": [*base, "++derive.integrated_gradients={}"],
         "target.kind: next_token": [*base, "target.kind=next_token"],
         "hooks.blocks.args.positions: 'middle'": [*base, "++hooks.blocks.args.positions=middle"],
     }
@@ -143,8 +140,31 @@ def test_positions_on_image_data_are_refused(tmp_path):
         "dataset.shape=[1,4,4]",
         "dataset.size=1",
         "render=false",
-        *hook("c", "conv", "output", "capture"),
+        *hook("c", "conv1", "output", "capture"),
         "++hooks.c.args.positions=last",
     ]
     with pytest.raises(HookrunError, match=r"hooks\.c\.args\.positions: last, but dataset="):
         run_config(tmp_path, overrides)
+
+
+def test_a_callers_language_model_gives_the_configs_numbers_and_a_bare_one_is_refused(tmp_path):
+    import hookrun
+    from hookrun.models.language import LanguageModel
+
+    model, kind = save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    args = [*_overrides(tmp_path / "lm", kind, data, "last"), "progress=false"]
+    from_config = read(hookrun.run(args, run_dir=tmp_path / "config").path)
+    wrapped = LanguageModel(model, tokenizer_of(tmp_path / "lm"), kind)
+    from_caller = read(hookrun.run(args, model=wrapped, run_dir=tmp_path / "caller").path)
+    assert from_caller.keys() == from_config.keys()
+    for key in from_config:
+        np.testing.assert_array_equal(from_caller[key], from_config[key], err_msg=key)
+    with pytest.raises(HookrunError, match=r"model: a GPT2LMHeadModel .* needs its tokenizer"):
+        hookrun.run(args, model=model, run_dir=tmp_path / "bare")
+
+
+def tokenizer_of(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -83,6 +83,7 @@ def test_every_experiment_file_is_tested():
                 "guided_grad_cam",
                 "integrated_gradients",
                 "layer_cam",
+                "lm_cache",  # tests/lm/test_lm_cache.py
                 "patch",
                 "saliency",
                 "sanity_check",

@@ -1,0 +1,336 @@
+"""`model.source: hf`: a Hugging Face transformers model and its tokenizer, offline.
+
+- `model.path`: a folder written by `save_pretrained` (config.json, weights, tokenizer files),
+  read with `local_files_only` (nothing is downloaded). Weights load from safetensors, or from
+  a `.bin` through `torch.load(weights_only=True)` only (a pickled object is refused).
+- `model.config`: a dict for `AutoConfig.for_model(**config)`, a random init seeded by the
+  run's `seed`. Its tokenizer is `model.tokenizer` (a folder) or, without one, BYTE_TOKENIZER:
+  a byte-level BPE of the 256 bytes alone (token id = byte value, no merges) plus
+  `<|endoftext|>` (id 256, the bos/eos token), built from no files; `vocab_size` must be at
+  least the tokenizer's size (257).
+- `model.class`: causal_lm | masked_lm | base | sequence_classification (the transformers
+  Auto class); `model.dtype`: float32 | bfloat16 | float16; `model.trust_remote_code`: false
+  refuses a folder that needs the folder's own Python code (an `auto_map`, an unknown
+  `model_type`).
+
+Attention is always `eager` (deterministic, and its probabilities are a module's output).
+transformers is an optional extra (`pip install hookrun[hf]`), imported only here, on use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookrun.errors import HookrunError, nearest
+from hookrun.models.language import LanguageModel
+from hookrun.spec.schema import ModelConfig
+
+__all__ = [
+    "CLASSES",
+    "DTYPES",
+    "EOS",
+    "BYTE_TOKENIZER",
+    "byte_tokenizer",
+    "check_hf",
+    "load_tokenizer",
+    "build_hf",
+    "weights_file",
+]
+
+log = logging.getLogger("hookrun")
+
+# model.class -> the transformers Auto class that builds it.
+CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "masked_lm": "AutoModelForMaskedLM",
+    "base": "AutoModel",
+    "sequence_classification": "AutoModelForSequenceClassification",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EOS = "<|endoftext|>"
+BYTE_TOKENIZER = "bytes: the 256 byte tokens (id = byte value) and <|endoftext|> (id 256)"
+# What save_pretrained writes for the weights, in the order they are preferred.
+_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
+_FOLDER = "a folder written by save_pretrained (config.json, weights, tokenizer files)"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers  # an optional extra: pip install hookrun[hf]
+    except ImportError:
+        raise HookrunError(
+            "model.source: 'hf' needs the transformers package; valid: pip install hookrun[hf] "
+            "(transformers, tokenizers, safetensors)"
+        ) from None
+    return transformers
+
+
+def _plain(value: Any) -> Any:
+    """A frozen config value (read-only mappings, tuples) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_choices(cfg: ModelConfig) -> None:
+    if cfg.class_ not in CLASSES:
+        raise HookrunError(f"model.class: {cfg.class_!r}; valid: {', '.join(CLASSES)}")
+    if cfg.dtype not in DTYPES:
+        raise HookrunError(f"model.dtype: {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
+    if cfg.path is not None and cfg.config is not None:
+        raise HookrunError(
+            "model.config: set together with model.path; valid: one of them (a folder, or a "
+            "config for a random init)"
+        )
+    if cfg.path is None and cfg.config is None:
+        raise HookrunError(
+            f"model.path: null; valid: {_FOLDER}, or model.config={{model_type: gpt2, ...}} "
+            "for a random init"
+        )
+    for key, value in (("name", cfg.name), ("weights", cfg.weights), ("_target_", cfg._target_)):
+        if value is not None:
+            raise HookrunError(
+                f"model.{key}: {value!r}; valid: null with model.source=hf (the model is "
+                "model.path, a local folder, or model.config)"
+            )
+    if cfg.kwargs:
+        raise HookrunError(
+            f"model.kwargs: {dict(cfg.kwargs)}; valid: {{}} with model.source=hf (set the "
+            "architecture in model.config)"
+        )
+
+
+def _folder(value: str, key: str) -> Path:
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise HookrunError(f"{key}: {value!r} is not a folder; valid: {_FOLDER}")
+    return folder
+
+
+def weights_file(folder: Path) -> Path | None:
+    """The weights file save_pretrained wrote in `folder` (the index of sharded weights),
+    safetensors first; None when there is none."""
+    for name in _WEIGHTS:
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _refuse_remote(path: Path, why: str) -> None:
+    raise HookrunError(
+        f"model.trust_remote_code: false, but {path} {why}, which runs Python code from the "
+        "folder; valid: true (you trust that code), or a folder of a built-in transformers "
+        "model type"
+    )
+
+
+def _json(path: Path, key: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HookrunError(f"{key}: {path} is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise HookrunError(f"{key}: {path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _model_folder(cfg: ModelConfig) -> Path:
+    """model.path with a config.json and a weights file, or one line naming what is missing."""
+    folder = _folder(str(cfg.path), "model.path")
+    if not (folder / "config.json").is_file():
+        raise HookrunError(f"model.path: {folder} has no config.json; valid: {_FOLDER}")
+    if weights_file(folder) is None:
+        raise HookrunError(
+            f"model.path: {folder} has no weights file ({', '.join(_WEIGHTS)}); valid: {_FOLDER}"
+        )
+    return folder
+
+
+def _config(cfg: ModelConfig, tokenizer: Any) -> Any:
+    """The model's transformers config: from model.path's config.json, or model.config."""
+    tf = _transformers()
+    known = tf.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+    if cfg.path is not None:
+        folder = _model_folder(cfg)
+        raw = _json(folder / "config.json", "model.path")
+        if not cfg.trust_remote_code and "auto_map" in raw:
+            _refuse_remote(folder / "config.json", "names its own classes (auto_map)")
+        if not cfg.trust_remote_code and raw.get("model_type") not in known:
+            _refuse_remote(folder / "config.json", f"has model_type {raw.get('model_type')!r}")
+        try:
+            return tf.AutoConfig.from_pretrained(
+                str(folder), local_files_only=True, trust_remote_code=cfg.trust_remote_code
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HookrunError(f"model.path: {folder}/config.json: {_first(err)}") from None
+    given = _plain(cfg.config)
+    model_type = given.pop("model_type", None)
+    if model_type not in known:
+        hint = ", ".join(nearest(str(model_type), known)) or "gpt2, llama, gpt_neox, bert"
+        raise HookrunError(
+            f"model.config.model_type: {model_type!r} is not a transformers model type; "
+            f"nearest: {hint}; valid: one of transformers' CONFIG_MAPPING"
+        )
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    defaults = {k: v for k, v in special.items() if v is not None}
+    _check_vocab(cfg, given.get("vocab_size"), tokenizer)  # before transformers warns of it
+    try:
+        return tf.AutoConfig.for_model(model_type, **{**defaults, **given})
+    except (TypeError, ValueError, KeyError) as err:
+        raise HookrunError(f"model.config: {model_type} {given}: {_first(err)}") from None
+
+
+def _first(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {text}"
+
+
+def _auto_class(cfg: ModelConfig, config: Any) -> Any:
+    """The Auto class of model.class, refused when the architecture has no such model."""
+    tf = _transformers()
+    auto = getattr(tf, CLASSES[cfg.class_])
+    if cfg.trust_remote_code and getattr(config, "auto_map", None):
+        return auto  # the folder's own classes: transformers finds them in auto_map
+    if type(config) not in auto._model_mapping:
+        valid = [k for k, v in CLASSES.items() if type(config) in getattr(tf, v)._model_mapping]
+        raise HookrunError(
+            f"model.class: {cfg.class_!r} has no {config.model_type} model; valid: "
+            f"{', '.join(valid) or 'none'}"
+        )
+    return auto
+
+
+def byte_tokenizer() -> Any:
+    """BYTE_TOKENIZER: a PreTrainedTokenizerFast made from no files."""
+    tf = _transformers()
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's printable stand-ins for the 256 bytes (the byte-level pre-tokenizer's alphabet).
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = [], 0
+    for byte in range(256):
+        chars.append(chr(byte) if byte in kept else chr(256 + extra))
+        extra += byte not in kept
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[EOS] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS, special=True)])
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS)
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer of `cfg` (no weights read): model.tokenizer, else model.path's, else
+    (model.config alone) BYTE_TOKENIZER."""
+    _transformers()
+    if cfg.tokenizer is None and cfg.path is None:
+        return byte_tokenizer()
+    key = "model.tokenizer" if cfg.tokenizer is not None else "model.path"
+    folder = _folder(str(cfg.tokenizer if cfg.tokenizer is not None else cfg.path), key)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise HookrunError(
+            f"{key}: {folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); valid: "
+            "a folder a tokenizer's save_pretrained wrote"
+        )
+    settings = folder / "tokenizer_config.json"
+    if not cfg.trust_remote_code and settings.is_file() and "auto_map" in _json(settings, key):
+        _refuse_remote(settings, "names its own tokenizer class (auto_map)")
+    try:
+        return _transformers().AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as err:  # transformers raises many types for a bad folder
+        raise HookrunError(f"{key}: {folder}: cannot load its tokenizer ({_first(err)})") from None
+
+
+def _check_vocab(cfg: ModelConfig, size: Any, tokenizer: Any) -> None:
+    if not isinstance(size, int) or size >= len(tokenizer):
+        return
+    key, what = "model.config.vocab_size", str(size)
+    if cfg.config is None:
+        key, what = "model.path", f"{cfg.path}/config.json's vocab_size {size}"
+    raise HookrunError(
+        f"{key}: {what} is below the tokenizer's {len(tokenizer)} tokens; valid: "
+        f"vocab_size >= {len(tokenizer)} (a token id past the embedding would fail)"
+    )
+
+
+def _prepared(cfg: ModelConfig) -> tuple[Any, Any, Any]:
+    _check_choices(cfg)
+    if cfg.path is not None:
+        _model_folder(cfg)  # config.json and weights before the tokenizer files
+    tokenizer = load_tokenizer(cfg)
+    config = _config(cfg, tokenizer)
+    auto = _auto_class(cfg, config)
+    _check_vocab(cfg, getattr(config, "vocab_size", None), tokenizer)
+    if cfg.class_ == "sequence_classification" and config.pad_token_id is None:
+        # GPT-2-style classifiers find each row's last token by the pad id.
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
+    return tokenizer, config, auto
+
+
+def check_hf(cfg: ModelConfig) -> None:
+    """Everything about an hf model that can be checked without its weights: the keys, the
+    folders and their files, the config, the class, the tokenizer and its size."""
+    _prepared(cfg)
+
+
+def _dtype_key() -> str:
+    """transformers 4.56 renamed from_pretrained's torch_dtype to dtype."""
+    version = _transformers().__version__.split(".")
+    return "dtype" if (int(version[0]), int(version[1])) >= (4, 56) else "torch_dtype"
+
+
+def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
+    """The model (in eval mode) and the weights file it was read from (None for
+    model.config). Random init draws from torch's global generator: seed it first."""
+    tokenizer, config, auto = _prepared(cfg)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.path is None:
+        model = auto.from_config(config, attn_implementation="eager").to(dtype)
+        return LanguageModel(model.eval(), tokenizer, cfg.class_), None
+    folder = _model_folder(cfg)
+    weights = weights_file(folder)
+    try:
+        model, info = auto.from_pretrained(
+            str(folder),
+            config=config,
+            local_files_only=True,
+            trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=weights is not None and ".safetensors" in weights.name,
+            weights_only=True,
+            attn_implementation="eager",
+            output_loading_info=True,
+            **{_dtype_key(): dtype},
+        )
+    except Exception as err:  # a damaged or unsafe file: many exception types
+        raise HookrunError(
+            f"model.path: {weights}: cannot load the weights ({_first(err)})"
+        ) from None
+    missing = list(info.get("missing_keys") or [])
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        log.warning(
+            "model.path: %s has no weights for %s%s of the %s model: they are random (seeded)",
+            weights,
+            ", ".join(missing[:3]),
+            more,
+            cfg.class_,
+        )
+    return LanguageModel(model.to(dtype).eval(), tokenizer, cfg.class_), weights
