@@ -18,8 +18,8 @@ in batches of 8 and writes every block's output for every token as float16 to a 
 - hookrun: `hookrun.run([experiment=lm_cache, model=hf, model.path=…, dataset=text, …,
   limit=ROWS])` in this process, timed whole: config, model load from the folder,
   tokenizing the corpus, the file's open and close — everything but the interpreter's start
-  and the imports (the others' model loading is outside their timings); twice more with
-  `render=false` (no residual_norms.png) and `render=false sink.checksum=false`;
+  and the imports (the others' model loading is outside their timings); once more with
+  `render=false` (no residual_norms.png);
 - bare: the HF model's forward alone (no hooks, nothing written);
 - hand: `register_forward_hook` on every block, each batch written into h5py datasets;
 - TransformerLens: `TransformerBridge.boot_transformers(path, hf_model=…)`,
@@ -27,9 +27,12 @@ in batches of 8 and writes every block's output for every token as float16 to a 
 - nnsight: `TransformersModel(hf_model).trace(...)` saving every block's output per batch,
   written with h5py.
 
-Repetitions are interleaved (one warm-up each), medians reported. Peak RSS: each variant once
-in its own process under /usr/bin/time (hookrun through `python -m hookrun`), with ROWS and
-8 × ROWS rows. torch runs on 2 threads.
+Repetitions are interleaved (one warm-up each, each repetition starting one variant later);
+the table gives each variant's best and median tokens/s, and hookrun's ratio to each variant
+as the median over repetitions of the ratio within one repetition (on a shared machine the
+neighbours' load drifts within minutes: a repetition's variants run close together). Peak
+RSS: each variant once in its own process under /usr/bin/time (hookrun through `python -m
+hookrun`), with ROWS and 8 × ROWS rows. torch runs on 2 threads (`--threads`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +58,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "hookrun" / "models" / "checkpoints" / "tiny_lm"
-CONTEXT, BATCH, THREADS = 128, 8, 2
+CONTEXT, BATCH = 128, 8
+ONE_BATCH = "hookrun, render=false, one batch"
 EOS = "<|endoftext|>"
 # Standard-library modules whose docstrings make the corpus (every Python has them).
 MODULES = (
@@ -305,6 +310,7 @@ def hookrun_variant(model_dir: Path, corpus_path: Path, rows: int, folder: Path,
     import hookrun
 
     args, dirs = hookrun_args(model_dir, corpus_path, rows, extra), numbered(folder, "hookrun")
+    threads = torch.get_num_threads()
     last: dict = {}
 
     def run() -> None:
@@ -318,7 +324,7 @@ def hookrun_variant(model_dir: Path, corpus_path: Path, rows: int, folder: Path,
                     n for n, o in _walk(f) if isinstance(o, h5py.Dataset) and "captures" in n
                 )
         shutil.rmtree(where)
-        torch.set_num_threads(THREADS)  # whatever the run set, the next variant gets the same
+        torch.set_num_threads(threads)  # whatever the run set, the next variant gets the same
 
     run.last = last  # type: ignore[attr-defined]
     return run
@@ -368,6 +374,7 @@ def peak_rss_mib(variant: str, rows: int, folder: Path, model_dir: Path) -> floa
     else:
         where = None
         args = [sys.executable, __file__, "--child", variant, "--rows", str(rows)]
+        args += ["--threads", str(torch.get_num_threads())]
         args += ["--dir", str(folder)]
     proc = subprocess.run(
         ["/usr/bin/time", "-f", "maxrss_kib=%M", *args], capture_output=True, text=True
@@ -399,6 +406,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256, help="rows of 128 tokens (the 1×)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp)")
     parser.add_argument("--out", type=Path, default=None, help="also write the section here")
     parser.add_argument(
@@ -407,14 +415,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated timed variants")
     parser.add_argument("--child", choices=RSS_VARIANTS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     folder = args.dir or Path(tempfile.mkdtemp(prefix="hookrun-lm-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     if args.child:
         child(args.child, args.rows, folder)
         return
 
-    from loops import compare  # this folder (first on sys.path); the RSS children skip it
+    from loops import timed  # this folder (first on sys.path); the RSS children skip it
 
     docs = documents()
     model_dir = build_model(folder, docs)
@@ -429,13 +437,13 @@ def main() -> None:
         "bare": bare(model, data),
         "hand": hand(model, data, work),
         "hookrun": hookrun_variant(model_dir, corpus_path, args.rows, work),
-        # What the whole run spends beyond capturing: the picture, the checksums.
+        # The whole run less its picture (residual_norms.png), which the others do not draw.
         "hookrun, render=false": hookrun_variant(
             model_dir, corpus_path, args.rows, work, ["render=false"]
         ),
-        "hookrun, render=false sink.checksum=false": hookrun_variant(
-            model_dir, corpus_path, args.rows, work, ["render=false", "sink.checksum=false"]
-        ),
+        # One batch: the run's fixed cost (config, model load, tokenizing, the probe's
+        # forward, the file), which the others' timings leave out.
+        ONE_BATCH: hookrun_variant(model_dir, corpus_path, BATCH, work, ["render=false"]),
         "TransformerLens": lens(*lens_copy, model_dir, data, work),
         "nnsight": sight(*sight_copy, data, work),
     }
@@ -443,8 +451,19 @@ def main() -> None:
         keep = set(args.only.split(","))
         variants = {k: v for k, v in variants.items() if k.split(",")[0] in keep}
     started = time.perf_counter()
-    t = compare(variants, args.reps, torch.device("cpu"))
-    print(f"timed in {time.perf_counter() - started:.0f} s: {dict(t)}", flush=True)
+    for run in variants.values():  # one warm-up each
+        run()
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(args.reps):
+        # Interleaved, each repetition starting one variant later: a neighbour's burst hits
+        # every variant alike, and no variant always runs first.
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            wall, seconds = timed(variants[name], torch.device("cpu"))
+            walls[name].append(wall)
+            cpu[name].append(seconds)
+    print(f"timed in {time.perf_counter() - started:.0f} s: {walls}, CPU {cpu}", flush=True)
 
     last = getattr(variants.get("hookrun"), "last", {})
     same = last.get("tokens") is not None and np.array_equal(last["tokens"], tokens)
@@ -458,8 +477,7 @@ def main() -> None:
         )
         print(f"rss {variant}: {rss[variant]}", flush=True)
 
-    rate = {name: tokens_total / s for name, s in t.items()}
-    lines = table(args, t, rate, rss, model_dir)
+    lines = table(args, (walls, cpu), tokens_total, rss, model_dir)
     lines.append("")
     lines.append(
         f"hookrun's rows hold the same token ids as the others': {same} "
@@ -479,7 +497,8 @@ def main() -> None:
         args.out.write_text((kept + "\n\n" if kept else "") + head + "\n\n" + text)
 
 
-def table(args, t, rate, rss, model_dir: Path) -> list[str]:
+def table(args, times, tokens: int, rss, model_dir: Path) -> list[str]:
+    walls, cpu = times
     which = "the shipped tiny_lm" if model_dir == SHIPPED else "a random GPT-2"
     from transformers import AutoConfig
 
@@ -491,17 +510,40 @@ def table(args, t, rate, rss, model_dir: Path) -> list[str]:
     lines = [
         f"{which} ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, vocab "
         f"{cfg.vocab_size}), {args.rows} rows × {CONTEXT} tokens in batches of {BATCH}, every "
-        f"block's output for every token → float16 HDF5; median of {args.reps}, interleaved; "
+        f"block's output for every token → float16 HDF5; {args.reps} repetitions, interleaved; "
         f"{machine}.",
         "",
-        "| variant | tokens/s | hookrun / variant (throughput) | goal |",
-        "|---|---|---|---|",
+        "| variant | tokens/s: best (median) | hookrun / variant, throughput: median of the "
+        "repetitions' ratios (best / best) | CPU seconds: variant / hookrun (medians) | goal |",
+        "|---|---|---|---|---|",
     ]
     goals = {"hand": "≥ 1.0×", "TransformerLens": "≥ 1.5×", "nnsight": "≥ 1.5×"}
-    ours = rate.get("hookrun")
-    for name, r in rate.items():
-        ratio = f"{ours / r:.2f}×" if ours and name != "hookrun" else "—"
-        lines.append(f"| {name} | {r:,.0f} | {ratio} | {goals.get(name, '—')} |")
+    best = {name: tokens / min(w) for name, w in walls.items()}
+    median = {name: tokens / statistics.median(w) for name, w in walls.items()}
+    for name in [n for n in walls if n != ONE_BATCH]:
+        ratio = work = "—"
+        if "hookrun" in walls and name != "hookrun":
+            work = f"{statistics.median(cpu[name]) / statistics.median(cpu['hookrun']):.2f}×"
+            pairs = zip(walls[name], walls["hookrun"], strict=True)
+            paired = statistics.median(w / h for w, h in pairs)
+            ratio = f"{paired:.2f}× ({best['hookrun'] / best[name]:.2f}×)"
+        cells = f"{best[name]:,.0f} ({median[name]:,.0f}) | {ratio} | {work}"
+        lines.append(f"| {name} | {cells} | {goals.get(name, '—')} |")
+    if ONE_BATCH in walls and "hookrun, render=false" in walls and "bare" in walls:
+        # Per repetition: the whole run less the one-batch run = the other batches' cost.
+        pairs = zip(walls["hookrun, render=false"], walls[ONE_BATCH], strict=True)
+        rest = statistics.median(whole - one for whole, one in pairs)
+        fixed = (
+            statistics.median(walls[ONE_BATCH])
+            - statistics.median(walls["bare"]) * BATCH / args.rows
+        )
+        lines += [
+            "",
+            f"hookrun's fixed cost (render=false, one batch of {BATCH} rows, less a bare forward "
+            f"of one batch): {fixed:.2f} s; past it, hookrun (render=false) streams "
+            f"{tokens * (1 - BATCH / args.rows) / rest:,.0f} tokens/s (median over repetitions "
+            f"of the whole run less the one-batch run), bare forward {median['bare']:,.0f}.",
+        ]
     if rss:
         lines += [
             "",
