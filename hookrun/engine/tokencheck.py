@@ -44,9 +44,10 @@ def _check_targets(spec: RunSpec, tokens: Any) -> None:
     if need is None:
         return
     if tokens is None or spec.dataset.kind != need:
+        have = "data without tokens" if tokens is None else f"dataset={spec.dataset.kind}"
         raise HookrunError(
             f"target.kind: {kind.value} reads the token each row of dataset={need} names, but "
-            f"the dataset is {spec.dataset.kind}; valid here: "
+            f"this run reads {have}; valid here: "
             + ", ".join(k.value for k in TargetKind if k not in _TARGET_DATA)
         )
 

@@ -38,7 +38,7 @@ def read_floats(ds: h5py.Dataset, rows: Any = ()) -> np.ndarray:
 
 
 def path_rows(paths: list[str], width: int) -> np.ndarray:
-    """Rows of /samples/path: UTF-8 of `width` bytes each. One width for the whole run,
+    """Rows of the source-path dataset: UTF-8 of `width` bytes each. One width for the run,
     from every file it reads, so resumed rows and torchrun shards share one dtype (HDF5
     virtual datasets cannot hold variable-length strings). A file name that is not UTF-8
     keeps its bytes (os.fsencode), and `layout.read_paths` gives back the same str."""

@@ -299,18 +299,12 @@ def mark_rows(ds: h5py.Dataset, fold: int, batch_size: int) -> None:
         ds.attrs[PER_BATCH if fold == 0 else FOLDED] = batch_size if fold == 0 else fold
 
 
-# A dataset of bfloat16 values stored as their raw bits (uint16): `dtype` says so. Read back
-# exactly as float32 by shifting the bits into a float32's high half:
-# (ds[...].astype(np.uint32) << 16).view(np.float32)
-STORED_DTYPE = "dtype"
-
-
 def mark_bfloat16(ds: h5py.Dataset) -> None:
-    ds.attrs[STORED_DTYPE] = "bfloat16"
+    ds.attrs["dtype"] = "bfloat16"  # its uint16 values are bfloat16 bits (io/encoding.py)
 
 
 def is_bfloat16(ds: h5py.Dataset) -> bool:
-    return ds.attrs.get(STORED_DTYPE) == "bfloat16"
+    return ds.attrs.get("dtype") == "bfloat16"
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:

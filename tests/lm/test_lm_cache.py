@@ -8,6 +8,7 @@ import h5py
 import numpy as np
 from conftest import hookrun_cli, killed_after, read, run_config, torchrun
 from lm_models import SENTENCES, save_lm
+from PIL import Image
 
 from hookrun.io.activations import Activations
 from hookrun.verify import verify
@@ -73,7 +74,10 @@ def test_dry_run_says_the_size_and_activations_read_the_tokens_in_order(tmp_path
     dry = hookrun_cli([*args, "dry_run=true"], tmp_path)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "captures/transformer.h.1/output" in dry.stdout + dry.stderr
-    path = run_config(tmp_path / "run", args).path
+    result = run_config(tmp_path / "run", args)
+    path = result.path
+    picture = np.asarray(Image.open(result.images / "residual_norms.png").convert("RGB"))
+    assert min(picture.shape[:2]) >= 200 and picture.std() > 5
     with h5py.File(path) as f:
         whole = f["captures/transformer.h.0/output"][:].astype(np.float32)
     matrix = Activations(path, "captures/transformer.h.0/output", block=3)

@@ -276,7 +276,11 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
     )
 
 
-@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e != "capture"])
+# The language-model experiments draw their own pictures (tests/lm/).
+LANGUAGE = ("lm_cache", "lm_patching", "logit_lens")
+
+
+@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])
 def test_every_picture_is_a_real_image(runs, name):
     result, _ = runs(name)
     pngs = sorted(result.images.glob("*.png"))
