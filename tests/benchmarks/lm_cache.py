@@ -1,7 +1,7 @@
 """`experiment=lm_cache` (issue 19) beside a bare forward, hand-written hooks, TransformerLens
 and nnsight: tokens/s side by side in one process, and peak RSS at 1× and 8× the tokens.
 
-    python tests/benchmarks/lm_cache.py [--rows 256] [--reps 3] [--dir DIR] [--out FILE]
+    python tests/benchmarks/lm_cache.py [--rows 1024] [--reps 3] [--dir DIR] [--out FILE]
     python tests/benchmarks/lm_cache.py --child VARIANT --rows N --dir DIR   (one run, for RSS)
 
 Not part of the test run, and not in run.py: it needs transformers, TransformerLens and nnsight
@@ -20,7 +20,9 @@ in batches of 8 and writes every block's output for every token as float16 to a 
   tokenizing the corpus, the file's open and close — everything but the interpreter's start
   and the imports (the others' model loading is outside their timings); once more with
   `render=false` (no residual_norms.png);
-- bare: the HF model's forward alone (no hooks, nothing written);
+- bare: the HF model's forward alone (no hooks, nothing written), its logits at every
+  position as the model computes them (hookrun's model=hf unembeds only each row's read
+  position, the one its /model/output keeps);
 - hand: `register_forward_hook` on every block, each batch written into h5py datasets;
 - TransformerLens: `TransformerBridge.boot_transformers(path, hf_model=…)`,
   `run_with_cache(names_filter=blocks.*.hook_out)` per batch, written with h5py;
@@ -404,7 +406,7 @@ def versions() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=256, help="rows of 128 tokens (the 1×)")
+    parser.add_argument("--rows", type=int, default=1024, help="rows of 128 tokens (the 1×)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp)")
