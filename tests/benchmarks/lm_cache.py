@@ -13,7 +13,7 @@ hookrun/models/checkpoints/tiny_lm/ where this checkout has it, else a seeded ra
 `tokenizers` library on the corpus — and a corpus of Python standard-library docstrings (on
 every machine), one document per line, packed into rows of 128 tokens. Every variant runs
 the same model weights (its own copy, eager attention, as hookrun loads it) on `--rows` rows
-in batches of 8 and writes every block's output for every token as float16 to a new .h5 file:
+in batches of 32 and writes every block's output for every token as float16 to a new .h5 file:
 
 - hookrun: `hookrun.run([experiment=lm_cache, model=hf, model.path=…, dataset=text, …,
   limit=ROWS])` in this process, timed whole: config, model load from the folder,
@@ -60,7 +60,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "hookrun" / "models" / "checkpoints" / "tiny_lm"
-CONTEXT, BATCH = 128, 8
+CONTEXT, BATCH = 128, 32
 ONE_BATCH = "hookrun, render=false, one batch"
 EOS = "<|endoftext|>"
 # Standard-library modules whose docstrings make the corpus (every Python has them).
