@@ -32,6 +32,7 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.registry import Stored
 from hookrun.io import layout
 from hookrun.memory import format_bytes
+from hookrun.models.language import every_position
 from hookrun.patching.clean import StoredClean, open_clean
 from hookrun.patching.config import PatchingConfig, chosen_layers
 
@@ -150,7 +151,7 @@ class PatchingGrid:
         corrupt = inputs.clone()
         corrupt[:, 0] = self.counterfactual[index.cpu()].to(device)
         answers = (labels.to(device), self.wrong[index.cpu()].to(device))
-        with torch.inference_mode():
+        with torch.inference_mode(), every_position(model):
             if self.clean is not None:
                 seen, logits = self.clean.read(index, device)
             else:
