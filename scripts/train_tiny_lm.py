@@ -9,13 +9,12 @@ lets us copy and redistribute (PSF License Agreement, section 2); the byte-level
 is trained on it here with the `tokenizers` library. A few documents are held out and written
 beside the model as `heldout.jsonl` (one {"text": ...} per line).
 
-A fraction of the training rows are repeated random token sequences (a random segment repeated
-2-4 times, the loss taken on the repeats only), which is how small models are taught to form
-induction heads (Olsson et al. 2022). At the default budget (450 steps, about 10 minutes on
-two cores) the shipped model does NOT form one yet (issue 20 needs a longer or different run);
-at the end the script measures the induction score of every head on held-out repeated
-sequences (another seed), for the trained model and the same architecture with random
-weights, and records both in training.json.
+Training has two phases (`train`): docstring text alone, in which layer 0 forms a
+previous-token head, then text beside rows of a random segment repeated, in which layer 1
+forms an induction head on top of it (Olsson et al. 2022). At the end the script measures
+the induction score of every head on held-out repeated sequences (another seed), for the
+trained model and the same architecture with random weights, and records both in
+training.json with the held-out loss.
 
 Fixed seed, CPU, two threads: the same Python 3.11 and torch give the same corpus, tokenizer and
 numbers. The folder gets the save_pretrained files (config.json, model.safetensors, tokenizer)
@@ -29,7 +28,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import math
 import pkgutil
 import platform
 import re
@@ -200,16 +198,15 @@ def text_rows(stream: torch.Tensor, n: int, context: int, gen: torch.Generator) 
 
 
 def repeated_rows(n: int, context: int, vocab: int, gen: torch.Generator) -> tuple:
-    """(rows, masks): per row a random segment of 8-48 ids (EOS excluded) repeated to the end of
-    the row, after an EOS in half of the rows; the mask (1 = in the loss) leaves out the first
-    copy, which nothing can predict."""
+    """(rows, masks): per row a random segment of 6-32 ids (EOS excluded) repeated to the end
+    of the row; the mask (1 = in the loss) leaves out the first copy and the first token of
+    the second, which nothing can predict."""
     rows, masks = torch.zeros(n, context, dtype=torch.int64), torch.zeros(n, context)
     for i in range(n):
-        length = int(torch.randint(8, min(48, context // 2) + 1, (1,), generator=gen))
-        start = int(torch.rand(1, generator=gen) < 0.5)  # rows are zeros: EOS
+        length = int(torch.randint(6, 33, (1,), generator=gen))
         segment = torch.randint(1, vocab, (length,), generator=gen)
-        rows[i, start:] = segment.repeat(context // length + 1)[: context - start]
-        masks[i, start + length :] = 1
+        rows[i] = segment.repeat(context // length + 1)[:context]
+        masks[i, length + 1 :] = 1
     return rows, masks
 
 
@@ -225,6 +222,16 @@ def row_losses(model, rows: torch.Tensor, masks: torch.Tensor | None = None) -> 
 
 
 @torch.no_grad()
+def attentions(model, rows: torch.Tensor) -> tuple:
+    """Every layer's attention probabilities (eager attention for this call only)."""
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return model(input_ids=rows, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(implementation)
+
+
 def induction_scores(model, vocab: int, setting: tuple[int, int, bool], seed: int) -> list:
     """Per layer and head: mean attention from each token of the 2nd..last copy of a random
     segment to the token after its previous copy (Olsson et al. 2022), over 32 sequences."""
@@ -233,13 +240,18 @@ def induction_scores(model, vocab: int, setting: tuple[int, int, bool], seed: in
     rows = torch.randint(1, vocab, (32, length), generator=gen).repeat(1, repeats)
     if bos:
         rows = torch.cat([torch.zeros(32, 1, dtype=torch.int64), rows], dim=1)
-    implementation = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    attentions = model(input_ids=rows, output_attentions=True).attentions
-    model.set_attn_implementation(implementation)
     queries = torch.arange(int(bos) + length, rows.shape[1])
     keys = queries - length + 1
-    return [a[:, :, queries, keys].mean(dim=(0, 2)).tolist() for a in attentions]
+    return [a[:, :, queries, keys].mean(dim=(0, 2)).tolist() for a in attentions(model, rows)]
+
+
+def previous_token_score(model, stream: torch.Tensor, context: int) -> float:
+    """The largest mean attention of a layer-0 head from each text token to the one before
+    it (16 text rows, a fixed draw): how far the previous-token head has formed."""
+    rows = text_rows(stream, 16, context, torch.Generator().manual_seed(3))
+    first = attentions(model, rows)[0]
+    queries = torch.arange(1, context)
+    return max(float(first[:, h, queries, queries - 1].mean()) for h in range(first.shape[1]))
 
 
 SETTINGS = ((25, 2, False), (50, 2, False), (20, 3, True), (40, 2, True))
@@ -273,48 +285,56 @@ def heldout_loss(model, stream: torch.Tensor, context: int) -> float:
 # ---------------------------------------------------------------- training
 
 
-def train(model, stream: torch.Tensor, args, log: list) -> float:
-    """AdamW, linear warm-up then cosine decay. The first `copy_steps` steps see only short rows
-    of repeated random segments (an induction circuit forms there within a few hundred steps
-    while the embeddings are still isotropic); then each step has text rows, long repeated rows
-    (every position) and short ones, the text and the repeats weighing the same in the loss.
-    Returns the mean text loss of the last 50 steps."""
-    gen = torch.Generator().manual_seed(args.seed)
+def optimiser_for(model, lr: float) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    optimiser = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def train(model, stream: torch.Tensor, args, log: list) -> float:
+    """Two phases, each AdamW with a linear warm-up to a constant rate.
+
+    Text (`text_steps` steps of `batch` docstring rows of `text_context` tokens, rate `lr`):
+    a previous-token head forms in layer 0, because predicting text needs the token before.
+    Repeats (`repeat_steps` steps, a fresh optimiser at `repeat_lr`): the same text rows plus
+    `repeat_rows` rows of a random segment repeated (loss on the repeats only, weighing as
+    much as the text); a layer-1 head then learns to attend to the token after the earlier
+    copy of the current one through that previous-token head: an induction head (Olsson
+    et al. 2022). Trained on repeats alone, or from the start, this model found other ways
+    to copy (heads that average a few recent tokens) and no induction head. Returns the
+    mean text loss of the last 50 steps."""
     vocab, text_tail, start = model.config.vocab_size, [], time.perf_counter()
-    for step in range(1, args.steps + 1):
-        warm = min(1.0, step / args.warmup)
-        cosine = 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in optimiser.param_groups:
-            group["lr"] = args.lr * warm * (0.1 + 0.9 * cosine)
-        model.train()
-        mixed = step > args.copy_steps
-        n_short = args.short_rows * (1 if mixed else 2)  # the same tokens per step as mixed
-        short, short_masks = repeated_rows(n_short, args.short_context, vocab, gen)
-        repeat = row_losses(model, short, short_masks)
-        text = None
-        if mixed:
-            rows, masks = repeated_rows(args.long_rows, args.context, vocab, gen)
-            rows = torch.cat([text_rows(stream, args.batch, args.context, gen), rows])
-            masks = torch.cat([torch.ones(args.batch, args.context), masks])
-            losses = row_losses(model, rows, masks)
-            text, repeat = losses[: args.batch].mean(), torch.cat([repeat, losses[args.batch :]])
-        loss = repeat.mean() + (text if mixed else 0.0)
-        optimiser.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimiser.step()
-        text = None if text is None else float(text.detach())
-        text_tail = (text_tail + [text])[-50:] if mixed else text_tail
-        if step % args.log_every == 0 or step == args.steps:
-            best = max(max(r) for r in induction_scores(model, vocab, SETTINGS[0], args.seed + 7))
-            entry = {"step": step, "text_loss": text, "repeat_loss": float(repeat.mean())}
-            entry |= {"induction": best, "seconds": round(time.perf_counter() - start, 1)}
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
+    phases = (("text", args.text_steps, args.lr, args.warmup),)
+    phases += (("repeats", args.repeat_steps, args.repeat_lr, args.repeat_warmup),)
+    for phase, steps, lr, warmup in phases:
+        optimiser = optimiser_for(model, lr)
+        gen = torch.Generator().manual_seed(args.seed)  # each phase draws from the seed
+        for step in range(1, steps + 1):
+            for group in optimiser.param_groups:
+                group["lr"] = lr * min(1.0, step / warmup)
+            model.train()
+            text = row_losses(model, text_rows(stream, args.batch, args.text_context, gen)).mean()
+            loss, repeat = text, None
+            if phase == "repeats":
+                rows, masks = repeated_rows(args.repeat_rows, args.repeat_context, vocab, gen)
+                repeat = row_losses(model, rows, masks).mean()
+                loss = text + repeat
+            optimiser.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+            text_tail = (text_tail + [float(text.detach())])[-50:]
+            if step % args.log_every == 0 or step == steps:
+                model.eval()
+                entry = {"phase": phase, "step": step, "text_loss": float(text.detach())}
+                entry["repeat_loss"] = None if repeat is None else float(repeat.detach())
+                entry["previous_token"] = previous_token_score(model, stream, args.text_context)
+                scores = induction_scores(model, vocab, SETTINGS[0], args.seed + 7)
+                entry["induction"] = max(max(r) for r in scores)
+                entry["seconds"] = round(time.perf_counter() - start, 1)
+                log.append(entry)
+                print(json.dumps(entry), flush=True)
     return sum(text_tail) / len(text_tail)
 
 
@@ -344,20 +364,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=450)
-    parser.add_argument("--batch", type=int, default=8, help="text rows per step")
-    parser.add_argument("--long-rows", type=int, default=2, help="repeated rows of --context")
-    parser.add_argument("--short-rows", type=int, default=16, help="repeated rows of 64 tokens")
-    parser.add_argument("--short-context", type=int, default=64)
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--text-steps", type=int, default=3000)
+    parser.add_argument("--repeat-steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=16, help="text rows per step")
+    parser.add_argument("--text-context", type=int, default=128)
+    parser.add_argument("--repeat-rows", type=int, default=16, help="repeated rows per step")
+    parser.add_argument("--repeat-context", type=int, default=64)
+    parser.add_argument("--context", type=int, default=256, help="the model's positions")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--copy-steps", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--repeat-lr", type=float, default=1e-3)
+    parser.add_argument("--repeat-warmup", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     began = time.perf_counter()

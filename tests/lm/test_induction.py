@@ -1,7 +1,7 @@
 """dataset=repeated_tokens and experiment=induction: the rows are a seeded random sequence of
 distinct non-special tokens repeated; the induction score per head equals a hand computation
-from the model's own `output_attentions=True` probabilities; on the shipped tiny_lm (when
-present) a head scores >= 0.4 and the same config with random weights < 0.1 everywhere."""
+from the model's own `output_attentions=True` probabilities; on the shipped tiny_lm
+a head scores >= 0.4 and the same config with random weights < 0.1 everywhere."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from conftest import run_config
 from lm_models import save_lm, tokenizer
 
+import hookrun
 from hookrun.data.kinds import DATASETS
 from hookrun.errors import HookrunError
 from hookrun.verify import verify
@@ -101,3 +102,23 @@ def test_scores_equal_a_hand_computation_from_output_attentions(tmp_path):
     for layer in layers:
         assert (images / f"attention_{layer}.png").stat().st_size > 0
     assert verify(path)[0]
+
+
+def test_the_shipped_tiny_lm_has_an_induction_head_and_its_random_init_has_none(tmp_path):
+    """experiment=induction with nothing named runs the shipped tiny_lm: one head scores at
+    least 0.4 (scripts/train_tiny_lm.py trains it, training.json says how far); the same
+    config and tokenizer with random weights score below 0.1 everywhere."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = Path(hookrun.__file__).parent / "models" / "checkpoints" / "tiny_lm"
+    trained = run_config(tmp_path / "trained", ["experiment=induction", "render=false"]).path
+    shipped = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
+    torch.manual_seed(0)
+    type(shipped)(shipped.config).save_pretrained(tmp_path / "random")
+    AutoTokenizer.from_pretrained(tiny, local_files_only=True).save_pretrained(tmp_path / "random")
+    random = _induction(tmp_path / "run", tmp_path / "random", ["render=false"])
+    with h5py.File(trained) as f, h5py.File(random) as g:
+        ours, theirs = f["induction/score"][()], g["induction/score"][()]
+        assert f["samples/tokens"].shape == g["samples/tokens"].shape == (64, 50)
+    assert ours.max() >= 0.4, ours
+    assert theirs.max() < 0.1, theirs
