@@ -356,6 +356,16 @@ def make_model(args, vocab: int, seed: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+def _shown(value: object) -> object:
+    """An argument as training.json records it: a path inside the repository relative to
+    it (the file then says the same wherever the repository is)."""
+    if not isinstance(value, Path):
+        return value
+    root = Path(__file__).resolve().parents[1]
+    resolved = value.resolve()
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(value)
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
@@ -421,7 +431,7 @@ def main() -> None:
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
         },
-        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "arguments": {k: _shown(v) for k, v in vars(args).items()},
         "corpus": {
             "source": "docstrings of Python standard-library modules (PSF License)",
             "modules": n_modules,
