@@ -13,7 +13,7 @@ import numpy as np
 
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
-from hookrun.render.pictures import save_whole
+from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts
 
 matplotlib.use("Agg")
@@ -67,9 +67,7 @@ def render_attention(f: h5py.File, out_dir: Path, rows: int, config: dict) -> li
                 ax.set_title(f"row {int(f[layout.SAMPLES_INDEX][r])}, head {h}", fontsize=6)
         fig.suptitle(f"{layer}: attention (query ↓, key →)", fontsize=8)
         fig.tight_layout()
-        out_dir.mkdir(parents=True, exist_ok=True)
         target = out_dir / f"attention_{layer.replace('/', '_')}.png"
-        save_whole(target, lambda part, fig=fig: fig.savefig(part, format="png", dpi=110))
-        plt.close(fig)
+        save_figure(fig, target)
         written.append(target)
     return written

@@ -10,7 +10,7 @@ import matplotlib
 import numpy as np
 
 from hookrun.io import layout
-from hookrun.render.pictures import save_whole
+from hookrun.render.pictures import save_figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -37,8 +37,6 @@ def render_induction(f: h5py.File, out_dir: Path) -> list[Path]:
     ax.set_title("induction score per head (Olsson et al. 2022)", fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "induction_scores.png"
-    save_whole(target, lambda part: fig.savefig(part, format="png", dpi=110))
-    plt.close(fig)
+    save_figure(fig, target)
     return [target]

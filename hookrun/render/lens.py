@@ -12,7 +12,7 @@ import matplotlib
 import numpy as np
 
 from hookrun.io import layout, walk
-from hookrun.render.pictures import save_whole
+from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts
 
 matplotlib.use("Agg")
@@ -78,8 +78,6 @@ def render_lens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pa
         )
         fig.colorbar(image, ax=ax, fraction=0.02)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "logit_lens.png"
-    save_whole(target, lambda part: fig.savefig(part, format="png", dpi=110))
-    plt.close(fig)
+    save_figure(fig, target)
     return [target]

@@ -14,7 +14,7 @@ import numpy as np
 from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.patching.config import SITE_KINDS
-from hookrun.render.pictures import save_whole
+from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts
 
 matplotlib.use("Agg")
@@ -73,9 +73,7 @@ def render_patching(f: h5py.File, out_dir: Path, config: dict) -> list[Path]:
             fontsize=8,
         )
         fig.tight_layout()
-        out_dir.mkdir(parents=True, exist_ok=True)
         target = out_dir / f"patching_{kind}.png"
-        save_whole(target, lambda part, fig=fig: fig.savefig(part, format="png", dpi=110))
-        plt.close(fig)
+        save_figure(fig, target)
         drawn.append(target)
     return drawn

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -16,6 +17,7 @@ from torchvision.utils import make_grid
 
 __all__ = [
     "MIN_SIDE",
+    "save_figure",
     "seed_normalize",
     "heat_overlay",
     "feature_grid",
@@ -79,6 +81,17 @@ def display_image(x: np.ndarray, dataset: dict) -> np.ndarray:
     elif x.max() > x.min():
         x = (x - x.min()) / (x.max() - x.min())
     return np.clip(x, 0, 1)
+
+
+def save_figure(fig: Any, target: Path, dpi: int = 110) -> Path:
+    """A matplotlib figure to `target` as a PNG, whole (save_whole), its folder made first;
+    the figure is closed (pyplot keeps every open one alive)."""
+    import matplotlib.pyplot as plt
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_whole(target, lambda part: fig.savefig(part, format="png", dpi=dpi))
+    plt.close(fig)
+    return target
 
 
 def save_whole(target: Path, save: Callable[[Path], None]) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
-from hookrun.render.pictures import save_whole
+from hookrun.render.pictures import save_figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -76,8 +76,6 @@ def render_tokens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[
         )
         fig.colorbar(image, ax=ax, fraction=0.02)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "residual_norms.png"
-    save_whole(target, lambda part: fig.savefig(part, format="png", dpi=110))
-    plt.close(fig)
+    save_figure(fig, target)
     return [target]
