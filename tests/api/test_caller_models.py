@@ -29,6 +29,8 @@ REFUSED = {
     ("vit", "lm_patching"): "target.kind: answer",
     ("resnet18", "logit_lens"): "matches no module",
     ("vit", "logit_lens"): "matches no module",
+    ("resnet18", "induction"): "matches no module",
+    ("vit", "induction"): "matches no module",
 }
 
 
