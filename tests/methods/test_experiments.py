@@ -82,6 +82,7 @@ def test_every_experiment_file_is_tested():
                 "guided_bp",
                 "guided_grad_cam",
                 "integrated_gradients",
+                "induction",  # tests/lm/test_induction.py
                 "layer_cam",
                 "lm_cache",  # tests/lm/test_lm_cache.py
                 "lm_patching",  # tests/lm/test_lm_patching.py
@@ -279,7 +280,7 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
 
 
 # The language-model experiments draw their own pictures (tests/lm/).
-LANGUAGE = ("lm_cache", "lm_patching", "logit_lens")
+LANGUAGE = ("induction", "lm_cache", "lm_patching", "logit_lens")
 
 
 @pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])
