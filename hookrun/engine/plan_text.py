@@ -84,11 +84,15 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
     total = 0
     for rows in file.shards or (n,):
         blocks = -(-rows // file.batch_size)  # shards hold whole batches
+        batch = file.batch_size  # the rows one append writes: chunks divide it
         total += sum(
-            allocated_bytes(shape, file.itemsize, blocks if folds.get(key) == 0 else rows)
+            allocated_bytes(shape, file.itemsize, blocks, 1)
+            if folds.get(key) == 0
+            else allocated_bytes(shape, file.itemsize, rows, batch)
             for key, shape in floats.items()
         )
-        total += ints * allocated_bytes((), 8, rows) + allocated_bytes((), file.path_bytes, rows)
+        total += ints * allocated_bytes((), 8, rows, batch)
+        total += allocated_bytes((), file.path_bytes, rows, batch)
     datasets = len(floats) + ints + (1 if file.path_bytes else 0)
     files = len(file.shards) + 1 if file.shards else 1  # the shards and the file joining them
     total += files * (_FILE_METADATA + datasets * _DATASET_METADATA)

@@ -178,7 +178,8 @@ class CapturesFile:
             key,
             shape=(0, *row),
             maxshape=(None, *row),
-            chunks=chunk_shape(row, dtype.itemsize, expected),
+            # The rows one append writes: a batch of samples; one row for per-batch records.
+            chunks=chunk_shape(row, dtype.itemsize, expected, self._write_rows(fold)),
             dtype=dtype,
             compression=self.options.compression,
             fletcher32=self.options.checksum,
@@ -187,6 +188,9 @@ class CapturesFile:
         mark_rows(ds, fold, self.options.batch_size)
         if self.options.dtype == "bfloat16" and array.dtype == np.uint16:
             mark_bfloat16(ds)  # only floats reach the file as uint16
+
+    def _write_rows(self, fold: int) -> int:
+        return self.options.batch_size if fold else 1  # a folded record is (N, k, ...)
 
     def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
         """Final status (`complete`; `failed` or `interrupted` with the error recorded), then

@@ -47,12 +47,23 @@ CHUNK_BYTES = 1 << 20
 
 
 def chunk_shape(
-    row_shape: tuple[int, ...], itemsize: int, max_rows: int | None = None
+    row_shape: tuple[int, ...],
+    itemsize: int,
+    max_rows: int | None = None,
+    write_rows: int | None = None,
 ) -> tuple[int, ...]:
-    """A chunk of ~CHUNK_BYTES: whole rows when a row is smaller, else a slab of one row."""
+    """A chunk of ~CHUNK_BYTES: whole rows when a row is smaller, else a slab of one row.
+
+    `write_rows`: the rows one append writes (a batch). The chunk's rows then divide it, so
+    an append only ever writes chunks of its own and never rewrites one that holds rows
+    already counted in `completed`: a SIGKILL can cut a chunk's write short (Linux stops a
+    write on a fatal signal), and a torn chunk fails its checksum, taking every row in it.
+    """
     row_bytes = max(1, math.prod(row_shape) * itemsize)
     if row_bytes <= CHUNK_BYTES:
         rows = max(1, CHUNK_BYTES // row_bytes)
+        if write_rows:
+            rows = max(d for d in range(1, min(rows, write_rows) + 1) if write_rows % d == 0)
         return (min(rows, max_rows) if max_rows else rows, *row_shape)
     chunk = [1, *row_shape]
     # Split the leading axes of a large row until the chunk fits (e.g. (1, 16, 112, 112)),
@@ -67,12 +78,15 @@ def chunk_shape(
     return tuple(chunk)
 
 
-def allocated_bytes(row_shape: tuple[int, ...], itemsize: int, rows: int) -> int:
+def allocated_bytes(
+    row_shape: tuple[int, ...], itemsize: int, rows: int, write_rows: int | None = None
+) -> int:
     """The bytes the chunks of a dataset of `rows` rows take once written, uncompressed:
-    whole chunks, shaped as the writer shapes them for that many expected rows."""
+    whole chunks, shaped as the writer shapes them for that many expected rows written
+    `write_rows` at a time."""
     if rows <= 0 or itemsize <= 0:
         return 0
-    chunk = chunk_shape(row_shape, itemsize, rows)
+    chunk = chunk_shape(row_shape, itemsize, rows, write_rows)
     full = (rows, *row_shape)
     count = math.prod(-(-size // part) for size, part in zip(full, chunk, strict=True))
     return count * math.prod(chunk) * itemsize

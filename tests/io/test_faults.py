@@ -70,11 +70,11 @@ def one_line(stderr: str) -> str:
 
 
 def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path):
-    args = [*RUN, "dataset.size=96"]
+    args = [*RUN, "dataset.size=192"]
     reference = read(run_config(tmp_path / "reference", args).path)
     run_dir = tmp_path / "limited"
     path = run_dir / "captures.h5"
-    # 2.5 MB: layer1's first 1 MiB chunk (64 rows) and the outputs fit, its second does not.
+    # 2.5 MB: about 130 of the 192 rows fit (layer1: 16 KiB a row, in chunks of one batch).
     code, err = finish(spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path, 2_500_000))
     assert code == 1, err[-2000:]
     line = one_line(err)
@@ -82,7 +82,7 @@ def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path)
     state = attrs(path)
     assert state["status"] == "failed" and "File too large" in state["error"]
     done = int(state["completed"])
-    assert 0 < done < 96
+    assert 0 < done < 192
     with open_readonly(path) as f:  # `completed` never runs ahead of the rows on disk
         for key, expected in reference.items():
             np.testing.assert_array_equal(f[key][:done], expected[:done])
@@ -101,13 +101,13 @@ def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
     if mounted.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root); test_file_size_limit covers EFBIG")
     try:
-        args = [*RUN, "dataset.size=96", f"sink.path={disk / 'captures.h5'}"]
-        reference = read(run_config(tmp_path / "reference", RUN + ["dataset.size=96"]).path)
+        args = [*RUN, "dataset.size=192", f"sink.path={disk / 'captures.h5'}"]
+        reference = read(run_config(tmp_path / "reference", RUN + ["dataset.size=192"]).path)
         code, err = finish(spawn([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path))
         assert code == 1 and "[Errno 28] No space left on device" in one_line(err), err[-2000:]
         assert "make room, then run again with resume=true" in one_line(err)
         state = attrs(disk / "captures.h5")
-        assert state["status"] == "failed" and 0 < state["completed"] < 96
+        assert state["status"] == "failed" and 0 < state["completed"] < 192
         subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)  # room made
         resume = [*args, f"hydra.run.dir={tmp_path / 'run'}", "resume=true"]
         code, err = finish(spawn(resume, tmp_path))
@@ -136,7 +136,7 @@ def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
         pytest.skip(f"cannot mount a FUSE file system here: {server.stderr.read().strip()}")
     try:
         path = disk / "captures.h5"
-        args = [*RUN, "dataset.size=96", f"sink.path={path}", f"hydra.run.dir={tmp_path / 'run'}"]
+        args = [*RUN, "dataset.size=192", f"sink.path={path}", f"hydra.run.dir={tmp_path / 'run'}"]
         code, err = finish(spawn(args, tmp_path))
         assert code == 1, err[-2000:]
         line = one_line(err)
@@ -145,8 +145,8 @@ def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
         state = attrs(path)  # HDF5 failed its own write: its handle wrote nothing after that
         assert state["status"] == "running"
         done = int(state["completed"])
-        assert 0 < done < 96
-        reference = read(run_config(tmp_path / "reference", [*RUN, "dataset.size=96"]).path)
+        assert 0 < done < 192
+        reference = read(run_config(tmp_path / "reference", [*RUN, "dataset.size=192"]).path)
         with open_readonly(path) as f:  # `completed` never runs ahead of the rows on disk
             for key, expected in reference.items():
                 np.testing.assert_array_equal(f[key][:done], expected[:done])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import hook, read
 
-from hookrun.io.layout import CHUNK_BYTES, chunk_shape
+from hookrun.io.layout import CHUNK_BYTES, chunk_shape, per_batch
 from hookrun.io.sink import HDF5Sink, SinkOptions
 
 # The experiments default to real MobileNetV2 weights on photos; these tests want speed.
@@ -27,6 +27,37 @@ def test_chunk_shape_targets_one_mib():
     assert padded - 64 < 0.05 * 64  # equal slabs: no half-empty last chunk
     assert chunk_shape((32, 112, 112), 4) == (1, 16, 112, 112)
     assert chunk_shape((3, 224, 224), 2) == (3, 3, 224, 224)  # 294 KiB rows: 3 per chunk
+
+
+def test_chunks_divide_the_rows_one_append_writes():
+    """Chunk heights divide a batch's rows, so an append never rewrites a chunk that holds
+    rows `completed` already counts (a torn rewrite would fail its checksum and take them)."""
+    assert chunk_shape((4,), 4, write_rows=12) == (12, 4)
+    assert chunk_shape((4,), 4, write_rows=7) == (7, 4)
+    assert chunk_shape((100_000,), 4, write_rows=12) == (2, 100_000)  # 400 kB rows: 2 fit
+    assert chunk_shape((100_000,), 4, write_rows=7) == (1, 100_000)  # only 1 divides 7 and fits
+    assert chunk_shape((64, 224, 224), 4, write_rows=8)[0] == 1  # a slab of one row
+
+
+def test_a_runs_chunks_never_straddle_two_batches(run_hookrun):
+    """Every dataset of a real run: its chunk height divides the rows each batch appends."""
+    overrides = [
+        *RANDOM_RESNET,
+        "dataset.size=10",
+        "dataset.image_size=32",
+        "batch_size=3",
+        *hook("c", "layer1", "output", "capture"),
+        *hook("g", "layer2", "grad_output", "capture"),
+    ]
+    path = run_hookrun(overrides)[0].path
+
+    def check(name: str, ds: object) -> None:
+        if isinstance(ds, h5py.Dataset) and ds.chunks and ds.maxshape[0] is None:
+            per_append = 1 if per_batch(ds) else 3  # a folded record is (N, k, ...) too
+            assert per_append % ds.chunks[0] == 0, (name, ds.chunks)
+
+    with h5py.File(path) as f:
+        f.visititems(check)
 
 
 def test_layout_attrs_and_labels(run_hookrun):
