@@ -4,7 +4,10 @@ stream grows, and which tokens stand out."""
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
+from typing import Any
 
 import h5py
 import matplotlib
@@ -26,14 +29,24 @@ _TOKENS = 48  # tokens labelled per row at most (the first ones)
 def _token_texts(config: dict, ids: np.ndarray) -> list[str]:
     """Each id as its text through the run's tokenizer; the ids themselves where it cannot
     be loaded (a file read on another machine)."""
+    tokenizer = _tokenizer(json.dumps(config.get("model", {}), sort_keys=True, default=str))
+    try:
+        return [repr(tokenizer.decode([int(i)]))[1:-1] for i in ids]
+    except Exception:  # drawing is a convenience: never fail a finished run over labels
+        return [str(int(i)) for i in ids]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_json: str) -> Any:
+    """The tokenizer of a run's `model` config (as JSON), loaded once for all its labels
+    (a load is a tenth of a second or more); None where it cannot be loaded."""
     try:
         from hookrun.models.hf import load_tokenizer
         from hookrun.models.sources import parse_model
 
-        tokenizer = load_tokenizer(parse_model(config.get("model", {})))
-        return [repr(tokenizer.decode([int(i)]))[1:-1] for i in ids]
+        return load_tokenizer(parse_model(json.loads(model_json)))
     except Exception:  # drawing is a convenience: never fail a finished run over labels
-        return [str(int(i)) for i in ids]
+        return None
 
 
 def _blocks(f: h5py.File, tokens: int) -> dict[str, h5py.Dataset]:
