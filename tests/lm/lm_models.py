@@ -92,6 +92,20 @@ def save_lm(folder: Path, family: str, seed: int = 0):
     return model, kind
 
 
+def prompt_run(folder: Path, kind: str, data: Path) -> list[str]:
+    """The overrides of a run of the model saved in `folder` (model.class `kind`) on the
+    prompts file `data`, batches of 3, no pictures; callers add their hooks."""
+    return [
+        "model=hf",
+        f"model.path={folder}",
+        f"model.class={kind}",
+        "dataset=prompts",
+        f"dataset.path={data}",
+        "batch_size=3",
+        "render=false",
+    ]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

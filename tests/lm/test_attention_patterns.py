@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import run_config
-from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
+from lm_models import FAMILIES, prompt_run, save_lm, tokenizer, write_jsonl
 
 from hookrun.errors import HookrunError
 
@@ -32,13 +32,7 @@ PROMPTS = [
 
 def _overrides(folder, kind: str, data, select: str, action: str = "capture") -> list[str]:
     return [
-        "model=hf",
-        f"model.path={folder}",
-        f"model.class={kind}",
-        "dataset=prompts",
-        f"dataset.path={data}",
-        "batch_size=3",
-        "render=false",
+        *prompt_run(folder, kind, data),
         f"++hooks.attn.select.name={select}",
         "++hooks.attn.at=pattern",
         f"++hooks.attn.action={action}",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hook, read, run_config
-from lm_models import FAMILIES, save_lm, write_jsonl
+from lm_models import FAMILIES, prompt_run, save_lm, write_jsonl
 
 from hookrun.errors import HookrunError
 from hookrun.io.encoding import read_floats
@@ -45,13 +45,7 @@ def _hand_blocks(model, ids: list[int], pattern: str) -> tuple[list[torch.Tensor
 
 def _overrides(folder, kind: str, data, positions: str) -> list[str]:
     return [
-        "model=hf",
-        f"model.path={folder}",
-        f"model.class={kind}",
-        "dataset=prompts",
-        f"dataset.path={data}",
-        "batch_size=3",
-        "render=false",
+        *prompt_run(folder, kind, data),
         "target.kind=answer",
         f"++hooks.blocks.select.regex={BLOCKS}",
         "++hooks.blocks.at=output",
