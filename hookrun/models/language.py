@@ -11,15 +11,14 @@ state_dict keys are the wrapped model's own (`transformer.h.0.attn`, not
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-__all__ = ["LanguageModel", "OUTPUT_KINDS", "every_position"]
+__all__ = ["LanguageModel", "OUTPUT_KINDS"]
 
 # What forward returns for each `model.class`:
 #   causal_lm, masked_lm: the logits at the read position (N, V);
@@ -49,7 +48,6 @@ class LanguageModel(nn.Module):
         takes = "logits_to_keep" in inspect.signature(hf.forward).parameters
         head = hf.get_output_embeddings() if takes and kind == "causal_lm" else None
         object.__setattr__(self, "head", head)  # not registered: it is a child already
-        self.reads_only = True  # every_position() turns it off for a while
         for name, child in hf.named_children():
             self.add_module(name, child)
         for name, param in hf._parameters.items():  # tensors at the root, rare but possible
@@ -81,7 +79,7 @@ class LanguageModel(nn.Module):
         position = read.argmax(dim=1)
         rows = torch.arange(x.shape[0], device=x.device)
         extra: dict[str, Any] = {}
-        if self.reads_only and self.head is not None and not _watched(self.head):
+        if self.head is not None and not _watched(self.head):
             keep = torch.unique(position)  # sorted: the read position's column in the kept
             extra["logits_to_keep"] = keep
             position = torch.searchsorted(keep, position)
@@ -106,23 +104,6 @@ class LanguageModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, wraps={type(self.hf).__name__}"
-
-
-@contextmanager
-def every_position(model: nn.Module) -> Iterator[None]:
-    """Within it, a LanguageModel unembeds every position, as the wrapped model does: passes
-    whose logits must equal each other bit for bit (the patching grid's clean, corrupted and
-    patched runs: its exact 0 and 1 endpoints) then run the same matrix product whatever
-    their batch. Any other module: nothing changes."""
-    if not isinstance(model, LanguageModel):
-        yield
-        return
-    before = model.reads_only
-    model.reads_only = False
-    try:
-        yield
-    finally:
-        model.reads_only = before
 
 
 def _watched(head: nn.Module) -> bool:

@@ -10,17 +10,19 @@ answer back whole, 0 where it changes nothing (NaN where clean = corrupted, and 
 past a row's last real token).
 
 Per batch: one clean forward capturing every patched module's output, one corrupted
-forward, then the layers × positions patched runs batched: the corrupted batch stacked once
-per cell, `rows_per_pass` rows per forward (chunks of whole copies), with forward hooks that
-replace, in copy (l, p), layer l's output at position p by the clean value. The passes run
-on the bare model: the run's own hooks stand aside (engine/stream.py), as for the evaluation.
+forward capturing them too and keeping its keys and values, then the patched runs: one
+pass per position, each the cells of every site kind and layer at that position stacked
+(`rows_per_pass` rows per forward), resumed from the corrupted pass's cache at that
+position, with forward hooks that put the clean value there (resume.py: which cells need no
+pass). The passes run on the bare model: the run's own hooks stand aside
+(engine/stream.py), as for the evaluation.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import h5py
@@ -32,9 +34,9 @@ from hookrun.errors import HookrunError
 from hookrun.evaluate.registry import Stored
 from hookrun.io import layout
 from hookrun.memory import format_bytes
-from hookrun.models.language import every_position
 from hookrun.patching.clean import StoredClean, open_clean
 from hookrun.patching.config import PatchingConfig, chosen_layers
+from hookrun.patching.resume import Pass, Rows, Sites, patched_grids, record
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
 
@@ -60,34 +62,17 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
 _CELL = "per row: {layers} layers × {positions} positions"
 
 
-def _first(output: Any) -> torch.Tensor:
-    """A module's output tensor (blocks and attention modules return tuples)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _replacing(rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> Callable:
-    """A forward hook that puts `values` at (rows, positions) of the module's output."""
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        tensor = _first(output).clone()
-        tensor[rows, positions] = values.to(tensor.dtype)
-        if isinstance(output, (tuple, list)):
-            return type(output)((tensor, *output[1:]))
-        return tensor
-
-    return hook
-
-
 @dataclass
 class PatchingGrid:
     """The patching a run does per batch, planned and checked (plan_patching)."""
 
     config: PatchingConfig
     modules: dict[str, list[str]]  # site kind → its module per layer
+    last: dict[str, int | None]  # site kind → the model's last block's index in modules
     positions: list[int]  # the positions patched (P)
     counterfactual: torch.Tensor  # (rows, T) int64: each row's counterfactual ids, padded
     wrong: torch.Tensor  # (rows,) int64: each row's counterfactual answer
-    rows_per_pass: int  # rows of one patched forward pass (whole copies of the batch)
+    rows_per_pass: int  # rows of one patched forward pass (cells at one position)
     row_bytes: int  # the estimate rows_per_pass is made from (per row of a pass)
     clean: StoredClean | None = None  # patching.clean: the clean run read from a file
 
@@ -148,29 +133,46 @@ class PatchingGrid:
         """The batch's records: `inputs` (N, 3, T) the clean rows on the device, `labels`
         their answers, `index` their dataset indices."""
         device = inputs.device
-        corrupt = inputs.clone()
-        corrupt[:, 0] = self.counterfactual[index.cpu()].to(device)
-        answers = (labels.to(device), self.wrong[index.cpu()].to(device))
-        with torch.inference_mode(), every_position(model):
+        hf = model.hf  # a LanguageModel (plan_patching): its cache and logits are used
+        rows = Rows(
+            self.counterfactual[index.cpu()].to(device),
+            inputs[:, 1],
+            inputs[:, 2].argmax(dim=1),
+            labels.to(device),
+            self.wrong[index.cpu()].to(device),
+        )
+        with torch.inference_mode():
             if self.clean is not None:
                 seen, logits = self.clean.read(index, device)
+                every = torch.arange(len(index), device=device)
+                clean = Pass(seen, rows.diff(logits, every))
             else:
-                seen, logits = self._clean(model, inputs)
-            clean = _logit_diff(logits, answers)
-            corrupted = _logit_diff(model(corrupt), answers)
-            out = {
-                layout.patching_key(layout.PATCHING_CLEAN): clean,
-                layout.patching_key(layout.PATCHING_CORRUPTED): corrupted,
-            }
-            past = self._past_rows(inputs[:, 1].sum(1))
-            for kind, names in self.modules.items():
-                patched = self._grid(model, corrupt, answers, (names, seen[kind]))
-                patched[past] = torch.nan
-                gap = clean - corrupted
-                score = (patched - corrupted[:, None, None]) / gap[:, None, None]
-                score[(gap == 0)[:, None, None].expand_as(score)] = torch.nan
-                out[layout.patching_key(kind)] = score
-                out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = patched
+                clean = record(hf, self.modules, replace(rows, ids=inputs[:, 0]), False)
+            corrupted = record(hf, self.modules, rows, True)
+            sites = Sites(
+                self.modules, self.last, self.positions, self.rows_per_pass, self.clean is None
+            )
+            grids = patched_grids(hf, sites, rows, clean, corrupted)
+        return self._records(grids, clean.diff, corrupted.diff, inputs[:, 1].sum(1))
+
+    def _records(
+        self, grids: dict, clean: torch.Tensor, corrupted: torch.Tensor, lengths: torch.Tensor
+    ) -> dict[str, np.ndarray]:
+        """The stored arrays: the raw logit differences and the scores, NaN past each row's
+        tokens and where clean = corrupted."""
+        out = {
+            layout.patching_key(layout.PATCHING_CLEAN): clean,
+            layout.patching_key(layout.PATCHING_CORRUPTED): corrupted,
+        }
+        past = self._past_rows(lengths)
+        gap = clean - corrupted
+        for kind, patched in grids.items():
+            patched = patched.clone()  # out of inference mode
+            patched[past] = torch.nan
+            score = (patched - corrupted[:, None, None]) / gap[:, None, None]
+            score[(gap == 0)[:, None, None].expand_as(score)] = torch.nan
+            out[layout.patching_key(kind)] = score
+            out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = patched
         return {k: v.float().cpu().numpy() for k, v in out.items()}
 
     def _past_rows(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -179,69 +181,10 @@ class PatchingGrid:
         past = positions[None, :] >= lengths[:, None]
         return past[:, None, :].expand(-1, self.layers, -1)
 
-    def _clean(self, model: nn.Module, inputs: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        """Every patched module's output (N, T, D) on the clean rows, per site kind and
-        layer, and the clean logit differences, from one forward pass."""
-        seen: dict[str, list[torch.Tensor]] = {kind: [] for kind in self.modules}
-        named = dict(model.named_modules())
-        handles = [
-            named[name].register_forward_hook(
-                lambda m, a, o, into=seen[kind]: into.append(_first(o).detach())
-            )
-            for kind, names in self.modules.items()
-            for name in names
-        ]
-        try:
-            logits = model(inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return seen, logits
 
-    def _grid(
-        self, model: nn.Module, corrupt: torch.Tensor, answers: tuple, site: tuple
-    ) -> torch.Tensor:
-        """(N, L, P) patched logit differences of one site kind; `site` = (module names per
-        layer, their clean outputs per layer)."""
-        names, clean = site
-        n, count = corrupt.shape[0], len(self.positions)
-        cells = [(layer, p) for layer in range(len(names)) for p in range(count)]
-        copies = max(1, self.rows_per_pass // n)
-        named = dict(model.named_modules())
-        right, wrong = (a.repeat(copies) for a in answers)
-        rows = torch.arange(n, device=corrupt.device)
-        out = torch.empty(len(cells), n, device=corrupt.device)
-        for start in range(0, len(cells), copies):
-            chunk = cells[start : start + copies]
-            handles = []
-            for layer in sorted({c[0] for c in chunk}):
-                mine = [i for i, c in enumerate(chunk) if c[0] == layer]
-                where = torch.tensor([self.positions[chunk[i][1]] for i in mine]).to(rows)
-                at = (torch.tensor(mine).to(rows)[:, None] * n + rows).flatten()
-                column = where[:, None].expand(-1, n).flatten()
-                values = clean[layer][rows.repeat(len(mine)), column]
-                hook = _replacing(at, column, values)
-                handles.append(named[names[layer]].register_forward_hook(hook))
-            try:
-                logits = model(corrupt.repeat(len(chunk), 1, 1))
-            finally:
-                for handle in handles:
-                    handle.remove()
-            k = len(chunk) * n
-            diff = _logit_diff(logits, (right[:k], wrong[:k]))
-            out[start : start + len(chunk)] = diff.view(len(chunk), n)
-        return out.view(len(names), count, n).permute(2, 0, 1).contiguous()
-
-
-def _logit_diff(logits: torch.Tensor, answers: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """logit(answer) − logit(counterfactual answer) per row of (rows, V) logits."""
-    right, wrong = answers
-    picked = logits.float()
-    return picked.gather(1, right[:, None])[:, 0] - picked.gather(1, wrong[:, None])[:, 0]
-
-
-def _site_modules(config: PatchingConfig, model: nn.Module) -> dict[str, list[str]]:
-    """Each patched site kind's module per layer, for the model's architecture."""
+def _site_modules(config: PatchingConfig, model: nn.Module) -> tuple[dict, dict]:
+    """Each patched site kind's module per layer, for the model's architecture, and the
+    index in that list of the model's last block (None when it is not patched)."""
     model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
     patterns = ARCHITECTURES.get(model_type)
     if patterns is None:
@@ -251,6 +194,7 @@ def _site_modules(config: PatchingConfig, model: nn.Module) -> dict[str, list[st
         )
     named = dict(model.named_modules())
     out: dict[str, list[str]] = {}
+    last: dict[str, int | None] = {}
     for kind in config.sites:
         names: list[str] = []
         while patterns[kind].format(len(names)) in named:
@@ -260,8 +204,10 @@ def _site_modules(config: PatchingConfig, model: nn.Module) -> dict[str, list[st
                 f"patching.sites: {kind}: the {model_type} model has no module "
                 f"{patterns[kind].format(0)}; valid: a {model_type} model as transformers builds it"
             )
-        out[kind] = [names[i] for i in chosen_layers(config.layer, len(names))]
-    return out
+        chosen = chosen_layers(config.layer, len(names))
+        out[kind] = [names[i] for i in chosen]
+        last[kind] = chosen.index(len(names) - 1) if len(names) - 1 in chosen else None
+    return out, last
 
 
 def _counterfactuals(tokens: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +255,7 @@ def plan_patching(
             "patching: needs token rows with counterfactuals; valid: dataset=prompts with "
             "{prompt, answer, counterfactual, counterfactual_answer} rows"
         )
-    modules = _site_modules(config, model)
+    modules, last = _site_modules(config, model)
     counterfactual, wrong = _counterfactuals(tokens, rows)
     length = int(tokens.ids.shape[1])
     positions = list(range(length)) if config.positions == "all" else list(config.positions)
@@ -327,7 +273,7 @@ def plan_patching(
     rows_per_pass = config.batch_size or max(1, config.memory_mib * 2**20 // row_bytes)
     clean = open_clean(config.clean, modules, tokens, rows) if config.clean else None
     return PatchingGrid(
-        config, modules, positions, counterfactual, wrong, rows_per_pass, row_bytes, clean
+        config, modules, last, positions, counterfactual, wrong, rows_per_pass, row_bytes, clean
     )
 
 

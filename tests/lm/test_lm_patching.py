@@ -1,7 +1,8 @@
 """experiment=lm_patching: the batched layers × positions grid equals a hand-written loop of
 `register_forward_hook` replacements on the same Hugging Face model (one forward per cell,
-each row run alone without padding), cell by cell, for GPT-2 and Llama and every site kind;
-the endpoints that hold exactly do; what cannot be patched is refused before any work."""
+each row run alone without padding), cell by cell, for GPT-2, Llama and GPT-NeoX and every
+site kind; the endpoints that hold exactly do; what cannot be patched is refused before any
+work."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ MODULES = {
         "resid": "model.layers.{}",
         "attn": "model.layers.{}.self_attn",
         "mlp": "model.layers.{}.mlp",
+    },
+    "gpt_neox": {
+        "resid": "gpt_neox.layers.{}",
+        "attn": "gpt_neox.layers.{}.attention",
+        "mlp": "gpt_neox.layers.{}.mlp",
     },
 }
 
@@ -119,12 +125,13 @@ def _hand_grid(model, tok, row, kind_pattern) -> tuple[float, float, np.ndarray]
     return clean, _hand_diff(model, corrupt_ids, answers), patched
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
 def test_the_grid_equals_a_hand_hook_loop_cell_by_cell(tmp_path, family):
     model, _ = save_lm(tmp_path / "lm", family)
     tok = tokenizer()
     data = _prompts(tmp_path / "prompts.jsonl")
-    # 7 rows per patched forward with batches of 2: chunks of 3 copies cross the layers.
+    # 7 rows per patched forward with batches of 2: a position's cells of 3 kinds × 2 layers
+    # × 2 rows split across passes.
     args = _args(tmp_path / "lm", data, "patching.batch_size=7")
     with h5py.File(run_config(tmp_path / "run", args).path) as f:
         stored = {k: f[f"patching/{k}"][:] for k in f["patching"] if not k.startswith("layer")}
@@ -147,6 +154,26 @@ def test_the_grid_equals_a_hand_hook_loop_cell_by_cell(tmp_path, family):
             np.testing.assert_allclose(stored[kind][r][:, :length] * gap, score * gap, atol=2e-5)
             assert np.isnan(stored[kind][r][:, length:]).all()  # past the row's tokens
             assert np.isnan(got[:, length:]).all()
+
+
+def test_a_sliding_window_model_runs_its_patched_passes_from_the_start(tmp_path, monkeypatch):
+    """A cache that is not plain keys and values per layer (Mistral's sliding window, here 4
+    tokens of 14) cannot be resumed from: each patched pass runs the row from position 0,
+    and the grid still equals the hand loop."""
+    import lm_models
+
+    config = {**lm_models.FAMILIES["llama"][1], "model_type": "mistral", "sliding_window": 4}
+    monkeypatch.setitem(lm_models.FAMILIES, "mistral", ("causal_lm", config, "model.layers.{}"))
+    model, _ = save_lm(tmp_path / "lm", "mistral")
+    tok = tokenizer()
+    data = _prompts(tmp_path / "prompts.jsonl")
+    with h5py.File(run_config(tmp_path / "run", _args(tmp_path / "lm", data)).path) as f:
+        stored = {k: f[f"patching/{k}_logit_diff"][:] for k in MODULES["llama"]}
+    for kind, pattern in MODULES["llama"].items():
+        for r, row in enumerate(ROWS):
+            _, _, patched = _hand_grid(model, tok, row, pattern)
+            got = stored[kind][r][:, : patched.shape[1]]
+            np.testing.assert_allclose(got, patched, atol=1e-5, rtol=0)
 
 
 def test_the_endpoints_that_hold_exactly(tmp_path):
@@ -188,7 +215,10 @@ def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
 
 def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
     """One cluster job per layer (`--multirun patching.layer=0,1`, the basic launcher here):
-    each job's grid is that layer's slice of the one-run grid, named in `layers`."""
+    each job's grid is that layer's slice of the one-run grid, named in `layers`: the clean and
+    corrupted runs bit for bit, the patched logit differences to float32's rounding (a job's
+    patched passes stack fewer cells than the one run's, and a matrix product of another row
+    count may round its last bits otherwise), the scores to that rounding times 1 / gap."""
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "prompts.jsonl")
     full = run_config(tmp_path / "full", _args(tmp_path / "lm", data)).path
@@ -198,15 +228,19 @@ def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
     jobs = sorted(tmp_path.glob("multirun/*/*/[0-9]*/captures.h5"), key=lambda p: p.parent.name)
     assert len(jobs) == 2
     with h5py.File(full) as a:
+        gap = (a["patching/clean"][:] - a["patching/corrupted"][:])[:, None, None]
         for layer, path in enumerate(jobs):
             with h5py.File(path) as b:
                 for kind in ("resid", "attn", "mlp"):
                     names = list(a[f"patching/{kind}"].attrs["layers"])
                     assert list(b[f"patching/{kind}"].attrs["layers"]) == [names[layer]]
-                    np.testing.assert_allclose(
-                        b[f"patching/{kind}"][:], a[f"patching/{kind}"][:, [layer]], atol=1e-6
-                    )
-                np.testing.assert_array_equal(b["patching/clean"][:], a["patching/clean"][:])
+                    key = f"patching/{kind}_logit_diff"
+                    np.testing.assert_allclose(b[key][:], a[key][:, [layer]], atol=1e-6, rtol=0)
+                    got, want = b[f"patching/{kind}"][:], a[f"patching/{kind}"][:, [layer]]
+                    np.testing.assert_allclose(got * gap, want * gap, atol=2e-6, rtol=0)
+                    assert (np.isnan(got) == np.isnan(want)).all()
+                for key in ("clean", "corrupted"):
+                    np.testing.assert_array_equal(b[f"patching/{key}"][:], a[f"patching/{key}"][:])
 
 
 def _clean_run(folder, lm, data, regex=r"transformer\.h\.\d+(\.attn|\.mlp)?") -> str:

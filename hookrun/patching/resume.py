@@ -1,0 +1,253 @@
+"""The patched passes of the patching grid, computing only what a patch can change.
+
+A cell (site kind, layer, position p) of a row replaces one module's output at p by the
+clean value and reads the logit difference at the row's read position (its last token).
+In a causal model nothing before p changes, so a patched pass resumes the corrupted pass
+at p: the keys and values of the positions before p come from the corrupted pass's cache
+(transformers' `past_key_values`) and only positions p … the batch's last read run, with
+the logits taken at the read positions only. The cells grouped by position make one pass
+per position (split at `rows_per_pass` rows: the cells of every site kind and layer of the
+batch's rows at that position).
+
+Cells whose outcome is known without a pass are not run, which is also what makes their
+scores exactly 0 and 1:
+- the clean value equals the corrupted one there, bit for bit (every position before the
+  first token that differs): the patched run is the corrupted run, score 0;
+- a module of the model's last block at a position other than the read: nothing after the
+  last block mixes positions (final norm, unembedding), so the read is the corrupted one, 0;
+- the last block's output at the read position, patched with the run's own clean values:
+  the clean run's last hidden state there, so its logits, 1;
+- positions past a row's read: no token there (the grid stores NaN).
+A model whose cache is not plain per-layer keys and values (sliding windows, older
+transformers) runs each patched pass from position 0 instead: the same cells, more work.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Rows", "Pass", "Sites", "record", "patched_grids", "first_tensor"]
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """A module's output tensor (blocks and attention modules return tuples)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One batch of corrupted rows, right-padded: ids and mask (N, T), each row's read
+    position (N,) and the answer and counterfactual answer tokens (N,) of its logit
+    difference."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    read: torch.Tensor
+    right: torch.Tensor
+    wrong: torch.Tensor
+
+    def diff(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logit(answer) − logit(counterfactual answer) of the (len(rows), V) logits of
+        `rows` (indices into the batch)."""
+        picked = logits.float()
+        right, wrong = self.right[rows][:, None], self.wrong[rows][:, None]
+        return picked.gather(1, right)[:, 0] - picked.gather(1, wrong)[:, 0]
+
+
+@dataclass
+class Pass:
+    """What one pass gave: each patched module's output (N, T, D) per site kind and layer,
+    the logit differences (N,), and its cache of keys and values (None: not kept)."""
+
+    outputs: dict[str, list[torch.Tensor]]
+    diff: torch.Tensor
+    cache: Any = None
+
+
+@dataclass(frozen=True)
+class Sites:
+    """What the grid patches: each site kind's module per layer patched, the index in that
+    list of the model's last block (None when it is not patched), the positions patched,
+    rows per patched pass, and whether the clean values are the run's own (bit-exact, not
+    read back from a file: the exact-1 cell holds)."""
+
+    modules: dict[str, list[str]]
+    last: dict[str, int | None]
+    positions: list[int]
+    rows_per_pass: int
+    own_clean: bool = True
+
+
+def record(hf: nn.Module, modules: dict[str, list[str]], rows: Rows, keep_cache: bool) -> Pass:
+    """One forward of the batch on the wrapped Hugging Face model, capturing every listed
+    module's output at every position, the logit differences at the read positions and,
+    with `keep_cache`, the cache of keys and values."""
+    named = dict(hf.named_modules())
+    outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in modules}
+    handles = [
+        named[name].register_forward_hook(
+            lambda m, a, o, into=outputs[kind]: into.append(first_tensor(o).detach())
+        )
+        for kind, names in modules.items()
+        for name in names
+    ]
+    try:
+        out = hf(
+            input_ids=rows.ids, attention_mask=rows.mask, use_cache=keep_cache, return_dict=True
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    every = torch.arange(rows.ids.shape[0], device=rows.ids.device)
+    cache = out.get(_cache_key(hf)) if keep_cache else None
+    return Pass(outputs, rows.diff(out.logits[every, rows.read], every), cache)
+
+
+def patched_grids(
+    hf: nn.Module, sites: Sites, rows: Rows, clean: Pass, corrupted: Pass
+) -> dict[str, torch.Tensor]:
+    """Each site kind's (N, layers, positions) patched logit differences (positions past a
+    row's read hold the corrupted one: the caller marks them)."""
+    return _Grid(hf, sites, rows, clean, corrupted).run()
+
+
+# A cell to run: (position, site kind, layer index, row, position index).
+_Cell = tuple[int, str, int, int, int]
+
+
+class _Grid:
+    def __init__(self, hf: nn.Module, sites: Sites, rows: Rows, clean: Pass, corrupted: Pass):
+        self.hf, self.sites, self.rows = hf, sites, rows
+        self.clean, self.corrupted = clean, corrupted
+        self.named = dict(hf.named_modules())
+        self.unembeds_reads = "logits_to_keep" in inspect.signature(hf.forward).parameters
+        self.cache_key = _cache_key(hf)
+        self.end = int(rows.read.max()) + 1  # the batch's last read: nothing after it is run
+
+    def run(self) -> dict[str, torch.Tensor]:
+        out, cells = self._known()
+        by_position: dict[int, list[_Cell]] = defaultdict(list)
+        for cell in cells:
+            by_position[cell[0]].append(cell)
+        step = self.sites.rows_per_pass
+        for position in sorted(by_position):
+            group = by_position[position]
+            for start in range(0, len(group), step):
+                chunk = group[start : start + step]
+                diffs = self._pass(position, chunk).tolist()
+                for (_, kind, layer, row, j), value in zip(chunk, diffs, strict=True):
+                    out[kind][row, layer, j] = value
+        return out
+
+    def _known(self) -> tuple[dict[str, torch.Tensor], list[_Cell]]:
+        """The grids filled where the outcome is known without a pass (the corrupted
+        difference, or the clean one at the exact-1 cell), and the cells left to run."""
+        rows = self.rows
+        where = torch.tensor(self.sites.positions, device=rows.ids.device)
+        at_read = where[None, :] == rows.read[:, None]  # (N, P)
+        inside = where[None, :] <= rows.read[:, None]
+        out: dict[str, torch.Tensor] = {}
+        cells: list[_Cell] = []
+        for kind, names in self.sites.modules.items():
+            grid = self.corrupted.diff[:, None, None].repeat(1, len(names), len(where))
+            for layer in range(len(names)):
+                was = self.corrupted.outputs[kind][layer][:, where]
+                now = self.clean.outputs[kind][layer][:, where].to(was.dtype)
+                run = inside & ~(now == was).flatten(2).all(-1)
+                if layer == self.sites.last.get(kind):
+                    run &= at_read
+                    if kind == "resid" and self.sites.own_clean:
+                        cells_here = grid[:, layer]
+                        clean = self.clean.diff[:, None].expand_as(cells_here)
+                        cells_here[at_read] = clean[at_read]
+                        continue
+                for row, j in run.nonzero().tolist():
+                    cells.append((self.sites.positions[j], kind, layer, row, j))
+            out[kind] = grid
+        return out, cells
+
+    def _pass(self, position: int, chunk: list[_Cell]) -> torch.Tensor:
+        """The patched logit differences of `chunk` (cells at one position), one forward of
+        the corrupted rows resumed at `position`."""
+        rows = self.rows
+        device = rows.ids.device
+        which = torch.tensor([c[3] for c in chunk], device=device)
+        cache = _prefix(self.corrupted.cache, which, position)
+        start = position if cache is not None else 0
+        handles = []
+        by_site: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, (_, kind, layer, _, _) in enumerate(chunk):
+            by_site[(kind, layer)].append(i)
+        for (kind, layer), mine in by_site.items():
+            at = torch.tensor(mine, device=device)
+            values = self.clean.outputs[kind][layer][which[at], position]
+            hook = _replacing(at, position - start, values)
+            name = self.sites.modules[kind][layer]
+            handles.append(self.named[name].register_forward_hook(hook))
+        read = rows.read[which] - start
+        extra: dict[str, Any] = {self.cache_key: cache}
+        if self.unembeds_reads:
+            keep = torch.unique(read)  # sorted: searchsorted finds each read's column
+            extra["logits_to_keep"] = keep
+            read = torch.searchsorted(keep, read)
+        try:
+            out = self.hf(
+                input_ids=rows.ids[which, start : self.end],
+                attention_mask=rows.mask[which, : self.end],
+                use_cache=cache is not None,
+                return_dict=True,
+                **extra,
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        every = torch.arange(len(chunk), device=device)
+        return rows.diff(out.logits[every, read], which)
+
+
+def _cache_key(hf: nn.Module) -> str:
+    """The name a model's forward and output give the cache of keys and values:
+    `past_key_values`, or `cache` from transformers 5.24 on."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def _replacing(rows: torch.Tensor, position: int, values: torch.Tensor) -> Callable:
+    """A forward hook that puts `values` at (rows, position) of the module's output."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        tensor = first_tensor(output).clone()
+        tensor[rows, position] = values.to(tensor.dtype)
+        if isinstance(output, (tuple, list)):
+            return type(output)((tensor, *output[1:]))
+        return tensor
+
+    return hook
+
+
+def _prefix(cache: Any, which: torch.Tensor, length: int) -> Any:
+    """A cache of the first `length` positions of the rows `which` of `cache`, or None where
+    there is nothing to resume from (length 0) or the cache is not plain per-layer keys and
+    values (then the pass runs from position 0)."""
+    layers = getattr(cache, "layers", None)
+    if length == 0 or not layers:
+        return None
+    plain = type(layers[0]).__name__ == "DynamicLayer"
+    same = all(type(layer) is type(layers[0]) for layer in layers)
+    if not plain or not same or not all(getattr(x, "keys", None) is not None for x in layers):
+        return None
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in layers:
+        mine = copy.copy(layer)
+        mine.keys = layer.keys[which, :, :length]
+        mine.values = layer.values[which, :, :length]
+        out.layers.append(mine)
+    return out
