@@ -13,7 +13,10 @@
   refuses a folder that needs the folder's own Python code (an `auto_map`, an unknown
   `model_type`).
 
-Attention is always `eager` (deterministic, and its probabilities are a module's output).
+`model.attention`: eager (the default: its probabilities are a module's output, and every
+family has it) | sdpa (torch's fused scaled_dot_product_attention: the same numbers to float
+rounding, faster; experiment=lm_cache uses it). A run with `at: pattern` sites switches an
+sdpa model to eager for that run and says so (engine/pattern.py).
 transformers is an optional extra (`pip install hookrun[hf]`), imported only here, on use.
 """
 
@@ -53,6 +56,7 @@ CLASSES = {
     "sequence_classification": "AutoModelForSequenceClassification",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION = ("eager", "sdpa")
 EOS = "<|endoftext|>"
 BYTE_TOKENIZER = "bytes: the 256 byte tokens (id = byte value) and <|endoftext|> (id 256)"
 # What save_pretrained writes for the weights, in the order they are preferred.
@@ -91,6 +95,8 @@ def _check_choices(cfg: ModelConfig) -> None:
         raise HookrunError(f"model.class: {cfg.class_!r}; valid: {', '.join(CLASSES)}")
     if cfg.dtype not in DTYPES:
         raise HookrunError(f"model.dtype: {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
+    if cfg.attention not in ATTENTION:
+        raise HookrunError(f"model.attention: {cfg.attention!r}; valid: {', '.join(ATTENTION)}")
     if cfg.path is not None and cfg.config is not None:
         raise HookrunError(
             "model.config: set together with model.path; valid: one of them (a folder, or a "
@@ -277,12 +283,29 @@ def _prepared(cfg: ModelConfig) -> tuple[Any, Any, Any]:
     tokenizer = load_tokenizer(cfg)
     config = _config(cfg, tokenizer)
     auto = _auto_class(cfg, config)
+    _check_attention(cfg, auto, config)
     _check_vocab(cfg, getattr(config, "vocab_size", None), tokenizer)
     if cfg.class_ == "sequence_classification" and config.pad_token_id is None:
         # GPT-2-style classifiers find each row's last token by the pad id.
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
     return tokenizer, config, auto
+
+
+def _check_attention(cfg: ModelConfig, auto: Any, config: Any) -> None:
+    """model.attention=sdpa on an architecture transformers has no sdpa for: refused."""
+    if cfg.attention != "sdpa":
+        return
+    mapping = getattr(auto, "_model_mapping", None)
+    try:
+        cls = mapping[type(config)] if mapping is not None else None
+    except KeyError:  # a remote-code model: its class is known only when loaded
+        cls = None
+    if cls is not None and not getattr(cls, "_supports_sdpa", False):
+        raise HookrunError(
+            f"model.attention: sdpa: transformers has no sdpa attention for {cls.__name__}; "
+            "valid: eager"
+        )
 
 
 def check_hf(cfg: ModelConfig) -> None:
@@ -303,7 +326,7 @@ def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
     tokenizer, config, auto = _prepared(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.path is None:
-        model = auto.from_config(config, attn_implementation="eager").to(dtype)
+        model = auto.from_config(config, attn_implementation=cfg.attention).to(dtype)
         return LanguageModel(model.eval(), tokenizer, cfg.class_), None
     folder = _model_folder(cfg)
     weights = weights_file(folder)
@@ -315,7 +338,7 @@ def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=weights is not None and ".safetensors" in weights.name,
             weights_only=True,
-            attn_implementation="eager",
+            attn_implementation=cfg.attention,
             output_loading_info=True,
             **{_dtype_key(): dtype},
         )

@@ -223,6 +223,7 @@ _HF_KEYS = {
     "tokenizer": None,
     "class_": "causal_lm",
     "dtype": "float32",
+    "attention": "eager",
     "trust_remote_code": False,
 }
 _CLASS = re.compile(r"\bclass_\b")

@@ -24,6 +24,7 @@ from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.models.weights import sha256_of
+from hookrun.patching.resume import HEADS
 
 __all__ = ["StoredClean", "open_clean"]
 
@@ -74,14 +75,15 @@ def open_clean(path_text: str, modules: dict[str, list[str]], tokens: Any, rows:
     with layout.open_readonly(path) as f:
         for kind, names in modules.items():
             records[kind] = []
+            site = "input" if kind == HEADS else "output"  # heads: the output projection's
             for name in names:
                 # A module returning a tuple (attention) has its first tensor as output_0.
-                both = [layout.capture_key(name, "output", n_tensors=n) for n in (1, 2)]
+                both = [layout.capture_key(name, site, n_tensors=n) for n in (1, 2)]
                 key = next((k for k in both if k in f), None)
                 if key is None:
                     raise HookrunError(
                         f"{_KEY}: {path} has no /{both[0]} for the {kind} grid; valid: a run "
-                        "that captured every patched module's output at every position"
+                        f"that captured every patched module's {site} at every position"
                     )
                 records[kind].append(key)
         for keys in records.values():

@@ -12,18 +12,15 @@ from hookrun.typed import Frozen, check_range, freeze, parse_typed
 
 __all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching", "chosen_layers"]
 
-# resid: each block's output; attn: each attention module's output; mlp: each MLP's output.
-SITE_KINDS = ("resid", "attn", "mlp")
-_HEADS = (
-    "patching.sites: heads: per-head attention outputs are not built (they need a hook on "
-    "the input of each attention's output projection, split by head); valid: "
-    + ", ".join(SITE_KINDS)
-)
+# resid: each block's output; attn: each attention module's output; mlp: each MLP's output;
+# heads: each attention head's output (its slice of the output projection's input).
+SITE_KINDS = ("resid", "attn", "mlp", "heads")
 
 
 @dataclass
 class PatchingConfig(Frozen):
-    # Site kinds patched, each a grid of its own: resid | attn | mlp.
+    # Site kinds patched, each a grid of its own: resid | attn | mlp | heads (a grid of
+    # layers × heads × positions).
     sites: list[str] = field(default_factory=lambda: ["resid"])
     # Positions patched: all (every position of the padded rows; past a row's last real
     # token its cells are NaN) or a list of positions (0-based, inside every row).
@@ -48,8 +45,6 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
     if not config.sites:
         raise HookrunError(f"patching.sites: []; valid: any of {', '.join(SITE_KINDS)}")
     for i, kind in enumerate(config.sites):
-        if kind == "heads":
-            raise HookrunError(_HEADS)
         if kind not in SITE_KINDS:
             hint = nearest(str(kind), list(SITE_KINDS), n=1)
             did = f" (did you mean '{hint[0]}'?)" if hint else ""

@@ -36,26 +36,31 @@ from hookrun.io import layout
 from hookrun.memory import format_bytes
 from hookrun.patching.clean import StoredClean, open_clean
 from hookrun.patching.config import PatchingConfig, chosen_layers
-from hookrun.patching.resume import Pass, Rows, Sites, patched_grids, record
+from hookrun.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
 
 # Module name patterns per site kind ({} = the layer), by the families' `model_type`.
+# `heads` names the attention's output projection: its input is the heads' outputs side by
+# side (resume.py patches one head's slice).
 _LLAMA = {
     "resid": "model.layers.{}",
     "attn": "model.layers.{}.self_attn",
     "mlp": "model.layers.{}.mlp",
+    "heads": "model.layers.{}.self_attn.o_proj",
 }
 ARCHITECTURES: dict[str, dict[str, str]] = {
     "gpt2": {
         "resid": "transformer.h.{}",
         "attn": "transformer.h.{}.attn",
         "mlp": "transformer.h.{}.mlp",
+        "heads": "transformer.h.{}.attn.c_proj",
     },
     "gpt_neox": {
         "resid": "gpt_neox.layers.{}",
         "attn": "gpt_neox.layers.{}.attention",
         "mlp": "gpt_neox.layers.{}.mlp",
+        "heads": "gpt_neox.layers.{}.attention.dense",
     },
     **{family: _LLAMA for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")},
 }
@@ -75,6 +80,7 @@ class PatchingGrid:
     rows_per_pass: int  # rows of one patched forward pass (cells at one position)
     row_bytes: int  # the estimate rows_per_pass is made from (per row of a pass)
     clean: StoredClean | None = None  # patching.clean: the clean run read from a file
+    heads: int = 1  # the model's attention heads (a `heads` grid has a row per head)
 
     @property
     def layers(self) -> int:
@@ -82,7 +88,6 @@ class PatchingGrid:
 
     def stored(self) -> dict[str, Stored]:
         """Every dataset patching writes: per-sample shape and attributes."""
-        grid = (self.layers, len(self.positions))
         out = {
             layout.patching_key(layout.PATCHING_CLEAN): Stored((), {}),
             layout.patching_key(layout.PATCHING_CORRUPTED): Stored((), {}),
@@ -92,6 +97,9 @@ class PatchingGrid:
                 "layers": np.array(names, dtype=h5py.string_dtype()),
                 "positions": self.positions,
             }
+            grid = (self.layers, len(self.positions))
+            if kind == HEADS:
+                grid, attrs["heads"] = (self.layers, self.heads, len(self.positions)), self.heads
             out[layout.patching_key(kind)] = Stored(grid, attrs)
             out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = Stored(grid, attrs)
         return out
@@ -150,7 +158,12 @@ class PatchingGrid:
                 clean = record(hf, self.modules, replace(rows, ids=inputs[:, 0]), False)
             corrupted = record(hf, self.modules, rows, True)
             sites = Sites(
-                self.modules, self.last, self.positions, self.rows_per_pass, self.clean is None
+                self.modules,
+                self.last,
+                self.positions,
+                self.rows_per_pass,
+                self.clean is None,
+                self.heads,
             )
             grids = patched_grids(hf, sites, rows, clean, corrupted)
         return self._records(grids, clean.diff, corrupted.diff, inputs[:, 1].sum(1))
@@ -164,22 +177,18 @@ class PatchingGrid:
             layout.patching_key(layout.PATCHING_CLEAN): clean,
             layout.patching_key(layout.PATCHING_CORRUPTED): corrupted,
         }
-        past = self._past_rows(lengths)
+        positions = torch.tensor(self.positions, device=lengths.device)
+        past_row = positions[None, :] >= lengths[:, None]  # (N, P): no token there
         gap = clean - corrupted
         for kind, patched in grids.items():
             patched = patched.clone()  # out of inference mode
-            patched[past] = torch.nan
-            score = (patched - corrupted[:, None, None]) / gap[:, None, None]
-            score[(gap == 0)[:, None, None].expand_as(score)] = torch.nan
+            per_row = (-1,) + (1,) * (patched.dim() - 1)  # (N, 1, …) against (N, L, [H,] P)
+            patched[past_row.view(len(lengths), *per_row[2:], -1).expand_as(patched)] = torch.nan
+            score = (patched - corrupted.view(per_row)) / gap.view(per_row)
+            score[(gap == 0).view(per_row).expand_as(score)] = torch.nan
             out[layout.patching_key(kind)] = score
             out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = patched
         return {k: v.float().cpu().numpy() for k, v in out.items()}
-
-    def _past_rows(self, lengths: torch.Tensor) -> torch.Tensor:
-        """(N, L, P) bool: the cells at positions past each row's last real token."""
-        positions = torch.tensor(self.positions, device=lengths.device)
-        past = positions[None, :] >= lengths[:, None]
-        return past[:, None, :].expand(-1, self.layers, -1)
 
 
 def _site_modules(config: PatchingConfig, model: nn.Module) -> tuple[dict, dict]:
@@ -272,9 +281,10 @@ def plan_patching(
     row_bytes = 4 * length * (int(cfg.vocab_size) + 12 * width + heads * length)
     rows_per_pass = config.batch_size or max(1, config.memory_mib * 2**20 // row_bytes)
     clean = open_clean(config.clean, modules, tokens, rows) if config.clean else None
-    return PatchingGrid(
+    grid = PatchingGrid(
         config, modules, last, positions, counterfactual, wrong, rows_per_pass, row_bytes, clean
     )
+    return replace(grid, heads=heads)
 
 
 def stored_shapes(grid: PatchingGrid | None) -> Mapping[str, tuple[int, ...]]:

@@ -20,6 +20,10 @@ scores exactly 0 and 1:
 - positions past a row's read: no token there (the grid stores NaN).
 A model whose cache is not plain per-layer keys and values (sliding windows, older
 transformers) runs each patched pass from position 0 instead: the same cells, more work.
+
+The `heads` site kind patches one attention head: its slice of the input of the attention's
+output projection (the heads' outputs concatenated, before they are mixed), read and
+replaced by forward pre-hooks; its cells are (layer, head, position).
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Rows", "Pass", "Sites", "record", "patched_grids", "first_tensor"]
+__all__ = ["Rows", "Pass", "Sites", "record", "patched_grids", "first_tensor", "HEADS"]
+
+# The site kind whose values are a module's input (the output projection's), split by head.
+HEADS = "heads"
 
 
 def first_tensor(output: Any) -> torch.Tensor:
@@ -64,8 +71,9 @@ class Rows:
 
 @dataclass
 class Pass:
-    """What one pass gave: each patched module's output (N, T, D) per site kind and layer,
-    the logit differences (N,), and its cache of keys and values (None: not kept)."""
+    """What one pass gave: each patched module's output (its input for `heads`), (N, T, D)
+    per site kind and layer, the logit differences (N,), and its cache of keys and values
+    (None: not kept)."""
 
     outputs: dict[str, list[torch.Tensor]]
     diff: torch.Tensor
@@ -76,29 +84,37 @@ class Pass:
 class Sites:
     """What the grid patches: each site kind's module per layer patched, the index in that
     list of the model's last block (None when it is not patched), the positions patched,
-    rows per patched pass, and whether the clean values are the run's own (bit-exact, not
-    read back from a file: the exact-1 cell holds)."""
+    rows per patched pass, whether the clean values are the run's own (bit-exact, not read
+    back from a file: the exact-1 cell holds), and the model's attention heads."""
 
     modules: dict[str, list[str]]
     last: dict[str, int | None]
     positions: list[int]
     rows_per_pass: int
     own_clean: bool = True
+    heads: int = 1
+
+    def units(self, kind: str) -> int:
+        """Cells per (layer, position) of a site kind: one per head for `heads`."""
+        return self.heads if kind == HEADS else 1
 
 
 def record(hf: nn.Module, modules: dict[str, list[str]], rows: Rows, keep_cache: bool) -> Pass:
     """One forward of the batch on the wrapped Hugging Face model, capturing every listed
-    module's output at every position, the logit differences at the read positions and,
-    with `keep_cache`, the cache of keys and values."""
+    module's output (input for `heads`) at every position, the logit differences at the read
+    positions and, with `keep_cache`, the cache of keys and values."""
     named = dict(hf.named_modules())
     outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in modules}
-    handles = [
-        named[name].register_forward_hook(
-            lambda m, a, o, into=outputs[kind]: into.append(first_tensor(o).detach())
-        )
-        for kind, names in modules.items()
-        for name in names
-    ]
+    handles = []
+    for kind, names in modules.items():
+        into = outputs[kind]
+        for name in names:
+            if kind == HEADS:
+                hook = lambda m, a, into=into: into.append(first_tensor(a).detach())  # noqa: E731
+                handles.append(named[name].register_forward_pre_hook(hook))
+            else:
+                hook = lambda m, a, o, into=into: into.append(first_tensor(o).detach())  # noqa: E731
+                handles.append(named[name].register_forward_hook(hook))
     try:
         out = hf(
             input_ids=rows.ids, attention_mask=rows.mask, use_cache=keep_cache, return_dict=True
@@ -114,13 +130,14 @@ def record(hf: nn.Module, modules: dict[str, list[str]], rows: Rows, keep_cache:
 def patched_grids(
     hf: nn.Module, sites: Sites, rows: Rows, clean: Pass, corrupted: Pass
 ) -> dict[str, torch.Tensor]:
-    """Each site kind's (N, layers, positions) patched logit differences (positions past a
-    row's read hold the corrupted one: the caller marks them)."""
+    """Each site kind's (N, layers, positions) patched logit differences, (N, layers,
+    heads, positions) for `heads` (positions past a row's read hold the corrupted one: the
+    caller marks them)."""
     return _Grid(hf, sites, rows, clean, corrupted).run()
 
 
-# A cell to run: (position, site kind, layer index, row, position index).
-_Cell = tuple[int, str, int, int, int]
+# A cell to run: (position, site kind, layer index, unit (head, or 0), row, position index).
+_Cell = tuple[int, str, int, int, int, int]
 
 
 class _Grid:
@@ -143,13 +160,14 @@ class _Grid:
             for start in range(0, len(group), step):
                 chunk = group[start : start + step]
                 diffs = self._pass(position, chunk).tolist()
-                for (_, kind, layer, row, j), value in zip(chunk, diffs, strict=True):
-                    out[kind][row, layer, j] = value
-        return out
+                for (_, kind, layer, unit, row, j), value in zip(chunk, diffs, strict=True):
+                    out[kind][row, layer, unit, j] = value
+        return {kind: grid if kind == HEADS else grid[:, :, 0] for kind, grid in out.items()}
 
     def _known(self) -> tuple[dict[str, torch.Tensor], list[_Cell]]:
-        """The grids filled where the outcome is known without a pass (the corrupted
-        difference, or the clean one at the exact-1 cell), and the cells left to run."""
+        """The grids, (N, layers, units, positions), filled where the outcome is known
+        without a pass (the corrupted difference, or the clean one at the exact-1 cell), and
+        the cells left to run."""
         rows = self.rows
         where = torch.tensor(self.sites.positions, device=rows.ids.device)
         at_read = where[None, :] == rows.read[:, None]  # (N, P)
@@ -157,20 +175,22 @@ class _Grid:
         out: dict[str, torch.Tensor] = {}
         cells: list[_Cell] = []
         for kind, names in self.sites.modules.items():
-            grid = self.corrupted.diff[:, None, None].repeat(1, len(names), len(where))
+            units = self.sites.units(kind)
+            grid = self.corrupted.diff[:, None, None, None].repeat(1, len(names), units, len(where))
             for layer in range(len(names)):
                 was = self.corrupted.outputs[kind][layer][:, where]
                 now = self.clean.outputs[kind][layer][:, where].to(was.dtype)
-                run = inside & ~(now == was).flatten(2).all(-1)
+                same = (now == was).unflatten(2, (units, -1)).all(-1)  # (N, P, units)
+                run = inside[:, :, None] & ~same
                 if layer == self.sites.last.get(kind):
-                    run &= at_read
+                    run &= at_read[:, :, None]
                     if kind == "resid" and self.sites.own_clean:
-                        cells_here = grid[:, layer]
+                        cells_here = grid[:, layer, 0]
                         clean = self.clean.diff[:, None].expand_as(cells_here)
                         cells_here[at_read] = clean[at_read]
                         continue
-                for row, j in run.nonzero().tolist():
-                    cells.append((self.sites.positions[j], kind, layer, row, j))
+                for row, j, unit in run.nonzero().tolist():
+                    cells.append((self.sites.positions[j], kind, layer, unit, row, j))
             out[kind] = grid
         return out, cells
 
@@ -179,19 +199,24 @@ class _Grid:
         the corrupted rows resumed at `position`."""
         rows = self.rows
         device = rows.ids.device
-        which = torch.tensor([c[3] for c in chunk], device=device)
+        which = torch.tensor([c[4] for c in chunk], device=device)
         cache = _prefix(self.corrupted.cache, which, position)
         start = position if cache is not None else 0
         handles = []
         by_site: dict[tuple[str, int], list[int]] = defaultdict(list)
-        for i, (_, kind, layer, _, _) in enumerate(chunk):
+        for i, (_, kind, layer, _, _, _) in enumerate(chunk):
             by_site[(kind, layer)].append(i)
         for (kind, layer), mine in by_site.items():
             at = torch.tensor(mine, device=device)
             values = self.clean.outputs[kind][layer][which[at], position]
-            hook = _replacing(at, position - start, values)
-            name = self.sites.modules[kind][layer]
-            handles.append(self.named[name].register_forward_hook(hook))
+            module = self.named[self.sites.modules[kind][layer]]
+            if kind == HEADS:
+                units = torch.tensor([chunk[i][3] for i in mine], device=device)
+                hook = _replacing_heads(at, position - start, values, (units, self.sites.heads))
+                handles.append(module.register_forward_pre_hook(hook))
+            else:
+                hook = _replacing(at, position - start, values)
+                handles.append(module.register_forward_hook(hook))
         read = rows.read[which] - start
         extra: dict[str, Any] = {self.cache_key: cache}
         if self.unembeds_reads:
@@ -228,6 +253,24 @@ def _replacing(rows: torch.Tensor, position: int, values: torch.Tensor) -> Calla
         if isinstance(output, (tuple, list)):
             return type(output)((tensor, *output[1:]))
         return tensor
+
+    return hook
+
+
+def _replacing_heads(
+    rows: torch.Tensor, position: int, values: torch.Tensor, heads: tuple[torch.Tensor, int]
+) -> Callable:
+    """A forward pre-hook that puts, in each of `rows`, its head's slice of `values` at
+    `position` of the module's input; `heads` = (each row's head, the head count)."""
+    which, count = heads
+
+    def hook(module: nn.Module, args: Any) -> Any:
+        tensor = first_tensor(args).clone()
+        split = tensor.unflatten(-1, (count, -1))  # a view: (rows, T, heads, head width)
+        split[rows, position, which] = values.unflatten(-1, (count, -1))[
+            torch.arange(len(rows), device=rows.device), which
+        ].to(tensor.dtype)
+        return (tensor, *args[1:])
 
     return hook
 

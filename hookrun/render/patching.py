@@ -54,11 +54,19 @@ def render_patching(f: h5py.File, out_dir: Path, config: dict) -> list[Path]:
         scores = read_floats(ds)
         names, positions = layout.read_patching(ds)
         labels = _labels(f, positions, config)
+        if scores.ndim == 4:  # heads: (N, layers, heads, positions), a row per head
+            names = [f"{name} h{h}" for name in names for h in range(scores.shape[2])]
+            scores = scores.reshape(scores.shape[0], len(names), scores.shape[3])
         with warnings.catch_warnings():  # a cell past every row's tokens: NaN, not a warning
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(scores, axis=0)
         fig, axes = plt.subplots(
-            2, 1, figsize=(max(6, 0.35 * len(labels) + 3), 2 + 0.8 * len(names))
+            2,
+            1,
+            figsize=(
+                max(6, 0.35 * len(labels) + 3),
+                2 + min(0.8, 6 / len(names) + 0.12) * len(names),
+            ),
         )
         first = int(f[layout.SAMPLES_INDEX][0])
         for ax, grid, title in (

@@ -115,6 +115,8 @@ class ModelConfig(Frozen):
     class_: str = "causal_lm"
     # float32 | bfloat16 | float16
     dtype: str = "float32"
+    # eager | sdpa: the attention implementation (hookrun/models/hf.py says which to pick).
+    attention: str = "eager"
     # Run Python code a model folder ships (auto_map); refused unless true.
     trust_remote_code: bool = False
 

@@ -12,7 +12,8 @@ hookrun/models/checkpoints/tiny_lm/ where this checkout has it, else a seeded ra
 (2 layers, d=192, 4 heads, vocab 4096, n_positions 128) with a byte-level BPE trained by the
 `tokenizers` library on the corpus — and a corpus of Python standard-library docstrings (on
 every machine), one document per line, packed into rows of 128 tokens. Every variant runs
-the same model weights (its own copy, eager attention, as hookrun loads it) on `--rows` rows
+the same model weights (its own copy, sdpa attention: transformers' default and what
+experiment=lm_cache loads; TransformerLens switches its copy to eager itself) on `--rows` rows
 in batches of 32 and writes every block's output for every token as float16 to a new .h5 file:
 
 - hookrun: `hookrun.run([experiment=lm_cache, model=hf, model.path=…, dataset=text, …,
@@ -145,7 +146,7 @@ def load_hf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, attn_implementation="eager"
+        str(path), local_files_only=True, attn_implementation="sdpa"
     )
     return model.eval(), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

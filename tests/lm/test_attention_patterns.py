@@ -150,6 +150,33 @@ def test_a_fused_attention_model_is_switched_to_eager_and_the_plan_says_so(tmp_p
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def test_model_attention_sdpa_with_a_pattern_site_runs_eager_and_says_so(tmp_path):
+    """model=hf model.attention=sdpa (as experiment=lm_cache loads): a pattern site switches
+    the run to eager, the plan says so, and the patterns are the model's own."""
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+    overrides = [
+        "model=hf",
+        f"model.path={tmp_path / 'lm'}",
+        "model.attention=sdpa",
+        "dataset=prompts",
+        f"dataset.path={data}",
+        "render=false",
+        "progress=false",
+        "++hooks.attn.select.name=transformer.h.1.attn",
+        "++hooks.attn.at=pattern",
+        "++hooks.attn.action=capture",
+    ]
+    result = run_config(tmp_path / "run", overrides)
+    assert "switched to eager attention" in result.plan_text
+    with h5py.File(result.path) as f:
+        rows, stored = _rows(f), f["captures/transformer.h.1.attn/pattern"][:]
+    for n, ids in enumerate(rows):
+        expected = _hf_attentions(model, ids)[1][0]
+        got = torch.from_numpy(stored[n, :, : len(ids), : len(ids)])
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("select", "extra", "match"),
     [

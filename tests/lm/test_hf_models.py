@@ -131,6 +131,28 @@ def test_right_padded_batch_equals_rows_run_one_at_a_time(model_type):
 
 
 @pytest.mark.parametrize("model_type", list(SMALL))
+def test_sdpa_attention_gives_the_eager_models_numbers(model_type):
+    """model.attention=sdpa loads torch's fused attention: the same weights (seeded alike)
+    give the eager model's outputs and block outputs on a right-padded batch, to float
+    rounding."""
+    eager, fused = _built(model_type), _built(model_type, "model.attention=sdpa")
+    assert eager.hf.config._attn_implementation == "eager"
+    assert fused.hf.config._attn_implementation == "sdpa"
+    x = _batch([16, 9, 5], reads=[15, 8, 2], pad=256)
+    seen: dict[str, torch.Tensor] = {}
+    for name, lm in (("eager", eager), ("sdpa", fused)):
+        block = dict(lm.named_modules())[BLOCK[model_type]]
+        handle = block.register_forward_hook(lambda m, i, o, k=name: seen.__setitem__(k, o))
+        with torch.no_grad():
+            seen[name + " output"] = lm(x)
+        handle.remove()
+    torch.testing.assert_close(seen["sdpa output"], seen["eager output"], atol=1e-5, rtol=0)
+    for i, n in enumerate([16, 9, 5]):  # the real positions (padding's rows may differ)
+        got, want = _tensor(seen["sdpa"])[i, :n], _tensor(seen["eager"])[i, :n]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", list(SMALL))
 def test_module_names_and_state_dict_keys_are_the_hf_models(model_type):
     lm = _built(model_type)
     assert [n for n, _ in lm.named_modules()] == [n for n, _ in lm.hf.named_modules()]
@@ -353,6 +375,7 @@ def test_bad_values_are_refused_naming_the_key():
     msg = _refused([config, "model.class=masked_lm"], "model.class")
     assert "valid: causal_lm, base, sequence_classification" in msg
     assert "bfloat16" in _refused([config, "model.dtype=int8"], "model.dtype")
+    assert "valid: eager, sdpa" in _refused([config, "model.attention=flash"], "model.attention")
     small = _config_arg("gpt2").replace(f"vocab_size: {V}", "vocab_size: 100")
     assert " 100 is below the tokenizer's 257" in _refused([small], "model.config.vocab_size")
     msg = _refused([_config_arg("gpt2").replace("gpt2", "gtp2", 1)], "model.config.model_type")

@@ -30,18 +30,22 @@ MODULES = {
         "resid": "transformer.h.{}",
         "attn": "transformer.h.{}.attn",
         "mlp": "transformer.h.{}.mlp",
+        "heads": "transformer.h.{}.attn.c_proj",
     },
     "llama": {
         "resid": "model.layers.{}",
         "attn": "model.layers.{}.self_attn",
         "mlp": "model.layers.{}.mlp",
+        "heads": "model.layers.{}.self_attn.o_proj",
     },
     "gpt_neox": {
         "resid": "gpt_neox.layers.{}",
         "attn": "gpt_neox.layers.{}.attention",
         "mlp": "gpt_neox.layers.{}.mlp",
+        "heads": "gpt_neox.layers.{}.attention.dense",
     },
 }
+HEADS = 2  # lm_models' configs: 2 attention heads
 
 
 def _prompts(path, rows=ROWS):
@@ -67,9 +71,21 @@ def _first_tensor(output):
 
 def _hand_diff(model, ids, answers, patch=None) -> float:
     """logit(answer) − logit(counterfactual answer) at the last token of `ids` run alone;
-    `patch` = (module, position, value): that module's output there replaced by `value`."""
+    `patch` = (module, position, value[, head]): that module's output there replaced by
+    `value`, or with a head, that head's slice of the module's input (the output projection)."""
     handle = None
-    if patch is not None:
+    if patch is not None and len(patch) == 4:
+        module, position, value, head = patch
+        width = value.shape[-1] // HEADS
+        part = slice(head * width, (head + 1) * width)
+
+        def pre(m, args):
+            tensor = args[0].clone()
+            tensor[0, position, part] = value[part]
+            return (tensor, *args[1:])
+
+        handle = module.register_forward_pre_hook(pre)
+    elif patch is not None:
         module, position, value = patch
 
         def hook(m, a, output):
@@ -87,11 +103,13 @@ def _hand_diff(model, ids, answers, patch=None) -> float:
     return float(logits[answers[0]] - logits[answers[1]])
 
 
-def _hand_outputs(model, ids, modules) -> list[torch.Tensor]:
-    """Each module's output (T, D) on `ids` run alone."""
+def _hand_outputs(model, ids, modules, inputs=False) -> list[torch.Tensor]:
+    """Each module's output (T, D) on `ids` run alone (its input with `inputs`)."""
     seen: list[torch.Tensor] = []
     handles = [
-        m.register_forward_hook(lambda m, a, o: seen.append(_first_tensor(o)[0].detach()))
+        m.register_forward_pre_hook(lambda m, a: seen.append(a[0][0].detach()))
+        if inputs
+        else m.register_forward_hook(lambda m, a, o: seen.append(_first_tensor(o)[0].detach()))
         for m in modules
     ]
     try:
@@ -104,23 +122,28 @@ def _hand_outputs(model, ids, modules) -> list[torch.Tensor]:
 
 
 def _hand_grid(model, tok, row, kind_pattern) -> tuple[float, float, np.ndarray]:
-    """Clean and corrupted logit differences and the (layers, length) patched ones of one row,
-    one forward per cell."""
+    """Clean and corrupted logit differences and the (layers, length) patched ones of one row
+    ((layers, heads, length) for the heads' output projections), one forward per cell."""
     prompt, answer, counterfactual, wrong = row
     clean_ids, corrupt_ids = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
     answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
     named = dict(model.named_modules())
     modules = [named[kind_pattern.format(i)] for i in range(2)]
-    clean_out = _hand_outputs(model, clean_ids, modules)
-    patched = np.array(
-        [
-            [
-                _hand_diff(model, corrupt_ids, answers, (modules[layer], p, clean_out[layer][p]))
-                for p in range(len(clean_ids))
-            ]
-            for layer in range(2)
-        ]
-    )
+    heads = kind_pattern.endswith(("c_proj", "o_proj", "dense"))
+    clean_out = _hand_outputs(model, clean_ids, modules, inputs=heads)
+
+    def cell(layer, p, *head):
+        return _hand_diff(
+            model, corrupt_ids, answers, (modules[layer], p, clean_out[layer][p], *head)
+        )
+
+    positions = range(len(clean_ids))
+    if heads:
+        patched = np.array(
+            [[[cell(layer, p, h) for p in positions] for h in range(HEADS)] for layer in range(2)]
+        )
+    else:
+        patched = np.array([[cell(layer, p) for p in positions] for layer in range(2)])
     clean = _hand_diff(model, clean_ids, answers)
     return clean, _hand_diff(model, corrupt_ids, answers), patched
 
@@ -130,30 +153,33 @@ def test_the_grid_equals_a_hand_hook_loop_cell_by_cell(tmp_path, family):
     model, _ = save_lm(tmp_path / "lm", family)
     tok = tokenizer()
     data = _prompts(tmp_path / "prompts.jsonl")
-    # 7 rows per patched forward with batches of 2: a position's cells of 3 kinds × 2 layers
-    # × 2 rows split across passes.
-    args = _args(tmp_path / "lm", data, "patching.batch_size=7")
+    # 7 rows per patched forward with batches of 2: a position's cells of 4 kinds × 2 layers
+    # (× 2 heads) × 2 rows split across passes.
+    args = _args(
+        tmp_path / "lm", data, "patching.batch_size=7", "patching.sites=[resid,attn,mlp,heads]"
+    )
     with h5py.File(run_config(tmp_path / "run", args).path) as f:
         stored = {k: f[f"patching/{k}"][:] for k in f["patching"] if not k.startswith("layer")}
         layers = [str(x) for x in f["patching/resid"].attrs["layers"]]
         assert f["patching"].attrs["corrupted"] == "counterfactual"
     assert layers == [MODULES[family]["resid"].format(i) for i in range(2)]
     assert stored["resid"].shape == (3, 2, 14) and stored["clean"].shape == (3,)
+    assert stored["heads"].shape == (3, 2, HEADS, 14)
     for kind, pattern in MODULES[family].items():
         for r, row in enumerate(ROWS):
             clean, corrupted, patched = _hand_grid(model, tok, row, pattern)
-            length = patched.shape[1]
+            length = patched.shape[-1]
             np.testing.assert_allclose(stored["clean"][r], clean, atol=1e-5)
             np.testing.assert_allclose(stored["corrupted"][r], corrupted, atol=1e-5)
             got = stored[f"{kind}_logit_diff"][r]
-            np.testing.assert_allclose(got[:, :length], patched, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(got[..., :length], patched, atol=1e-5, rtol=0)
             # The score divides by clean − corrupted (1e-3 in a random model's rows): compared
             # times it, the logit differences' 1e-5.
             gap = clean - corrupted
             score = (patched - corrupted) / gap
-            np.testing.assert_allclose(stored[kind][r][:, :length] * gap, score * gap, atol=2e-5)
-            assert np.isnan(stored[kind][r][:, length:]).all()  # past the row's tokens
-            assert np.isnan(got[:, length:]).all()
+            np.testing.assert_allclose(stored[kind][r][..., :length] * gap, score * gap, atol=2e-5)
+            assert np.isnan(stored[kind][r][..., length:]).all()  # past the row's tokens
+            assert np.isnan(got[..., length:]).all()
 
 
 def test_a_sliding_window_model_runs_its_patched_passes_from_the_start(tmp_path, monkeypatch):
@@ -167,12 +193,13 @@ def test_a_sliding_window_model_runs_its_patched_passes_from_the_start(tmp_path,
     model, _ = save_lm(tmp_path / "lm", "mistral")
     tok = tokenizer()
     data = _prompts(tmp_path / "prompts.jsonl")
-    with h5py.File(run_config(tmp_path / "run", _args(tmp_path / "lm", data)).path) as f:
+    args = _args(tmp_path / "lm", data, "patching.sites=[resid,attn,mlp,heads]")
+    with h5py.File(run_config(tmp_path / "run", args).path) as f:
         stored = {k: f[f"patching/{k}_logit_diff"][:] for k in MODULES["llama"]}
     for kind, pattern in MODULES["llama"].items():
         for r, row in enumerate(ROWS):
             _, _, patched = _hand_grid(model, tok, row, pattern)
-            got = stored[kind][r][:, : patched.shape[1]]
+            got = stored[kind][r][..., : patched.shape[-1]]
             np.testing.assert_allclose(got, patched, atol=1e-5, rtol=0)
 
 
@@ -184,18 +211,18 @@ def test_the_endpoints_that_hold_exactly(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     tok = tokenizer()
     data = _prompts(tmp_path / "prompts.jsonl")
-    args = _args(tmp_path / "lm", data)
+    args = _args(tmp_path / "lm", data, "patching.sites=[resid,attn,mlp,heads]")
     with h5py.File(run_config(tmp_path / "run", args).path) as f:
-        grids = {k: f[f"patching/{k}"][:] for k in ("resid", "attn", "mlp")}
+        grids = {k: f[f"patching/{k}"][:] for k in ("resid", "attn", "mlp", "heads")}
     for r, (prompt, _, counterfactual, _) in enumerate(ROWS):
         clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
         first = next(i for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)) if a != b)
         read = len(clean) - 1
         assert first > 0
         assert grids["resid"][r, -1, read] == 1.0
-        assert (grids["resid"][r, -1, :read] == 0).all()
         for kind, grid in grids.items():
-            assert (grid[r, :, :first] == 0).all(), kind
+            assert (grid[r, -1, ..., :read] == 0).all(), kind  # nothing after the last block
+            assert (grid[r, :, ..., :first] == 0).all(), kind
 
 
 def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
@@ -253,25 +280,34 @@ def _clean_run(folder, lm, data, regex=r"transformer\.h\.\d+(\.attn|\.mlp)?") ->
         f"dataset.path={data}",
         "sink.dtype=float32",
         f"hooks.resid.select.regex='{regex}'",
+        # heads: the input of each attention's output projection
+        r"++hooks.heads.select.regex='transformer\.h\.\d+\.attn\.c_proj'",
+        "++hooks.heads.at=input",
+        "++hooks.heads.action=capture",
         "render=false",
     ]
     return str(run_config(folder, args).path)
 
 
 def test_a_stored_clean_run_gives_the_one_run_grid(tmp_path):
-    """Clean and corrupted as two jobs (patching.clean=FILE): the same grid, every kind."""
+    """Clean and corrupted as two jobs (patching.clean=FILE): the same grid, every kind (heads
+    read from the output projections' captured inputs)."""
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "prompts.jsonl")
     clean = _clean_run(tmp_path / "clean", tmp_path / "lm", data)
-    one = run_config(tmp_path / "one", _args(tmp_path / "lm", data)).path
-    two = run_config(tmp_path / "two", _args(tmp_path / "lm", data, f"patching.clean={clean}")).path
+    every = "patching.sites=[resid,attn,mlp,heads]"
+    one = run_config(tmp_path / "one", _args(tmp_path / "lm", data, every)).path
+    two = run_config(
+        tmp_path / "two", _args(tmp_path / "lm", data, every, f"patching.clean={clean}")
+    ).path
     with h5py.File(one) as a, h5py.File(two) as b:
-        gap = (a["patching/clean"][:] - a["patching/corrupted"][:])[:, None, None]
-        for key in ("clean", "corrupted", *(f"{k}_logit_diff" for k in ("resid", "attn", "mlp"))):
+        gap = a["patching/clean"][:] - a["patching/corrupted"][:]
+        for key in ("clean", "corrupted", *(f"{k}_logit_diff" for k in MODULES["gpt2"])):
             np.testing.assert_allclose(b[f"patching/{key}"][:], a[f"patching/{key}"][:], atol=1e-5)
-        for key in ("resid", "attn", "mlp"):  # scores times the gap: the logit differences' 1e-5
-            got, want = b[f"patching/{key}"][:] * gap, a[f"patching/{key}"][:] * gap
-            np.testing.assert_allclose(got, want, atol=2e-5)
+        for key in MODULES["gpt2"]:  # scores times the gap: the logit differences' 1e-5
+            got, want = b[f"patching/{key}"][:], a[f"patching/{key}"][:]
+            per_row = gap.reshape(-1, *(1,) * (got.ndim - 1))
+            np.testing.assert_allclose(got * per_row, want * per_row, atol=2e-5)
         assert b["patching"].attrs["clean_file"] == str(Path(clean).resolve())
         assert len(b["patching"].attrs["clean_sha256"]) == 64
 
@@ -305,11 +341,6 @@ def test_a_stored_clean_run_that_does_not_fit_is_refused_before_any_work(tmp_pat
         ),
         ([], [ROWS[0], ROWS[1][:2]], "prompts.jsonl:2 has no 'counterfactual'"),
         (["patching.sites=[resid,blocks]"], ROWS, "patching.sites[1]: 'blocks'"),
-        (
-            ["patching.sites=[heads]"],
-            ROWS,
-            "patching.sites: heads: per-head attention outputs are not built",
-        ),
         (["patching.positions=[2,8]"], ROWS, "patching.positions: 8 is past the row at"),
         (["patching.positions=[-1]"], ROWS, "patching.positions: [-1]"),
         (["patching.layer=2"], ROWS, "patching.layer: 2 is past the model's 2 layers"),
