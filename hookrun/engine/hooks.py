@@ -257,6 +257,11 @@ def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[Non
     modules = dict(model.named_modules())
     try:
         with ExitStack() as stack:
+            embeddings = _token_embeddings(model) if plan.needs_backward else None
+            if embeddings is not None:
+                # Token ids have no gradient: the graph starts at the embeddings' output
+                # (first, so the plan's own hooks there see a tensor that has one).
+                handles.append(embeddings.register_forward_hook(_graph_start, prepend=True))
             if plan.needs_calls:
                 words = resolve_words(list(plan.words), "select.function")
                 weights = weights_of(model, list(plan.weighted))
@@ -276,12 +281,25 @@ def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[Non
         handles.clear()
 
 
+def _token_embeddings(model: nn.Module) -> nn.Module | None:
+    """A language model's input embeddings (LanguageModel.hf), where gradients start."""
+    wrapped = getattr(model, "hf", None)
+    find = getattr(wrapped, "get_input_embeddings", None)
+    return find() if callable(find) else None
+
+
+def _graph_start(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embeddings' output as a leaf that requires grad: parameters are frozen for the
+    run, so this is what makes a graph exist on token data."""
+    return output.detach().requires_grad_(True) if torch.is_grad_enabled() else output
+
+
 def prepare_input(plan: HookPlan, recorder: Recorder, batch: torch.Tensor) -> torch.Tensor:
     """The model-input pseudo-layer: its `output` actions, and its gradient hook."""
     batch = _forward_site(
         INPUT_LAYER, Site.output, plan.at(INPUT_LAYER, Site.output), recorder, batch, 0
     )
-    if plan.needs_backward:
+    if plan.needs_backward and batch.is_floating_point():  # token ids: _graph_start
         # Parameters are frozen for the run, so the input is what makes a graph exist.
         batch = batch.detach().requires_grad_(True)
         on_grad = plan.at(INPUT_LAYER, Site.grad_output)
@@ -296,6 +314,10 @@ def run_mode(model: nn.Module) -> Iterator[None]:
     is put back on exit exactly as it was."""
     training = {name: m.training for name, m in model.named_modules()}
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    # A LanguageModel's wrapped root is not one of its modules (its children are), but
+    # eval() reaches it: its flag is kept beside theirs.
+    wrapped = getattr(model, "hf", None)
+    wrapped_training = wrapped.training if isinstance(wrapped, nn.Module) else None
     try:
         model.eval()
         for p in model.parameters():
@@ -304,5 +326,7 @@ def run_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for name, m in model.named_modules():
             m.training = training[name]
+        if wrapped_training is not None:
+            wrapped.training = wrapped_training
         for name, p in model.named_parameters():
             p.requires_grad_(grads[name])

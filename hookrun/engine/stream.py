@@ -49,6 +49,8 @@ class RowFacts:
     # `args.positions` and, where rows are padded, to /samples/mask.
     tokens: bool = False
     padded: bool = False
+    # target.kind=logit_diff: each dataset row's counterfactual answer token (by index).
+    against: torch.Tensor | None = None
 
 
 class BatchStep:
@@ -86,7 +88,7 @@ class BatchStep:
                 with timer.stage("forward"):
                     inputs = prepare_input(plan, recorder, inputs)
                     output = model_logits(self.model(inputs))
-                    targets = choose_targets(output, self.target, labels)
+                    targets = choose_targets(output, self.target, labels, self._against(index))
                     seed = backward_seed(output, targets, self.target.kind)
                 with timer.stage("backward"):
                     self._backward(seed)
@@ -94,12 +96,14 @@ class BatchStep:
             with torch.inference_mode(), timer.stage("forward"):
                 inputs = prepare_input(plan, recorder, inputs)
                 output = model_logits(self.model(inputs))
-                targets = choose_targets(output, self.target, labels)
+                targets = choose_targets(output, self.target, labels, self._against(index))
         recorder.record(layout.MODEL_OUTPUT, output)
         self.targets = targets
         records = dict(recorder.records)
         records[layout.SAMPLES_INDEX] = index.to(torch.int64)
-        records[layout.SAMPLES_TARGET] = targets
+        records[layout.SAMPLES_TARGET] = targets if targets.dim() == 1 else targets[:, 0]
+        if targets.dim() == 2:  # logit_diff: the token whose logit is subtracted
+            records[layout.SAMPLES_COUNTER_TARGET] = targets[:, 1]
         if self.facts.labelled:
             records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
         files = self.facts.files
@@ -112,6 +116,11 @@ class BatchStep:
             if self.facts.padded:
                 records[layout.SAMPLES_MASK] = host[:, 1].to(torch.bool)
         return records
+
+    def _against(self, index: torch.Tensor) -> torch.Tensor | None:
+        """The batch's counterfactual answers (target.kind=logit_diff), None otherwise."""
+        against = self.facts.against
+        return None if against is None else against[index.cpu()]
 
     def context(self) -> BatchContext:
         """The last batch, as a derived method with passes of its own sees it."""
@@ -225,7 +234,10 @@ def stream(run: Prepared) -> int:
     recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
     tokens = token_rows(run.data)
     padded = bool(getattr(tokens, "padded", False))
-    facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded)
+    against = None
+    if spec.target.kind == TargetKind.logit_diff:  # every row has one (engine/tokencheck.py)
+        against = torch.tensor([int(t) for t in tokens.counterfactual_answer], dtype=torch.int64)
+    facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded, against)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
     options = SinkOptions(

@@ -1,23 +1,34 @@
-"""What the backward pass starts from: one class per sample, or the sum of all outputs.
+"""What the backward pass starts from: one class per sample, the difference of two, or the
+sum of all outputs.
 
 The model's output is read as (N, K) — any trailing axes are flattened — so `target.index`
-and labels are positions in that flattened output.
+and labels are positions in that flattened output. Targets are (N,) int64, one class per
+sample; for target.kind=logit_diff (N, 2): the answer and the counterfactual answer, whose
+logit difference is the score.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from hookrun.errors import HookrunError
 from hookrun.spec.schema import TargetConfig, TargetKind
 
-__all__ = ["NO_TARGET", "check_target", "choose_targets", "target_scores", "backward_seed"]
+__all__ = [
+    "NO_TARGET",
+    "check_target",
+    "choose_targets",
+    "target_scores",
+    "backward_seed",
+    "repeat_targets",
+]
 
 # Kinds whose target is each row's label: a class, or a language model's token (the token
 # data puts a text row's next token or a prompt's answer token there).
-_FROM_LABELS = (TargetKind.label, TargetKind.next_token, TargetKind.answer)
+_FROM_LABELS = (TargetKind.label, TargetKind.next_token, TargetKind.answer, TargetKind.logit_diff)
 
 # Stored in /samples/target when the backward pass starts from no single class (sum, none).
 NO_TARGET = -1
@@ -39,11 +50,14 @@ def check_target(target: TargetConfig, output_shape: tuple[int, ...], has_labels
 
 
 def choose_targets(
-    output: torch.Tensor, target: TargetConfig, labels: torch.Tensor
+    output: torch.Tensor, target: TargetConfig, labels: torch.Tensor, against: Any = None
 ) -> torch.Tensor:
-    """The class index each sample's backward pass starts from, as int64 (N,)."""
+    """The class index each sample's backward pass starts from, as int64 (N,); (N, 2) for
+    logit_diff, the labels beside `against` (each row's counterfactual answer)."""
     flat = output.detach().reshape(output.shape[0], -1)
     n, classes = flat.shape
+    if target.kind == TargetKind.logit_diff:
+        labels = torch.stack([labels.to(torch.int64).cpu(), torch.as_tensor(against).cpu()], 1)
     if target.kind == TargetKind.predicted:
         return flat.argmax(dim=1).cpu()
     if target.kind == TargetKind.index:
@@ -60,12 +74,20 @@ def choose_targets(
     return torch.full((n,), NO_TARGET, dtype=torch.int64)
 
 
+def repeat_targets(targets: torch.Tensor, times: int) -> torch.Tensor:
+    """`targets` for `times` copies of the batch stacked (copy-major), whatever their kind."""
+    return targets.repeat(times, *(1,) * (targets.dim() - 1))
+
+
 def target_scores(output: torch.Tensor, targets: torch.Tensor, kind: TargetKind) -> torch.Tensor:
     """Each sample's score (N,) whose gradient is explained: its target logit, or the sum
     of its outputs for target.kind=sum."""
     flat = output.reshape(output.shape[0], -1)
     if kind == TargetKind.sum:
         return flat.sum(dim=1)
+    if kind == TargetKind.logit_diff:
+        picked = flat.gather(1, targets.to(flat.device))
+        return picked[:, 0] - picked[:, 1]
     return flat.gather(1, targets.to(flat.device).unsqueeze(1)).squeeze(1)
 
 

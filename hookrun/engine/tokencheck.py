@@ -30,7 +30,11 @@ _GRADIENT_HINT = (
     "on the embeddings' output, e.g. select: {name: transformer.wte}, at: grad_output"
 )
 # The data kind whose rows carry each language-model target's token.
-_TARGET_DATA = {TargetKind.next_token: "text", TargetKind.answer: "prompts"}
+_TARGET_DATA = {
+    TargetKind.next_token: "text",
+    TargetKind.answer: "prompts",
+    TargetKind.logit_diff: "prompts",
+}
 
 
 def _shortest(data: Dataset, tokens: Any) -> int:
@@ -52,6 +56,18 @@ def _check_targets(spec: RunSpec, tokens: Any) -> None:
             f"this run reads {have}; valid here: "
             + ", ".join(k.value for k in TargetKind if k not in _TARGET_DATA)
         )
+    if kind == TargetKind.logit_diff:
+        against = tokens.counterfactual_answer or [None] * len(tokens.sources)
+        for row, token in enumerate(against):
+            missing = "counterfactual_answer" if token is None else None
+            missing = "answer" if int(tokens.labels[row]) < 0 else missing
+            if missing:
+                name, line = tokens.sources[row]
+                raise HookrunError(
+                    f"target.kind: logit_diff needs each row's answer and counterfactual_answer;"
+                    f" dataset.path: {name}:{line} has no '{missing}'; valid: rows {{prompt, "
+                    "answer, counterfactual_answer}, or target.kind=answer"
+                )
 
 
 def check_token_run(

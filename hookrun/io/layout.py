@@ -29,7 +29,8 @@ from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
 
 __all__ = [
     "CHUNK_BYTES", "CAPTURES", "SAMPLES", "DERIVED", "SAMPLES_INDEX", "SAMPLES_LABEL",
-    "SAMPLES_TARGET", "SAMPLES_PATH", "SAMPLES_TOKENS", "SAMPLES_MASK", "SAMPLES_LINE",
+    "SAMPLES_TARGET", "SAMPLES_COUNTER_TARGET", "SAMPLES_PATH", "SAMPLES_TOKENS",
+    "SAMPLES_MASK", "SAMPLES_LINE",
     "mark_bfloat16", "is_bfloat16", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
     "Provenance", "FileState", "PER_BATCH", "FOLDED", "per_batch", "folded", "rows_for",
     "rows_note", "copy_attrs", "capture_key", "derived_key", "LOGIT_LENS", "gap_key",
@@ -49,6 +50,8 @@ LOGIT_LENS = "logit_lens"  # methods/lens.py: derived/logit_lens/{top_ids,top_pr
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
+# target.kind=logit_diff: the token whose logit is subtracted (the counterfactual answer).
+SAMPLES_COUNTER_TARGET = "samples/counterfactual_target"
 SAMPLES_PATH = "samples/path"
 SAMPLES_TOKENS = "samples/tokens"  # token ids (N, T) of token data
 SAMPLES_MASK = "samples/mask"  # (N, T) bool, True at real tokens, when rows are padded

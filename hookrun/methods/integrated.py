@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torchvision.transforms.functional import gaussian_blur
 
+from hookrun.engine.targets import repeat_targets
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.memory import check_fits
@@ -152,7 +153,7 @@ class IntegratedGradients(Method):
             total.index_add_(0, sample, grad * weights[step].view(-1, *ones))
         attribution = diff * total
         with torch.no_grad():
-            f = batch.score(batch.model(torch.cat([x, base])), batch.targets.repeat(2))
+            f = batch.score(batch.model(torch.cat([x, base])), repeat_targets(batch.targets, 2))
         gap = attribution.flatten(1).sum(1) - (f[:n] - f[n:])
         return {
             layout.derived_key(self.name, "input"): attribution.float().cpu(),

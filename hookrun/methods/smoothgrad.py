@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hookrun.engine.targets import repeat_targets
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.methods.gradients import check_rows_per_pass, input_gradient, rows_per_pass
@@ -77,6 +78,7 @@ class SmoothGrad(Method):
                 ]
             )
             points = (x + sd * noise).flatten(0, 1)  # (count · N, ...), draw-major
-            grad = input_gradient(batch, points, batch.targets.repeat(count)).view(count, *x.shape)
+            targets = repeat_targets(batch.targets, count)
+            grad = input_gradient(batch, points, targets).view(count, *x.shape)
             total += (grad * grad if args.squared else grad).sum(0)
         return {key: (total / args.samples).float().cpu()}

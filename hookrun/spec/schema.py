@@ -67,6 +67,9 @@ class TargetKind(str, Enum):
     # position (dataset.read), or the first token of a prompt's answer — the row's label.
     next_token = "next_token"
     answer = "answer"
+    # logit(answer) − logit(counterfactual_answer) of a prompt (dataset=prompts rows with both):
+    # /samples/target holds the answer, /samples/counterfactual_target the other token.
+    logit_diff = "logit_diff"
 
 
 class StoreDtype(str, Enum):

@@ -1,0 +1,123 @@
+"""Gradients on language models: token ids have no gradient, so a gradient site's graph starts
+at the input embeddings' output (the hint token data's refusals give). A `grad_output`
+capture there equals hand-written autograd of the target's score on the same Hugging Face
+model, for target.kind answer and logit_diff (logit(answer) − logit(counterfactual_answer)),
+GPT-2 and Llama; the model leaves the run as it came."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import run_config
+from lm_models import save_lm, tokenizer, write_jsonl
+
+import hookrun
+from hookrun.errors import HookrunError
+
+ROWS = [
+    {
+        "prompt": "The cat sat on the",
+        "answer": " mat",
+        "counterfactual": "The dog sat on the",
+        "counterfactual_answer": " cat",
+    },
+    {"prompt": "A quick brown fox jumps over", "answer": " the", "counterfactual_answer": " a"},
+    {"prompt": "def add(a, b):", "answer": " return", "counterfactual_answer": " pass"},
+]
+EMBEDDINGS = {"gpt2": "transformer.wte", "llama": "model.embed_tokens"}
+
+
+def _args(folder, data, kind: str, family: str) -> list[str]:
+    return [
+        "model=hf",
+        f"model.path={folder}",
+        "dataset=prompts",
+        f"dataset.path={data}",
+        f"target.kind={kind}",
+        "batch_size=2",
+        "render=false",
+        f"++hooks.g.select.name={EMBEDDINGS[family]}",
+        "++hooks.g.at=grad_output",
+        "++hooks.g.action=capture",
+    ]
+
+
+def _hand_gradient(model, family: str, row: dict, kind: str) -> np.ndarray:
+    """∂ score / ∂ (the embeddings' output) of one prompt run alone: score = the answer's
+    logit at the last token, minus the counterfactual answer's for logit_diff."""
+    tok = tokenizer()
+    ids = torch.tensor([tok(row["prompt"])["input_ids"]])
+    embed = dict(model.named_modules())[EMBEDDINGS[family]]
+    leaf = embed(ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=leaf, use_cache=False).logits[0, -1]
+    answer = tok(row["answer"])["input_ids"][0]
+    score = logits[answer]
+    if kind == "logit_diff":
+        score = score - logits[tok(row["counterfactual_answer"])["input_ids"][0]]
+    score.backward()
+    return leaf.grad[0].numpy()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["answer", "logit_diff"])
+def test_an_embedding_gradient_equals_hand_autograd(tmp_path, family, kind):
+    model, _ = save_lm(tmp_path / "lm", family)
+    data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+    with h5py.File(
+        run_config(tmp_path / "run", _args(tmp_path / "lm", data, kind, family)).path
+    ) as f:
+        grads = f[f"captures/{EMBEDDINGS[family]}/grad_output"][:]
+        mask, target = f["samples/mask"][:], f["samples/target"][:]
+        against = f["samples/counterfactual_target"][:] if kind == "logit_diff" else None
+    tok = tokenizer()
+    for r, row in enumerate(ROWS):
+        assert target[r] == tok(row["answer"])["input_ids"][0]
+        if against is not None:
+            assert against[r] == tok(row["counterfactual_answer"])["input_ids"][0]
+        want = _hand_gradient(model, family, row, kind)
+        got = grads[r][mask[r]]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert np.abs(want).max() > 1e-4  # a gradient that says something
+
+
+def test_a_callers_model_in_train_mode_leaves_the_gradient_run_as_it_came(tmp_path):
+    from transformers import AutoTokenizer
+
+    from hookrun.models.language import LanguageModel
+
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+    lm = LanguageModel(model, AutoTokenizer.from_pretrained(tmp_path / "lm")).train()
+    flags = {n: p.requires_grad for n, p in lm.named_parameters()}
+    hookrun.run(
+        _args(tmp_path / "lm", data, "logit_diff", "gpt2"), model=lm, run_dir=tmp_path / "r"
+    )
+    assert {n: p.requires_grad for n, p in lm.named_parameters()} == flags
+    # In train mode as it came: the wrapper, the wrapped root (not one of its modules) and
+    # every module.
+    assert lm.training and model.training and all(m.training for m in lm.modules())
+    for name, module in lm.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
+    assert not model.transformer.wte._forward_hooks
+
+
+def test_logit_diff_is_refused_without_a_counterfactual_answer_or_on_text(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    rows = [ROWS[0], {"prompt": "A quick brown fox", "answer": " jumps"}]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "a", _args(tmp_path / "lm", data, "logit_diff", "gpt2"))
+    said = str(err.value)
+    assert said.startswith("target.kind: logit_diff") and "prompts.jsonl:2" in said, said
+    assert "'counterfactual_answer'" in said and "\n" not in said
+    text = tmp_path / "corpus.txt"
+    text.write_text("one line of text\nanother line of text\n", encoding="utf-8")
+    args = [*_args(tmp_path / "lm", text, "logit_diff", "gpt2")]
+    args[2] = "dataset=text"
+    args.append("dataset.context=8")
+    with pytest.raises(HookrunError, match=r"^target.kind: logit_diff reads .* dataset=prompts"):
+        run_config(tmp_path / "b", args)
+    assert not (tmp_path / "a" / "captures.h5").exists()
+    assert not (tmp_path / "b" / "captures.h5").exists()
