@@ -47,7 +47,7 @@ from hookrun.io.stored import stored_record
 from hookrun.methods.layouts import axis_facts
 from hookrun.methods.registry import Derivation, plan_derivations
 from hookrun.models.hf import load_tokenizer
-from hookrun.models.language import LanguageModel
+from hookrun.models.language import LanguageModel, explained_sample
 from hookrun.models.sources import build_model, model_label
 from hookrun.patching.grid import PatchingGrid, plan_patching
 from hookrun.scale import distributed
@@ -224,7 +224,10 @@ def _prepare(
         hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data))
     sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
     with run_mode(model):
-        derivations = plan_derivations(spec.derive, set(plan.capture_shapes(shapes)), model, sample)
+        explained = explained_sample(model, sample)
+        derivations = plan_derivations(
+            spec.derive, set(plan.capture_shapes(shapes)), model, sample, explained
+        )
     itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
     kind = spec.target.kind.value
     header = replace(

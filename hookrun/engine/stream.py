@@ -125,13 +125,22 @@ class BatchStep:
     def context(self) -> BatchContext:
         """The last batch, as a derived method with passes of its own sees it."""
         kind, recorder, device = self.target.kind, self.recorder, self.device
+        model, inputs = self.model, self.inputs
+        points, forward = None, None
+        embed = getattr(model, "embed", None)  # a LanguageModel: gradients explain embeddings
+        if self.facts.tokens and callable(embed):
+            with torch.no_grad():
+                points = embed(inputs)
+            forward = lambda p, sample: model.from_embeddings(p, inputs[sample])  # noqa: E731
         return BatchContext(
-            model=self.model,
-            inputs=self.inputs,
+            model=model,
+            inputs=inputs,
             # A clone: targets chosen under inference_mode cannot take part in autograd.
             targets=self.targets.clone().to(device),
             score=lambda output, targets: target_scores(output, targets, kind),
             generator=lambda name: recorder.generator(name, "input", device),
+            points=points,
+            forward=forward,
         )
 
     def _backward(self, seed: torch.Tensor) -> None:

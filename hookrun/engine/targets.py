@@ -23,7 +23,6 @@ __all__ = [
     "choose_targets",
     "target_scores",
     "backward_seed",
-    "repeat_targets",
 ]
 
 # Kinds whose target is each row's label: a class, or a language model's token (the token
@@ -72,11 +71,6 @@ def choose_targets(
             )
         return labels.to(torch.int64).cpu()
     return torch.full((n,), NO_TARGET, dtype=torch.int64)
-
-
-def repeat_targets(targets: torch.Tensor, times: int) -> torch.Tensor:
-    """`targets` for `times` copies of the batch stacked (copy-major), whatever their kind."""
-    return targets.repeat(times, *(1,) * (targets.dim() - 1))
 
 
 def target_scores(output: torch.Tensor, targets: torch.Tensor, kind: TargetKind) -> torch.Tensor:

@@ -20,14 +20,13 @@ def check_rows_per_pass(key: str, value: int | None) -> None:
         )
 
 
-def input_gradient(
-    batch: BatchContext, points: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """∂ score(model(points))_i / ∂ points_i for every row i (rows do not interact in eval
-    mode, so one backward from the sum gives each row its own gradient)."""
+def input_gradient(batch: BatchContext, points: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """∂ score(model(points))_i / ∂ points_i for every row i, row i standing for batch row
+    sample[i] (its target; rows do not interact in eval mode, so one backward from the sum
+    gives each row its own gradient)."""
     points = points.detach().requires_grad_(True)
     with torch.enable_grad():
-        score = batch.score(batch.model(points), targets)
+        score = batch.score(batch.run(points, sample), batch.targets[sample])
         (grad,) = torch.autograd.grad(score.sum(), points)
     return grad
 

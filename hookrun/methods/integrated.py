@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torchvision.transforms.functional import gaussian_blur
 
-from hookrun.engine.targets import repeat_targets
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.memory import check_fits
@@ -101,6 +100,8 @@ def _is_number(text: str) -> bool:
 class IntegratedGradients(Method):
     Args = IGArgs
     runs_passes = True
+    # On token data: the input embeddings (BatchContext.explained), results (N, T, D).
+    tokens_ok = explains_input = True
 
     @classmethod
     def check(cls, args: IGArgs, key: str) -> None:
@@ -137,7 +138,7 @@ class IntegratedGradients(Method):
         return {key: sample, layout.gap_key(self.name, "input"): ()}
 
     def passes(self, args: IGArgs, state: None, batch: BatchContext) -> dict[str, torch.Tensor]:
-        x = batch.inputs.detach()
+        x = batch.explained().detach()
         base = baseline_of(args.baseline, x)
         diff = x - base
         alphas, weights = (t.to(x.device, x.dtype) for t in quadrature(args.method, args.steps))
@@ -149,11 +150,12 @@ class IntegratedGradients(Method):
             index = torch.arange(start, min(start + rows, args.steps * n), device=x.device)
             step, sample = index // n, index % n
             points = base[sample] + alphas[step].view(-1, *ones) * diff[sample]
-            grad = input_gradient(batch, points, batch.targets[sample])
+            grad = input_gradient(batch, points, sample)
             total.index_add_(0, sample, grad * weights[step].view(-1, *ones))
         attribution = diff * total
         with torch.no_grad():
-            f = batch.score(batch.model(torch.cat([x, base])), repeat_targets(batch.targets, 2))
+            both = torch.arange(n, device=x.device).repeat(2)  # x's rows, then the baseline's
+            f = batch.score(batch.run(torch.cat([x, base]), both), batch.targets[both])
         gap = attribution.flatten(1).sum(1) - (f[:n] - f[n:])
         return {
             layout.derived_key(self.name, "input"): attribution.float().cpu(),

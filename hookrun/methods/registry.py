@@ -56,6 +56,21 @@ class BatchContext:
     score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     # name → a generator seeded by (run seed, name, the batch's first row).
     generator: Callable[[str], torch.Generator]
+    # What the gradient methods explain, when not `inputs`: a language model's input
+    # embeddings (N, T, D), whose rows `forward` runs (token ids have no gradient).
+    points: torch.Tensor | None = None
+    # (points, sample) → the model's output for rows of points, row i being a copy or a
+    # perturbation of batch row sample[i] (a language model reads that row's mask and read
+    # marker); None: model(points).
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def explained(self) -> torch.Tensor:
+        """The input the gradient methods explain (N, ...): the batch, or its embeddings."""
+        return self.inputs if self.points is None else self.points
+
+    def run(self, points: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        """The model on `points`, row i standing for batch row sample[i]."""
+        return self.model(points) if self.forward is None else self.forward(points, sample)
 
 
 class Method:
@@ -70,8 +85,11 @@ class Method:
     # True: `compute_batch` (the records and the batch → every result by path), not `compute`.
     reads_batch: ClassVar[bool] = False
     # True: the method means something on token data (a language model's input is token ids:
-    # gradient methods on the input are refused there, engine/tokencheck.py).
+    # other gradient methods on the input are refused there, engine/tokencheck.py).
     tokens_ok: ClassVar[bool] = False
+    # True: the method explains the model's input (BatchContext.explained): on token data it
+    # is prepared on, and stores results shaped like, the input embeddings (T, D).
+    explains_input: ClassVar[bool] = False
     # The experiment whose hooks capture what the method reads (named when they are missing).
     example: ClassVar[str] = "grad_cam"
 
@@ -128,6 +146,9 @@ class Derivation:
     method: Method
     args: Any
     state: Any = None
+    # The shape of what an `explains_input` method explains per sample, where it is not the
+    # model input's (a language model's embeddings, (T, D)).
+    explained: tuple[int, ...] | None = None
 
     @property
     def key(self) -> str:
@@ -136,21 +157,29 @@ class Derivation:
 
     def stored_shapes(self, sample: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """Per-sample shape of each dataset this derivation writes (`sample`: the input's)."""
-        return self.method.stored_shapes(self.args, self.state, self.key, sample)
+        shape = self.explained if self.explained is not None else sample
+        return self.method.stored_shapes(self.args, self.state, self.key, shape)
 
 
 def plan_derivations(
-    requests: Mapping[str, Any], capture_keys: set[str], model: nn.Module, sample: torch.Tensor
+    requests: Mapping[str, Any],
+    capture_keys: set[str],
+    model: nn.Module,
+    sample: torch.Tensor,
+    explained: torch.Tensor | None = None,
 ) -> list[Derivation]:
     """Each requested method (name → parsed Args) against the captures the plan makes; its
-    state prepared on the model."""
+    state prepared on the model, on `explained` (one sample of what the gradient methods
+    explain, when it is not `sample`: a language model's embeddings) for those methods."""
     out = []
     for name, args in requests.items():
         method = METHODS.get(name, f"derive.{name}")
         _check_captures(method, method.requires(args), capture_keys)
-        state = method.prepare(args, model, sample)
+        other = explained is not None and method.explains_input
+        state = method.prepare(args, model, explained if other else sample)
         _check_captures(method, method.requires_prepared(args, state), capture_keys)
-        out.append(Derivation(method, args, state))
+        shape = tuple(explained.shape) if other else None
+        out.append(Derivation(method, args, state, shape))
     return out
 
 

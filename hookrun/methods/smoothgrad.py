@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hookrun.engine.targets import repeat_targets
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.methods.gradients import check_rows_per_pass, input_gradient, rows_per_pass
@@ -40,6 +39,8 @@ class SmoothGradArgs(Frozen):
 class SmoothGrad(Method):
     Args = SmoothGradArgs
     runs_passes = True
+    # On token data: the input embeddings (BatchContext.explained), results (N, T, D).
+    tokens_ok = explains_input = True
 
     @classmethod
     def check(cls, args: SmoothGradArgs, key: str) -> None:
@@ -55,10 +56,11 @@ class SmoothGrad(Method):
     def passes(
         self, args: SmoothGradArgs, state: None, batch: BatchContext
     ) -> dict[str, torch.Tensor]:
-        x = batch.inputs.detach()
+        x = batch.explained().detach()
         key = layout.derived_key(self.name, "input")
+        every = torch.arange(len(x), device=x.device)
         if args.sigma == 0:  # no noise: every draw is the plain gradient, computed once
-            grad = input_gradient(batch, x, batch.targets)
+            grad = input_gradient(batch, x, every)
             return {key: (grad * grad if args.squared else grad).float().cpu()}
         n = len(x)
         flat = x.flatten(1)
@@ -78,7 +80,6 @@ class SmoothGrad(Method):
                 ]
             )
             points = (x + sd * noise).flatten(0, 1)  # (count · N, ...), draw-major
-            targets = repeat_targets(batch.targets, count)
-            grad = input_gradient(batch, points, targets).view(count, *x.shape)
+            grad = input_gradient(batch, points, every.repeat(count)).view(count, *x.shape)
             total += (grad * grad if args.squared else grad).sum(0)
         return {key: (total / args.samples).float().cpu()}

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-__all__ = ["LanguageModel", "OUTPUT_KINDS"]
+__all__ = ["LanguageModel", "OUTPUT_KINDS", "explained_sample"]
 
 # What forward returns for each `model.class`:
 #   causal_lm, masked_lm: the logits at the read position (N, V);
@@ -75,7 +75,20 @@ class LanguageModel(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, mask, read = x[:, 0], x[:, 1], x[:, 2]
+        return self._output(x, input_ids=x[:, 0])
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (N, T, D) of the token sample batch `x`: the input the
+        gradient methods explain (token ids have no gradient)."""
+        return self.hf.get_input_embeddings()(x[:, 0])
+
+    def from_embeddings(self, embeds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output for input embeddings `embeds` (N, T, D) in place of the token ids of
+        `x` (N, 3, T), whose mask and read marker it keeps."""
+        return self._output(x, inputs_embeds=embeds)
+
+    def _output(self, x: torch.Tensor, **given: torch.Tensor) -> torch.Tensor:
+        mask, read = x[:, 1], x[:, 2]
         position = read.argmax(dim=1)
         rows = torch.arange(x.shape[0], device=x.device)
         extra: dict[str, Any] = {}
@@ -83,9 +96,7 @@ class LanguageModel(nn.Module):
             keep = torch.unique(position)  # sorted: the read position's column in the kept
             extra["logits_to_keep"] = keep
             position = torch.searchsorted(keep, position)
-        out = self.hf(
-            input_ids=ids, attention_mask=mask, return_dict=True, use_cache=False, **extra
-        )
+        out = self.hf(attention_mask=mask, return_dict=True, use_cache=False, **given, **extra)
         if self.kind == "sequence_classification":
             return out.logits
         states = out.last_hidden_state if self.kind == "base" else out.logits
@@ -137,3 +148,12 @@ class _TokenNames(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self.size))]
         return f"token {i} {self.tokenizer.decode([i])!r}"
+
+
+def explained_sample(model: nn.Module, sample: torch.Tensor) -> torch.Tensor:
+    """What the gradient methods explain for one `sample` of the model's input: the sample
+    itself, or for a language model's token sample (3, T) its input embeddings (T, D)."""
+    if not isinstance(model, LanguageModel) or sample.is_floating_point():
+        return sample
+    with torch.no_grad():
+        return model.embed(sample[None].to(next(model.parameters()).device))[0].cpu()

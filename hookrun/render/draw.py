@@ -40,7 +40,7 @@ from hookrun.render.pictures import (
     seed_normalize,
     to_uint8,
 )
-from hookrun.render.tokens import render_tokens
+from hookrun.render.tokens import render_token_attributions, render_tokens
 
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -129,6 +129,7 @@ def render(
             for m, group in walk.derived_of(f).items()
             for layer, ds in group.items()
             if m != layout.LOGIT_LENS  # tables, not maps: drawn by render_lens
+            and not (layout.SAMPLES_TOKENS in f and layer == "input")  # render_tokens draws
         }
         features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
         names = _class_names(config)
@@ -178,6 +179,7 @@ def render(
                 pictures.append(_Picture(kind, row, target, pixels))
         evaluated = render_evaluation(f, out_dir, rows, config)
         evaluated += render_tokens(f, out_dir, rows, config)
+        evaluated += render_token_attributions(f, out_dir, rows, config)
         evaluated += render_lens(f, out_dir, rows, config)
         evaluated += render_patching(f, out_dir, config)
         evaluated += render_attention(f, out_dir, rows, config)

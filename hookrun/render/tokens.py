@@ -1,6 +1,8 @@
-"""The picture of a language-model run: for the first rows, the norm of each captured block
-output at each token (blocks × tokens, the tokens as the axis labels) — where the residual
-stream grows, and which tokens stand out."""
+"""The pictures of a language-model run, for the first rows, the tokens as the axis labels:
+the norm of each captured block output at each token (blocks × tokens) — where the residual
+stream grows, and which tokens stand out — and each gradient method's attribution per token
+(methods × tokens; integrated gradients summed over the embedding, so a row's cells add up
+to f(input) − f(baseline); other methods' L2 norm over it)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from hookrun.render.pictures import save_figure
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-__all__ = ["render_tokens"]
+__all__ = ["render_tokens", "render_token_attributions"]
 
 _ROWS = 3  # rows drawn, one panel each
 _TOKENS = 48  # tokens labelled per row at most (the first ones)
@@ -90,5 +92,50 @@ def render_tokens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[
         fig.colorbar(image, ax=ax, fraction=0.02)
     fig.tight_layout()
     target = out_dir / "residual_norms.png"
+    save_figure(fig, target)
+    return [target]
+
+
+def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list:
+    """`token_attributions.png` for a token file with derived input attributions (N, T, D);
+    [] otherwise."""
+    if layout.SAMPLES_TOKENS not in f or not rows:
+        return []
+    found = {
+        method: group["input"]
+        for method, group in walk.derived_of(f).items()
+        if "input" in group and group["input"].ndim == 3
+    }
+    if not found:
+        return []
+    ids = f[layout.SAMPLES_TOKENS]
+    shown = min(rows, _ROWS)
+    mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
+    fig, axes = plt.subplots(shown, 1, figsize=(12, 1.2 + 0.45 * len(found) * shown))
+    for row, ax in enumerate(np.atleast_1d(axes)):
+        length = min(int(mask[row].sum()) if mask is not None else ids.shape[1], _TOKENS)
+        cells = []
+        for method, ds in found.items():
+            value = read_floats(ds, row)[:length]
+            cells.append(
+                value.sum(-1)
+                if method == "integrated_gradients"
+                else np.linalg.norm(value, axis=-1)
+            )
+        # Each method on its own scale (its largest |value| = 1): their units differ.
+        grid = np.stack([c / (float(np.abs(c).max()) or 1.0) for c in cells])
+        image = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set_yticks(range(len(found)), list(found), fontsize=7)
+        ax.set_xticks(
+            range(length), _token_texts(config, ids[row][:length]), fontsize=6, rotation=90
+        )
+        ax.set_title(
+            f"row {int(f[layout.SAMPLES_INDEX][row])}: attribution per token, each method "
+            "scaled to its largest |value|",
+            fontsize=8,
+        )
+        fig.colorbar(image, ax=ax, fraction=0.02)
+    fig.tight_layout()
+    target = out_dir / "token_attributions.png"
     save_figure(fig, target)
     return [target]

@@ -115,7 +115,7 @@ def test_what_token_data_cannot_do_is_refused_naming_the_key(tmp_path):
             *base,
             "++hooks.blocks.args.positions=[0,9]",
         ],
-        "derive: integrated_gradients": [*base, "++derive.integrated_gradients={}"],
+        "derive: guided_grad_cam": [*base, "++derive.guided_grad_cam={layer: transformer.h.0}"],
         "target.kind: next_token": [*base, "target.kind=next_token"],
         "hooks.blocks.args.positions: 'middle'": [*base, "++hooks.blocks.args.positions=middle"],
     }
