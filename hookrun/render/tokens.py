@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,35 +67,18 @@ def render_tokens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[
     """`residual_norms.png` for a file of token rows with block outputs; [] otherwise."""
     if layout.SAMPLES_TOKENS not in f or not rows:
         return []
-    ids = f[layout.SAMPLES_TOKENS]
-    blocks = _blocks(f, ids.shape[1])
+    blocks = _blocks(f, f[layout.SAMPLES_TOKENS].shape[1])
     if not blocks:
         return []
-    shown = min(rows, _ROWS)
-    mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
-    fig, axes = plt.subplots(
-        shown, 1, figsize=(12, 1.2 + 0.45 * len(blocks) * shown), squeeze=False
-    )
-    for row, ax in enumerate(axes[:, 0]):
-        length = int(mask[row].sum()) if mask is not None else ids.shape[1]
-        length = min(length, _TOKENS)
-        norms = np.stack(
+
+    def norms(row: int, length: int) -> np.ndarray:
+        return np.stack(
             [np.linalg.norm(read_floats(ds, row)[:length], axis=-1) for ds in blocks.values()]
         )
-        image = ax.imshow(norms, aspect="auto", cmap="viridis")
-        ax.set_yticks(range(len(blocks)), list(blocks), fontsize=7)
-        ax.set_xticks(
-            range(length), _token_texts(config, ids[row][:length]), fontsize=6, rotation=90
-        )
-        ax.set_title(
-            f"row {int(f[layout.SAMPLES_INDEX][row])}: norm of each block's output per token",
-            fontsize=8,
-        )
-        fig.colorbar(image, ax=ax, fraction=0.02)
-    fig.tight_layout()
-    target = out_dir / "residual_norms.png"
-    save_figure(fig, target)
-    return [target]
+
+    said = "norm of each block's output per token"
+    picture = _Panels(list(blocks), norms, said, {"cmap": "viridis"})
+    return [picture.draw(f, out_dir / "residual_norms.png", rows, config)]
 
 
 def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list:
@@ -108,34 +93,48 @@ def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: di
     }
     if not found:
         return []
-    ids = f[layout.SAMPLES_TOKENS]
-    shown = min(rows, _ROWS)
-    mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
-    fig, axes = plt.subplots(shown, 1, figsize=(12, 1.2 + 0.45 * len(found) * shown))
-    for row, ax in enumerate(np.atleast_1d(axes)):
-        length = min(int(mask[row].sum()) if mask is not None else ids.shape[1], _TOKENS)
+
+    def per_token(row: int, length: int) -> np.ndarray:
         cells = []
         for method, ds in found.items():
             value = read_floats(ds, row)[:length]
-            cells.append(
-                value.sum(-1)
-                if method == "integrated_gradients"
-                else np.linalg.norm(value, axis=-1)
-            )
+            summed = method == "integrated_gradients"
+            cells.append(value.sum(-1) if summed else np.linalg.norm(value, axis=-1))
         # Each method on its own scale (its largest |value| = 1): their units differ.
-        grid = np.stack([c / (float(np.abs(c).max()) or 1.0) for c in cells])
-        image = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1)
-        ax.set_yticks(range(len(found)), list(found), fontsize=7)
-        ax.set_xticks(
-            range(length), _token_texts(config, ids[row][:length]), fontsize=6, rotation=90
-        )
-        ax.set_title(
-            f"row {int(f[layout.SAMPLES_INDEX][row])}: attribution per token, each method "
-            "scaled to its largest |value|",
-            fontsize=8,
-        )
-        fig.colorbar(image, ax=ax, fraction=0.02)
-    fig.tight_layout()
-    target = out_dir / "token_attributions.png"
-    save_figure(fig, target)
-    return [target]
+        return np.stack([c / (float(np.abs(c).max()) or 1.0) for c in cells])
+
+    said = "attribution per token, each method scaled to its largest |value|"
+    colours = {"cmap": "RdBu_r", "vmin": -1, "vmax": 1}
+    picture = _Panels(list(found), per_token, said, colours)
+    return [picture.draw(f, out_dir / "token_attributions.png", rows, config)]
+
+
+@dataclass(frozen=True)
+class _Panels:
+    """A picture of one panel per row of the first rows: `cells(row, length)` the (names,
+    tokens) grid of that row's first `length` real tokens, the tokens as the x labels."""
+
+    names: list[str]
+    cells: Callable[[int, int], np.ndarray]
+    title: str
+    colours: dict[str, Any]
+
+    def draw(self, f: h5py.File, target: Path, rows: int, config: dict) -> Path:
+        ids = f[layout.SAMPLES_TOKENS]
+        shown = min(rows, _ROWS)
+        mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
+        height = 1.2 + 0.45 * len(self.names) * shown
+        fig, axes = plt.subplots(shown, 1, figsize=(12, height), squeeze=False)
+        for row, ax in enumerate(axes[:, 0]):
+            length = int(mask[row].sum()) if mask is not None else ids.shape[1]
+            length = min(length, _TOKENS)
+            image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
+            ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
+            ax.set_xticks(
+                range(length), _token_texts(config, ids[row][:length]), fontsize=6, rotation=90
+            )
+            index = int(f[layout.SAMPLES_INDEX][row])
+            ax.set_title(f"row {index}: {self.title}", fontsize=8)
+            fig.colorbar(image, ax=ax, fraction=0.02)
+        fig.tight_layout()
+        return save_figure(fig, target)
