@@ -63,6 +63,8 @@ class Action:
     positions: Positions | None = None
     # `args.heads` at a pattern site (engine/pattern.py): the heads it acts on (None: all).
     heads: tuple[int, ...] | None = None
+    # `args.dtype` of a capture: the float its tensors are stored in (None: sink.dtype).
+    dtype: str | None = None
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -89,6 +91,8 @@ class Action:
             items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
         if self.heads is not None:
             items = ", ".join(filter(None, (items, f"heads={list(self.heads)}")))
+        if self.dtype is not None:
+            items = ", ".join(filter(None, (items, f"dtype={self.dtype}")))
         return f"{self.name}{{{items}}}" if items else self.name
 
 
@@ -258,9 +262,27 @@ def build_action(name: str, args: dict[str, Any], key: str) -> Action:
             "whole stored rows back; valid: no positions (patch the whole tensor)"
         )
     heads = parse_heads(args.pop("heads", None), f"{key}.args.heads")
+    dtype = _parse_dtype(args.pop("dtype", None), cls, f"{key}.args.dtype")
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     check_finite(f"{key}.args", parsed)
     cls.check(parsed, key)
     action = cls(parsed)
-    action.positions, action.heads = positions, heads
+    action.positions, action.heads, action.dtype = positions, heads, dtype
     return action
+
+
+# The floats a capture can be stored in (io/encoding.py: bfloat16 as its 16 raw bits).
+CAPTURE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _parse_dtype(value: Any, cls: type[Action], key: str) -> str | None:
+    """A capture's `args.dtype`, refused on an action that stores nothing."""
+    if value is None:
+        return None
+    if not cls.captures:
+        raise HookrunError(
+            f"{key}: {value!r} with action {cls.name}, which stores nothing; valid: action capture"
+        )
+    if value not in CAPTURE_DTYPES:
+        raise HookrunError(f"{key}: {value!r}; valid: {', '.join(CAPTURE_DTYPES)}")
+    return str(value)

@@ -57,6 +57,8 @@ class Recorder:
         # k > 1 folded sample by sample, 0 no batch axis (stored as one row per batch).
         self.folds = folds or {}
         self.store_dtype = store_dtype
+        # Captures stored in another float (a hook's args.dtype): path → dtype.
+        self.dtypes: dict[str, torch.dtype] = {}
         self.copier = copier or HostCopier()
         self.timer = timer or StageTimer(enabled=False)
         # True while a derived method runs passes of its own: every hook stands aside.
@@ -82,7 +84,9 @@ class Recorder:
         """Keep a CPU copy of `tensor` (floats in the store dtype) under `key`."""
         if key in self.records:
             raise RuntimeError(f"{key} captured twice in one batch")
-        dtype = self.store_dtype if tensor.is_floating_point() else tensor.dtype
+        dtype = (
+            self.dtypes.get(key, self.store_dtype) if tensor.is_floating_point() else tensor.dtype
+        )
         fold = self.folds.get(key, 1)
         if fold != 1:
             tensor = tensor[None] if fold == 0 else tensor.reshape(-1, fold, *tensor.shape[1:])

@@ -31,6 +31,12 @@ class FileShape:
     # Rows of each shard file under torchrun: each is chunked for its own rows, so the disk
     # holds their chunks, not those of one file of `samples` rows. Empty: one file.
     shards: tuple[int, ...] = ()
+    # Captures stored in another float than sink.dtype (a hook's args.dtype): path → bytes.
+    itemsizes: Mapping[str, int] = field(default_factory=dict)
+
+    def size_of(self, key: str) -> int:
+        """Bytes of one stored float of the dataset at `key`."""
+        return self.itemsizes.get(key, self.itemsize)
 
 
 # HDF5's own metadata (superblock, object headers, chunk indexes, attributes), which small
@@ -59,7 +65,7 @@ def describe_plan(
                 for leaf in call_shapes.at(hook.site):
                     key = capture_key(layer, hook.site, call, leaf=leaf.name)
                     shape = stored[key] if hook.action.captures else leaf.shape
-                    size = math.prod(shape) * file.itemsize
+                    size = math.prod(shape) * file.size_of(key)
                     where = f"/{key}" if hook.action.captures else "(not stored)"
                     label = f"{layer} (call {call})" if call else layer
                     per = "batch" if folds.get(key) == 0 else "sample"
@@ -77,18 +83,18 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
     """`Stored per sample: …; N sample(s) → estimated file size …`."""
     n = file.samples
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
-    per_sample = sum(math.prod(s) for k, s in floats.items() if folds.get(k) != 0)
+    per_sample = sum(math.prod(s) * file.size_of(k) for k, s in floats.items() if folds.get(k) != 0)
     # /samples/index, /samples/target, /sample (the `sample` coordinate), /samples/label
     ints = 4 if file.labelled else 3
-    per_sample = per_sample * file.itemsize + ints * 8 + file.path_bytes
+    per_sample = per_sample + ints * 8 + file.path_bytes
     total = 0
     for rows in file.shards or (n,):
         blocks = -(-rows // file.batch_size)  # shards hold whole batches
         batch = file.batch_size  # the rows one append writes: chunks divide it
         total += sum(
-            allocated_bytes(shape, file.itemsize, blocks, 1)
+            allocated_bytes(shape, file.size_of(key), blocks, 1)
             if folds.get(key) == 0
-            else allocated_bytes(shape, file.itemsize, rows, batch)
+            else allocated_bytes(shape, file.size_of(key), rows, batch)
             for key, shape in floats.items()
         )
         total += ints * allocated_bytes((), 8, rows, batch)

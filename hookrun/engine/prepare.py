@@ -93,6 +93,8 @@ class Prepared:
     lock: WriterLock | None = None  # held from the path checks to the end of the run
     # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: dict[str, int] = field(default_factory=dict)
+    # Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype.
+    dtypes: dict[str, str] = field(default_factory=dict)
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
     evaluation: Evaluation | None = None  # evaluate: metrics × attributions, per batch
     sanity: SanityCheck | None = None  # the sanity check, per batch
@@ -264,6 +266,11 @@ def _prepare(
         len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
         for rank in range(world.size)
     )
+    dtypes = {
+        key: hook.action.dtype
+        for hook, key, _ in plan.sites(shapes)
+        if hook.action.captures and hook.action.dtype
+    }
     file = FileShape(
         len(data),
         spec.batch_size,
@@ -273,6 +280,7 @@ def _prepare(
         has_labels(data),
         derived,
         shards if world.parallel else (),
+        {key: STORE_DTYPES[dtype].itemsize for key, dtype in dtypes.items()},
     )
     plan_text = describe_plan(plan, shapes, kind, file)
     if evaluated:
@@ -300,6 +308,7 @@ def _prepare(
         started=started,
         lock=lock,
         folds=plan.folds(shapes),
+        dtypes=dtypes,
         axes=axis_facts(plan.capture_shapes(shapes), plan.folds(shapes), model, sample),
         evaluation=evaluation,
         sanity=sanity,

@@ -241,6 +241,7 @@ def stream(run: Prepared) -> int:
     todo = Subset(run.data, range(mine.start + run.done, mine.stop))
     copier = HostCopier()
     recorder = Recorder(spec.seed, STORE_DTYPES[spec.sink.dtype.value], copier, timer, run.folds)
+    recorder.dtypes = {key: STORE_DTYPES[dtype] for key, dtype in run.dtypes.items()}
     tokens = token_rows(run.data)
     padded = bool(getattr(tokens, "padded", False))
     against = None
@@ -257,6 +258,7 @@ def stream(run: Prepared) -> int:
         expected_rows=len(mine),
         checksum=spec.sink.checksum,
         folds=run.folds,
+        dtypes=run.dtypes,
         batch_size=spec.batch_size,
         axes=run.axes,
         attrs=run.attrs,

@@ -59,6 +59,8 @@ class FileOptions:
     axes: AxisFacts = dataclasses.field(default_factory=AxisFacts)
     # Attributes of new datasets and groups (path → {name: value}), set as they are created.
     attrs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
+    dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class CapturesFile:
@@ -164,7 +166,9 @@ class CapturesFile:
 
     def _create(self, key: str, array: np.ndarray) -> None:
         floating = np.issubdtype(array.dtype, np.floating)
-        dtype = np.dtype(self.options.dtype) if floating else array.dtype
+        dtype = (
+            np.dtype(self.options.dtypes.get(key, self.options.dtype)) if floating else array.dtype
+        )
         if dtype.kind == "S":  # stored as UTF-8, not HDF5's default ASCII
             dtype = h5py.string_dtype("utf-8", dtype.itemsize)
         row = tuple(array.shape[1:])
@@ -186,7 +190,10 @@ class CapturesFile:
             track_times=False,  # same numbers → same bytes, whenever the run happened
         )
         mark_rows(ds, fold, self.options.batch_size)
-        if self.options.dtype == "bfloat16" and array.dtype == np.uint16:
+        if (
+            self.options.dtypes.get(key, self.options.dtype) == "bfloat16"
+            and array.dtype == np.uint16
+        ):
             mark_bfloat16(ds)  # only floats reach the file as uint16
 
     def _write_rows(self, fold: int) -> int:

@@ -52,6 +52,11 @@ class SinkOptions:
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the dimension names
     # Attributes of new datasets and groups (path → {name: value}): evaluation's fractions.
     attrs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+
+    def dtype_of(self, key: str) -> str:
+        return self.dtypes.get(key, self.dtype)
 
     @property
     def file_options(self) -> FileOptions:
@@ -64,6 +69,7 @@ class SinkOptions:
             self.batch_size,
             self.axes,
             dict(self.attrs),
+            dict(self.dtypes),
         )
 
 
@@ -211,5 +217,5 @@ class HDF5Sink:
 
     def _append(self, batch: dict[str, Any]) -> None:
         assert self._file is not None
-        bits = self.options.dtype == "bfloat16"
-        self._file.append({k: host_array(v, bits) for k, v in batch.items()})
+        bf16 = self.options.dtype_of
+        self._file.append({k: host_array(v, bf16(k) == "bfloat16") for k, v in batch.items()})

@@ -4,6 +4,8 @@ GPT-NeoX and BERT; bfloat16 captures read back exactly; what token data cannot d
 
 from __future__ import annotations
 
+import re
+
 import h5py
 import numpy as np
 import pytest
@@ -104,6 +106,54 @@ def test_bfloat16_captures_read_back_exactly(tmp_path):
         blocks, _ = _hand_blocks(model, ids, "transformer.h.{}")
         want = blocks[1][len(ids) - 1].to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(got[n], want)  # exactly the bfloat16 values
+
+
+def test_a_hooks_args_dtype_stores_its_captures_in_that_float(tmp_path):
+    """args.dtype per hook, beside sink.dtype=float32: the blocks in bfloat16 (raw bits,
+    marked) and the MLPs in float16, each exactly the hand values rounded to it; the rest
+    (the model output) in float32; the dry run sizes each dataset by its own float."""
+    model, kind = save_lm(tmp_path / "lm", "gpt2")
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    overrides = [
+        *_overrides(tmp_path / "lm", kind, data, "last"),
+        "++hooks.blocks.args.dtype=bfloat16",
+        "++hooks.mlp.select.name=transformer.h.1.mlp",
+        "++hooks.mlp.at=output",
+        "++hooks.mlp.action=capture",
+        "++hooks.mlp.args.positions=last",
+        "++hooks.mlp.args.dtype=float16",
+    ]
+    dry = run_config(tmp_path / "dry", [*overrides, "dry_run=true"])
+    width = model.config.n_embd  # 2 bytes a value, not sink.dtype's 4
+    for key in ("transformer.h.1/output", "transformer.h.1.mlp/output"):
+        assert re.search(
+            rf"\[{width}\]\s+{2 * width} B/sample\s+/captures/{re.escape(key)}", dry.plan_text
+        )
+    result = run_config(tmp_path / "run", overrides)
+    seen: list[torch.Tensor] = []
+    handle = model.transformer.h[1].mlp.register_forward_hook(lambda m, a, o: seen.append(o[0]))
+    with h5py.File(result.path) as f:
+        blocks, mlp = f["captures/transformer.h.1/output"], f["captures/transformer.h.1.mlp/output"]
+        assert blocks.dtype == np.uint16 and blocks.attrs["dtype"] == "bfloat16"
+        assert mlp.dtype == np.float16 and "dtype" not in mlp.attrs
+        assert f["model/output"].dtype == np.float32
+        got_blocks, got_mlp = read_floats(blocks), mlp[:]
+        tokens, mask = f["samples/tokens"][:], f["samples/mask"][:]
+    for n, ids in enumerate(_row_ids(tokens, mask)):
+        hand, _ = _hand_blocks(model, ids, "transformer.h.{}")
+        want = hand[1][len(ids) - 1].to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(got_blocks[n], want)
+        np.testing.assert_array_equal(got_mlp[n], seen[-1][len(ids) - 1].half().numpy())
+    handle.remove()
+    for value, said in (
+        ("int8", "valid: float32, float16, bfloat16"),
+        ("float16", "valid: action capture"),
+    ):
+        bad = [*overrides, "++hooks.z.select.name=transformer.h.0", "++hooks.z.at=output"]
+        bad += ["++hooks.z.action=" + ("capture" if value == "int8" else "zero")]
+        bad += [f"++hooks.z.args.dtype={value}"]
+        with pytest.raises(HookrunError, match=rf"^hooks\.z\.args\.dtype: .*{said}"):
+            run_config(tmp_path / f"bad-{value}", bad)
 
 
 def test_what_token_data_cannot_do_is_refused_naming_the_key(tmp_path):
