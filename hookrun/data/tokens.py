@@ -161,11 +161,16 @@ class TokenRows(Dataset):
         return documents[int(np.searchsorted(starts, offset, side="right")) - 1]
 
     def fingerprint(self) -> str:
-        """sha256 over every row's tokens, mask length, read position, label and source."""
+        """sha256 over every row's tokens, mask length, read position, label and source, and
+        (prompts that have them: what patching and target.kind=logit_diff read) its
+        counterfactual and counterfactual answer."""
         digest = hashlib.sha256()
         for part in (self.ids, self.lengths, self.reads, self.labels):
             digest.update(part.numpy().tobytes())
         digest.update(repr(self.sources).encode())
+        others = (self.counterfactual_ids or [], self.counterfactual_answer or [])
+        if any(x is not None for column in others for x in column):  # else as before
+            digest.update(repr(others).encode())
         return digest.hexdigest()
 
 

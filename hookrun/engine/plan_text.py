@@ -33,6 +33,7 @@ class FileShape:
     shards: tuple[int, ...] = ()
     # Captures stored in another float than sink.dtype (a hook's args.dtype): path → bytes.
     itemsizes: Mapping[str, int] = field(default_factory=dict)
+    counter_target: bool = False  # whether /samples/counterfactual_target is written
 
     def size_of(self, key: str) -> int:
         """Bytes of one stored float of the dataset at `key`."""
@@ -84,8 +85,9 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
     n = file.samples
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
     per_sample = sum(math.prod(s) * file.size_of(k) for k, s in floats.items() if folds.get(k) != 0)
-    # /samples/index, /samples/target, /sample (the `sample` coordinate), /samples/label
-    ints = 4 if file.labelled else 3
+    # /samples/index, /samples/target, /sample (the `sample` coordinate), /samples/label,
+    # /samples/counterfactual_target
+    ints = 3 + file.labelled + file.counter_target
     per_sample = per_sample + ints * 8 + file.path_bytes
     total = 0
     for rows in file.shards or (n,):

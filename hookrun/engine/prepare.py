@@ -54,6 +54,7 @@ from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.scale.provenance import provenance
 from hookrun.spec.build import RunSpec, check_sizes
+from hookrun.spec.schema import TargetKind
 
 __all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
 
@@ -281,6 +282,7 @@ def _prepare(
         derived,
         shards if world.parallel else (),
         {key: STORE_DTYPES[dtype].itemsize for key, dtype in dtypes.items()},
+        spec.target.kind == TargetKind.logit_diff,
     )
     plan_text = describe_plan(plan, shapes, kind, file)
     if evaluated:
@@ -309,7 +311,13 @@ def _prepare(
         lock=lock,
         folds=plan.folds(shapes),
         dtypes=dtypes,
-        axes=axis_facts(plan.capture_shapes(shapes), plan.folds(shapes), model, sample),
+        axes=axis_facts(
+            # a gradient method's results on token data: the embeddings' (T, D) per sample
+            plan.capture_shapes(shapes) | {d.key: d.explained for d in derivations if d.explained},
+            plan.folds(shapes),
+            model,
+            sample,
+        ),
         evaluation=evaluation,
         sanity=sanity,
         patching=patching,

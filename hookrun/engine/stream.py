@@ -245,8 +245,9 @@ def stream(run: Prepared) -> int:
     tokens = token_rows(run.data)
     padded = bool(getattr(tokens, "padded", False))
     against = None
-    if spec.target.kind == TargetKind.logit_diff:  # every row has one (engine/tokencheck.py)
-        against = torch.tensor([int(t) for t in tokens.counterfactual_answer], dtype=torch.int64)
+    if spec.target.kind == TargetKind.logit_diff:  # every row of the run has one (tokencheck)
+        answers = tokens.counterfactual_answer  # -1: a row past dataset.limit, never read
+        against = torch.tensor([-1 if t is None else t for t in answers], dtype=torch.int64)
     facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded, against)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
@@ -276,7 +277,11 @@ def stream(run: Prepared) -> int:
                 break
             records = step(batch)
             if run.derivations:
-                work = partial(derive, run.derivations, records, step.context())
+                # The context inside: a language model's embeddings are computed with the
+                # run's hooks standing aside, like the derived passes themselves.
+                def work(records=records):
+                    return derive(run.derivations, records, step.context())
+
                 records.update(_on_bare_model(recorder, "derive", work))
             if run.evaluation is not None or run.sanity is not None:
                 work = partial(_evaluate, run, step, batch, records)

@@ -1,11 +1,12 @@
 """What a run on token data (a language model) may and may not ask for, checked before any work.
 
-The model's input is token ids, so nothing differentiates it: gradient methods on the input
-(derive, evaluate, sanity, an input gradient) are refused with where a gradient does exist
-(the embeddings' output); derived methods that declare `tokens_ok` (the logit lens) pass.
-`args.positions` needs token data and a (tokens, ...) site; listed positions must lie inside
-every row's real tokens. `target.kind` next_token reads text rows'
-next token, answer a prompt's answer.
+The model's input is token ids, so nothing differentiates it: what needs the input's
+gradient (evaluate, sanity, an input gradient hook, the CAM family under derive) is refused
+with where a gradient does exist (the embeddings' output); derived methods that declare
+`tokens_ok` pass (the logit lens; integrated gradients and SmoothGrad, which explain the
+input embeddings). `args.positions` needs token data and a (tokens, ...) site; listed
+positions must lie inside every row's real tokens. `target.kind` next_token reads text rows'
+next token, answer a prompt's answer, logit_diff its answer and counterfactual answer.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def _shortest(data: Dataset, tokens: Any) -> int:
     return min(int(data[i][0][1].sum()) for i in range(len(data)))  # type: ignore[arg-type]
 
 
-def _check_targets(spec: RunSpec, tokens: Any) -> None:
+def _check_targets(spec: RunSpec, tokens: Any, rows: int) -> None:
+    """target.kind against the data: its kind, and for logit_diff every one of the run's
+    first `rows` rows (dataset.limit) having both answers."""
     kind = spec.target.kind
     need = _TARGET_DATA.get(kind)
     if need is None:
@@ -58,7 +61,7 @@ def _check_targets(spec: RunSpec, tokens: Any) -> None:
         )
     if kind == TargetKind.logit_diff:
         against = tokens.counterfactual_answer or [None] * len(tokens.sources)
-        for row, token in enumerate(against):
+        for row, token in enumerate(against[:rows]):
             missing = "counterfactual_answer" if token is None else None
             missing = "answer" if int(tokens.labels[row]) < 0 else missing
             if missing:
@@ -79,7 +82,7 @@ def check_token_run(
 ) -> None:
     """Refuse what a run on token data (`tokens`: the token dataset, or None for other data)
     cannot do, each in one line naming the key."""
-    _check_targets(spec, tokens)
+    _check_targets(spec, tokens, len(data))
     if tokens is None:
         for hook in plan.hooks:
             if hook.action.positions is not None:

@@ -104,6 +104,7 @@ AXES: dict[str, str] = {
     # Patching: a grid per site kind (and its raw logit differences), the runs' differences.
     patching_key(PATCHING_CLEAN): "sample",
     patching_key(PATCHING_CORRUPTED): "sample",
+    patching_key("heads*"): "sample layer head position",
     f"{PATCHING}/*": "sample layer position",
 }
 LAYOUT_AXES = {
@@ -130,8 +131,8 @@ def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]
     for word in rule.split():
         if word == "{layout}":
             words += facts.tensors.get(path, ("?",))
-        elif word == "{input}":
-            words += facts.input or ("?",)
+        elif word == "{input}":  # the model input's, or what the method explains instead
+            words += facts.tensors.get(path) or facts.input or ("?",)
         else:
             words.append(word)
     rows = words[:1] if words[:1] == [SAMPLE] else []

@@ -3,7 +3,9 @@ and the corrupted runs can be separate jobs: the clean activations and logits ar
 a captures.h5 of the same prompts instead of a clean forward pass per batch.
 
 The stored run must have captured, at every position (`args.positions: all`, the default),
-the output of every module the grid patches (`/captures/<module>/output`, (N, T, D)), and
+the output of every module the grid patches (`/captures/<module>/output`, (N, T, D); for
+`heads` the output projection's input, `at: input`), with the patching run's attention
+implementation (lm_cache loads sdpa: add model.attention=eager for an eager grid), and
 hold /model/output (the logits at the read position, every run has it), /samples/index and
 /samples/tokens. `experiment=lm_cache dataset=prompts dataset.path=SAME sink.dtype=float32`
 writes it for `resid`; float16 clean activations give a grid within float16 of the

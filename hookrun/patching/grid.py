@@ -114,20 +114,26 @@ class PatchingGrid:
     def describe(self, itemsize: int) -> str:
         """The dry-run lines: the grid, how the patched passes are chunked, and the datasets
         with their bytes per sample (in the estimated file size above)."""
-        cells = self.layers * len(self.positions)
+        cells = {
+            kind: self.layers * len(self.positions) * (self.heads if kind == HEADS else 1)
+            for kind in self.modules
+        }
         sized = (
             "patching.batch_size"
             if self.config.batch_size
             else (
                 f"patching.memory_mib={self.config.memory_mib} MiB / {format_bytes(self.row_bytes)}"
-                " per row (4 B × tokens × (vocab + 12 × width + heads × tokens))"
+                " per row (4 B × (tokens × (12 × width + heads × tokens + 2 × layers × key "
+                "and value width) + vocab))"
             )
         )
         source = f" (read from {self.clean.path})" if self.clean else ""
         grid = _CELL.format(layers=self.layers, positions=len(self.positions))
+        per_head = f" (× {self.heads} heads for heads)" if HEADS in self.modules else ""
         lines = [
             f"Patching ({', '.join(self.modules)}): clean = the prompt{source}, corrupted = "
-            f"the counterfactual; {grid} = {cells} cells per site kind, batched "
+            f"the counterfactual; {grid}{per_head} = "
+            f"{', '.join(f'{n} {kind}' for kind, n in cells.items())} cells, batched "
             f"{self.rows_per_pass} rows per patched forward ({sized})"
         ]
         for key, stored in self.stored().items():
@@ -277,14 +283,40 @@ def plan_patching(
             f"{int(tokens.lengths[shortest]) - 1}, or all"
         )
     cfg = model.config
-    width, heads = int(cfg.hidden_size), int(getattr(cfg, "num_attention_heads", 1))
-    row_bytes = 4 * length * (int(cfg.vocab_size) + 12 * width + heads * length)
+    width, heads = int(cfg.hidden_size), _heads(cfg, config)
+    layers = int(getattr(cfg, "num_hidden_layers", 1))
+    kv_width = width // heads * int(getattr(cfg, "num_key_value_heads", None) or heads)
+    # A patched pass's row: its activations at up to `length` positions, its copy of the
+    # corrupted keys and values, and the logits at its read position only.
+    row_bytes = 4 * (
+        length * (12 * width + heads * length + 2 * layers * kv_width) + cfg.vocab_size
+    )
     rows_per_pass = config.batch_size or max(1, config.memory_mib * 2**20 // row_bytes)
     clean = open_clean(config.clean, modules, tokens, rows) if config.clean else None
-    grid = PatchingGrid(
-        config, modules, last, positions, counterfactual, wrong, rows_per_pass, row_bytes, clean
+    return PatchingGrid(
+        config,
+        modules,
+        last,
+        positions,
+        counterfactual,
+        wrong,
+        rows_per_pass,
+        row_bytes,
+        clean,
+        heads,
     )
-    return replace(grid, heads=heads)
+
+
+def _heads(cfg: Any, config: PatchingConfig) -> int:
+    """The model's attention heads (a `heads` grid has a row per head); refused for
+    patching.sites: heads where the config does not say."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    if heads is None and "heads" in config.sites:
+        raise HookrunError(
+            "patching.sites: heads: the model's config has no num_attention_heads; valid: "
+            "resid, attn, mlp"
+        )
+    return int(heads or 1)
 
 
 def stored_shapes(grid: PatchingGrid | None) -> Mapping[str, tuple[int, ...]]:

@@ -106,16 +106,16 @@ def record(hf: nn.Module, modules: dict[str, list[str]], rows: Rows, keep_cache:
     named = dict(hf.named_modules())
     outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in modules}
     handles = []
-    for kind, names in modules.items():
-        into = outputs[kind]
-        for name in names:
-            if kind == HEADS:
-                hook = lambda m, a, into=into: into.append(first_tensor(a).detach())  # noqa: E731
-                handles.append(named[name].register_forward_pre_hook(hook))
-            else:
-                hook = lambda m, a, o, into=into: into.append(first_tensor(o).detach())  # noqa: E731
-                handles.append(named[name].register_forward_hook(hook))
-    try:
+    try:  # every hook registered inside: none stays on the model, whatever raises
+        for kind, names in modules.items():
+            into = outputs[kind]
+            for name in names:
+                if kind == HEADS:
+                    hook = lambda m, a, into=into: into.append(first_tensor(a).detach())  # noqa: E731
+                    handles.append(named[name].register_forward_pre_hook(hook))
+                else:
+                    hook = lambda m, a, o, into=into: into.append(first_tensor(o).detach())  # noqa: E731
+                    handles.append(named[name].register_forward_hook(hook))
         out = hf(
             input_ids=rows.ids, attention_mask=rows.mask, use_cache=keep_cache, return_dict=True
         )
@@ -202,28 +202,29 @@ class _Grid:
         which = torch.tensor([c[4] for c in chunk], device=device)
         cache = _prefix(self.corrupted.cache, which, position)
         start = position if cache is not None else 0
-        handles = []
-        by_site: dict[tuple[str, int], list[int]] = defaultdict(list)
-        for i, (_, kind, layer, _, _, _) in enumerate(chunk):
-            by_site[(kind, layer)].append(i)
-        for (kind, layer), mine in by_site.items():
-            at = torch.tensor(mine, device=device)
-            values = self.clean.outputs[kind][layer][which[at], position]
-            module = self.named[self.sites.modules[kind][layer]]
-            if kind == HEADS:
-                units = torch.tensor([chunk[i][3] for i in mine], device=device)
-                hook = _replacing_heads(at, position - start, values, (units, self.sites.heads))
-                handles.append(module.register_forward_pre_hook(hook))
-            else:
-                hook = _replacing(at, position - start, values)
-                handles.append(module.register_forward_hook(hook))
         read = rows.read[which] - start
         extra: dict[str, Any] = {self.cache_key: cache}
         if self.unembeds_reads:
             keep = torch.unique(read)  # sorted: searchsorted finds each read's column
             extra["logits_to_keep"] = keep
             read = torch.searchsorted(keep, read)
-        try:
+        by_site: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, (_, kind, layer, _, _, _) in enumerate(chunk):
+            by_site[(kind, layer)].append(i)
+        handles = []
+        try:  # every hook registered inside: none stays on the model, whatever raises
+            for (kind, layer), mine in by_site.items():
+                at = torch.tensor(mine, device=device)
+                values = self.clean.outputs[kind][layer][which[at], position]
+                module = self.named[self.sites.modules[kind][layer]]
+                if kind == HEADS:
+                    units = torch.tensor([chunk[i][3] for i in mine], device=device)
+                    heads = (units, self.sites.heads)
+                    hook = _replacing_heads(at, position - start, values, heads)
+                    handles.append(module.register_forward_pre_hook(hook))
+                else:
+                    hook = _replacing(at, position - start, values)
+                    handles.append(module.register_forward_hook(hook))
             out = self.hf(
                 input_ids=rows.ids[which, start : self.end],
                 attention_mask=rows.mask[which, : self.end],

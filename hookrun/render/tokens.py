@@ -1,8 +1,9 @@
 """The pictures of a language-model run, for the first rows, the tokens as the axis labels:
 the norm of each captured block output at each token (blocks × tokens) — where the residual
 stream grows, and which tokens stand out — and each gradient method's attribution per token
-(methods × tokens; integrated gradients summed over the embedding, so a row's cells add up
-to f(input) − f(baseline); other methods' L2 norm over it)."""
+(methods × tokens; integrated gradients summed over the embedding — the sums, before the
+picture scales each method to ±1, add up to f(input) − f(baseline) over a row — and other
+methods' L2 norm over it)."""
 
 from __future__ import annotations
 

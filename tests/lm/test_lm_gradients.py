@@ -112,6 +112,10 @@ def test_logit_diff_is_refused_without_a_counterfactual_answer_or_on_text(tmp_pa
     said = str(err.value)
     assert said.startswith("target.kind: logit_diff") and "prompts.jsonl:2" in said, said
     assert "'counterfactual_answer'" in said and "\n" not in said
+    # A bad row past dataset.limit is not the run's: the run goes ahead.
+    run_config(
+        tmp_path / "limited", [*_args(tmp_path / "lm", data, "logit_diff", "gpt2"), "limit=1"]
+    )
     text = tmp_path / "corpus.txt"
     text.write_text("one line of text\nanother line of text\n", encoding="utf-8")
     args = [*_args(tmp_path / "lm", text, "logit_diff", "gpt2")]
@@ -147,6 +151,12 @@ def test_integrated_gradients_and_smoothgrad_explain_the_input_embeddings(tmp_pa
         "render=true",
         "++derive.integrated_gradients={steps: 16, method: riemann_middle}",
         "++derive.smoothgrad={sigma: 0}",
+        # A scaling of the embeddings: the methods' own passes must not see it (nor record
+        # their embedding call as a second call of the module).
+        f"++hooks.e.select.name={EMBEDDINGS[family]}",
+        "++hooks.e.at=output",
+        "++hooks.e.action=scale",
+        "++hooks.e.args.factor=3.0",
     ]
     result = run_config(tmp_path / "run", args)
     with h5py.File(result.path) as f:
@@ -154,6 +164,9 @@ def test_integrated_gradients_and_smoothgrad_explain_the_input_embeddings(tmp_pa
         gap = f["derived/integrated_gradients/input.completeness_gap"][:]
         smooth = f["derived/smoothgrad/input"][:]
         mask = f["samples/mask"][:]
+        scales = f["derived/integrated_gradients/input"].dims
+        dims = [d[0].name.rsplit("/", 1)[1].split("_")[0] if len(d) else None for d in scales]
+    assert dims == ["sample", "token", "feature"]  # the embeddings' axes, not the ids'
     assert (result.images / "token_attributions.png").is_file()
     embed = dict(model.named_modules())[EMBEDDINGS[family]]
     tok = tokenizer()

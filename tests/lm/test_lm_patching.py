@@ -162,9 +162,12 @@ def test_the_grid_equals_a_hand_hook_loop_cell_by_cell(tmp_path, family):
         stored = {k: f[f"patching/{k}"][:] for k in f["patching"] if not k.startswith("layer")}
         layers = [str(x) for x in f["patching/resid"].attrs["layers"]]
         assert f["patching"].attrs["corrupted"] == "counterfactual"
+        scales = f["patching/heads"].dims
+        dims = [d[0].name.rsplit("/", 1)[1].split("_")[0] if len(d) else None for d in scales]
     assert layers == [MODULES[family]["resid"].format(i) for i in range(2)]
     assert stored["resid"].shape == (3, 2, 14) and stored["clean"].shape == (3,)
     assert stored["heads"].shape == (3, 2, HEADS, 14)
+    assert dims == ["sample", "layer", "head", "position"]
     for kind, pattern in MODULES[family].items():
         for r, row in enumerate(ROWS):
             clean, corrupted, patched = _hand_grid(model, tok, row, pattern)
@@ -385,11 +388,13 @@ def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
 def test_the_dry_run_says_the_grid_its_chunks_and_datasets(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "prompts.jsonl")
-    args = [*_args(tmp_path / "lm", data, "patching.batch_size=5"), "dry_run=true"]
+    sites = "patching.sites=[resid,heads]"
+    args = [*_args(tmp_path / "lm", data, "patching.batch_size=5", sites), "dry_run=true"]
     proc = hookrun_cli([*args, f"hydra.run.dir={tmp_path / 'dry'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
-    assert "per row: 2 layers × 14 positions = 28 cells per site kind" in said
+    assert "per row: 2 layers × 14 positions (× 2 heads for heads) = 28 resid, 56 heads" in said
     assert "batched 5 rows per patched forward (patching.batch_size)" in said
-    assert "[2, 14]" in said and "/patching/mlp_logit_diff" in said
+    assert "[2, 14]" in said and "/patching/resid_logit_diff" in said
+    assert "[2, 2, 14]" in said and "/patching/heads_logit_diff" in said
     assert not (tmp_path / "dry" / "captures.h5").exists()

@@ -183,8 +183,9 @@ def test_an_unknown_architecture_is_refused_then_runs_once_its_head_is_named(tmp
     ("more", "said"),
     [
         (
-            ["++derive.integrated_gradients={}"],  # the lens passes on token data, IG not
-            "derive: integrated_gradients: a language model's input is token ids",
+            # The lens and the embedding-gradient methods pass on token data, a CAM not.
+            ["++derive.guided_grad_cam={layer: transformer.h.0}"],
+            "derive: guided_grad_cam: a language model's input is token ids",
         ),
         (
             ["model.class=base", "++hooks.resid.select.regex='h\\.\\d+'"],
