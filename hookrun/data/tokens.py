@@ -160,6 +160,22 @@ class TokenRows(Dataset):
         offset = row * width + max(column - lead, 0)
         return documents[int(np.searchsorted(starts, offset, side="right")) - 1]
 
+    def missing(self, row: int, fields: tuple[str, ...]) -> str | None:
+        """The first of `fields` (answer, counterfactual, counterfactual_answer) that row
+        `row` lacks; None when it has them all."""
+        cf, cf_answer = self.counterfactual_ids, self.counterfactual_answer
+        has = {
+            "answer": int(self.labels[row]) != NO_LABEL,
+            "counterfactual": cf is not None and cf[row] is not None,
+            "counterfactual_answer": cf_answer is not None and cf_answer[row] is not None,
+        }
+        return next((name for name in fields if not has[name]), None)
+
+    def counterfactual_answers(self) -> torch.Tensor:
+        """Each row's counterfactual answer token (N,) int64, NO_LABEL where it has none."""
+        given = self.counterfactual_answer or [None] * len(self)
+        return torch.tensor([NO_LABEL if t is None else t for t in given], dtype=torch.int64)
+
     def fingerprint(self) -> str:
         """sha256 over every row's tokens, mask length, read position, label and source, and
         (prompts that have them: what patching and target.kind=logit_diff read) its

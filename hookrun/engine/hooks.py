@@ -261,11 +261,12 @@ def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[Non
     modules = dict(model.named_modules())
     try:
         with ExitStack() as stack:
-            embeddings = _token_embeddings(model) if plan.needs_backward else None
-            if embeddings is not None:
+            embeddings = getattr(model, "input_embeddings", None)  # a LanguageModel
+            if plan.needs_backward and callable(embeddings):
                 # Token ids have no gradient: the graph starts at the embeddings' output
                 # (first, so the plan's own hooks there see a tensor that has one).
-                handles.append(embeddings.register_forward_hook(_graph_start, prepend=True))
+                module = embeddings()
+                handles.append(module.register_forward_hook(_graph_start, prepend=True))
             if plan.needs_calls:
                 words = resolve_words(list(plan.words), "select.function")
                 weights = weights_of(model, list(plan.weighted))
@@ -283,13 +284,6 @@ def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[Non
         for handle in handles:
             handle.remove()
         handles.clear()
-
-
-def _token_embeddings(model: nn.Module) -> nn.Module | None:
-    """A language model's input embeddings (LanguageModel.hf), where gradients start."""
-    wrapped = getattr(model, "hf", None)
-    find = getattr(wrapped, "get_input_embeddings", None)
-    return find() if callable(find) else None
 
 
 def _graph_start(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

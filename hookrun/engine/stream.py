@@ -244,10 +244,9 @@ def stream(run: Prepared) -> int:
     recorder.dtypes = {key: STORE_DTYPES[dtype] for key, dtype in run.dtypes.items()}
     tokens = token_rows(run.data)
     padded = bool(getattr(tokens, "padded", False))
-    against = None
-    if spec.target.kind == TargetKind.logit_diff:  # every row of the run has one (tokencheck)
-        answers = tokens.counterfactual_answer  # -1: a row past dataset.limit, never read
-        against = torch.tensor([-1 if t is None else t for t in answers], dtype=torch.int64)
+    # logit_diff: every row of the run has one (engine/tokencheck.py)
+    logit_diff = spec.target.kind == TargetKind.logit_diff
+    against = tokens.counterfactual_answers() if logit_diff else None
     facts = RowFacts(has_labels(run.data), run.files, tokens is not None, padded, against)
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)

@@ -60,10 +60,8 @@ def _check_targets(spec: RunSpec, tokens: Any, rows: int) -> None:
             + ", ".join(k.value for k in TargetKind if k not in _TARGET_DATA)
         )
     if kind == TargetKind.logit_diff:
-        against = tokens.counterfactual_answer or [None] * len(tokens.sources)
-        for row, token in enumerate(against[:rows]):
-            missing = "counterfactual_answer" if token is None else None
-            missing = "answer" if int(tokens.labels[row]) < 0 else missing
+        for row in range(rows):
+            missing = tokens.missing(row, ("answer", "counterfactual_answer"))
             if missing:
                 name, line = tokens.sources[row]
                 raise HookrunError(

@@ -62,6 +62,10 @@ class FileOptions:
     # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
     dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+    def dtype_of(self, key: str) -> str:
+        """The float the dataset at `key` is stored in."""
+        return self.dtypes.get(key, self.dtype)
+
 
 class CapturesFile:
     """A captures.h5 open for appending rows, batch by batch (one writer thread at a time).
@@ -166,9 +170,7 @@ class CapturesFile:
 
     def _create(self, key: str, array: np.ndarray) -> None:
         floating = np.issubdtype(array.dtype, np.floating)
-        dtype = (
-            np.dtype(self.options.dtypes.get(key, self.options.dtype)) if floating else array.dtype
-        )
+        dtype = np.dtype(self.options.dtype_of(key)) if floating else array.dtype
         if dtype.kind == "S":  # stored as UTF-8, not HDF5's default ASCII
             dtype = h5py.string_dtype("utf-8", dtype.itemsize)
         row = tuple(array.shape[1:])
@@ -190,10 +192,7 @@ class CapturesFile:
             track_times=False,  # same numbers → same bytes, whenever the run happened
         )
         mark_rows(ds, fold, self.options.batch_size)
-        if (
-            self.options.dtypes.get(key, self.options.dtype) == "bfloat16"
-            and array.dtype == np.uint16
-        ):
+        if self.options.dtype_of(key) == "bfloat16" and array.dtype == np.uint16:
             mark_bfloat16(ds)  # only floats reach the file as uint16
 
     def _write_rows(self, fold: int) -> int:

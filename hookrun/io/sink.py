@@ -55,9 +55,6 @@ class SinkOptions:
     # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
     dtypes: Mapping[str, str] = field(default_factory=dict)
 
-    def dtype_of(self, key: str) -> str:
-        return self.dtypes.get(key, self.dtype)
-
     @property
     def file_options(self) -> FileOptions:
         return FileOptions(
@@ -217,5 +214,5 @@ class HDF5Sink:
 
     def _append(self, batch: dict[str, Any]) -> None:
         assert self._file is not None
-        bf16 = self.options.dtype_of
-        self._file.append({k: host_array(v, bf16(k) == "bfloat16") for k, v in batch.items()})
+        stored = self._file.options.dtype_of
+        self._file.append({k: host_array(v, stored(k) == "bfloat16") for k, v in batch.items()})

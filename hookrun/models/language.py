@@ -77,10 +77,15 @@ class LanguageModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._output(x, input_ids=x[:, 0])
 
+    def input_embeddings(self) -> nn.Module:
+        """The module turning token ids into vectors: where gradients start (token ids have
+        none)."""
+        return self.hf.get_input_embeddings()
+
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """The input embeddings (N, T, D) of the token sample batch `x`: the input the
-        gradient methods explain (token ids have no gradient)."""
-        return self.hf.get_input_embeddings()(x[:, 0])
+        gradient methods explain."""
+        return self.input_embeddings()(x[:, 0])
 
     def from_embeddings(self, embeds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output for input embeddings `embeds` (N, T, D) in place of the token ids of

@@ -233,29 +233,19 @@ def _counterfactuals(tokens: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor
     if ids is None:
         raise HookrunError(f"patching: the dataset has no counterfactual prompts; {valid}")
     out = tokens.ids[:rows].clone()
-    wrong = torch.zeros(rows, dtype=torch.int64)
     for r in range(rows):
         name, line = tokens.sources[r]
         length, cf = int(tokens.lengths[r]), ids[r]
-        missing = [
-            k
-            for k, v in (
-                ("answer", tokens.has_labels or None),
-                ("counterfactual", cf),
-                ("counterfactual_answer", tokens.counterfactual_answer[r]),
-            )
-            if v is None
-        ]
+        missing = tokens.missing(r, ("answer", "counterfactual", "counterfactual_answer"))
         if missing:
-            raise HookrunError(f"dataset.path: {name}:{line} has no '{missing[0]}'; {valid}")
+            raise HookrunError(f"dataset.path: {name}:{line} has no '{missing}'; {valid}")
         if len(cf) != length:
             raise HookrunError(
                 f"dataset.path: {name}:{line}: the counterfactual has {len(cf)} tokens, the "
                 f"prompt {length}; valid: a counterfactual of the prompt's token length"
             )
         out[r, :length] = torch.tensor(cf)
-        wrong[r] = int(tokens.counterfactual_answer[r])
-    return out, wrong
+    return out, tokens.counterfactual_answers()[:rows]
 
 
 def plan_patching(

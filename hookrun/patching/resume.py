@@ -29,6 +29,7 @@ replaced by forward pre-hooks; its cells are (layer, head, position).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Callable
@@ -145,7 +146,7 @@ class _Grid:
         self.hf, self.sites, self.rows = hf, sites, rows
         self.clean, self.corrupted = clean, corrupted
         self.named = dict(hf.named_modules())
-        self.unembeds_reads = "logits_to_keep" in inspect.signature(hf.forward).parameters
+        self.unembeds_reads = _accepts(type(hf), "logits_to_keep")
         self.cache_key = _cache_key(hf)
         self.end = int(rows.read.max()) + 1  # the batch's last read: nothing after it is run
 
@@ -242,7 +243,14 @@ class _Grid:
 def _cache_key(hf: nn.Module) -> str:
     """The name a model's forward and output give the cache of keys and values:
     `past_key_values`, or `cache` from transformers 5.24 on."""
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return "cache" if _accepts(type(hf), "cache") else "past_key_values"
+
+
+@functools.lru_cache(maxsize=64)
+def _accepts(model_class: type, name: str) -> bool:
+    """Whether a model class's forward takes the keyword `name` (read once per class, not
+    once per batch)."""
+    return name in inspect.signature(model_class.forward).parameters
 
 
 def _replacing(rows: torch.Tensor, position: int, values: torch.Tensor) -> Callable:

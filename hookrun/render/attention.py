@@ -14,7 +14,7 @@ import numpy as np
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
-from hookrun.render.tokens import _token_texts
+from hookrun.render.tokens import _token_texts, shown_lengths
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -43,11 +43,8 @@ def render_attention(f: h5py.File, out_dir: Path, rows: int, config: dict) -> li
     if not patterns:
         return []
     ids = f[layout.SAMPLES_TOKENS]
-    mask = f.get(layout.SAMPLES_MASK)
     shown = min(rows, _ROWS)
-    lengths = [
-        min(int(mask[r].sum()) if mask is not None else ids.shape[1], _TOKENS) for r in range(shown)
-    ]
+    lengths = shown_lengths(f, shown, _TOKENS)
     texts = [_token_texts(config, ids[r][: lengths[r]]) for r in range(shown)]
     written = []
     for layer in sorted(patterns, key=_natural):

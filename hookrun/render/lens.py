@@ -13,7 +13,7 @@ import numpy as np
 
 from hookrun.io import layout, walk
 from hookrun.render.pictures import save_figure
-from hookrun.render.tokens import _token_texts
+from hookrun.render.tokens import _token_texts, shown_lengths
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -51,15 +51,13 @@ def render_lens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pa
     layers = ids.shape[1]
     names = _block_names(f, layers)
     shown = min(rows, _ROWS)
-    mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
+    lengths = shown_lengths(f, shown, _TOKENS)
     tokens = f[layout.SAMPLES_TOKENS]
     width = min(tokens.shape[1], _TOKENS)
     fig, axes = plt.subplots(
         shown, 1, figsize=(1.5 + 0.75 * width, 1.0 + (0.45 * layers + 0.9) * shown), squeeze=False
     )
-    for row, ax in enumerate(axes[:, 0]):
-        length = int(mask[row].sum()) if mask is not None else tokens.shape[1]
-        length = min(length, _TOKENS)
+    for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
         top = ids[row][:, :length, 0]  # (layers, positions): the likeliest token
         p = probs[row][:, :length, 0].astype(np.float32)
         image = ax.imshow(p, aspect="auto", cmap="Blues", vmin=0.0, vmax=1.0)

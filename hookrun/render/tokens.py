@@ -25,7 +25,7 @@ from hookrun.render.pictures import save_figure
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-__all__ = ["render_tokens", "render_token_attributions"]
+__all__ = ["render_tokens", "render_token_attributions", "shown_lengths"]
 
 _ROWS = 3  # rows drawn, one panel each
 _TOKENS = 48  # tokens labelled per row at most (the first ones)
@@ -39,6 +39,15 @@ def _token_texts(config: dict, ids: np.ndarray) -> list[str]:
         return [repr(tokenizer.decode([int(i)]))[1:-1] for i in ids]
     except Exception:  # drawing is a convenience: never fail a finished run over labels
         return [str(int(i)) for i in ids]
+
+
+def shown_lengths(f: h5py.File, rows: int, most: int) -> list[int]:
+    """The real tokens of each of the first `rows` rows drawn (padding left out), at most
+    `most` each (the first ones)."""
+    ids = f[layout.SAMPLES_TOKENS]
+    mask = f[layout.SAMPLES_MASK][:rows] if layout.SAMPLES_MASK in f else None
+    whole = [int(m.sum()) for m in mask] if mask is not None else [ids.shape[1]] * rows
+    return [min(n, most) for n in whole]
 
 
 @functools.lru_cache(maxsize=4)
@@ -122,13 +131,10 @@ class _Panels:
 
     def draw(self, f: h5py.File, target: Path, rows: int, config: dict) -> Path:
         ids = f[layout.SAMPLES_TOKENS]
-        shown = min(rows, _ROWS)
-        mask = f[layout.SAMPLES_MASK][:shown] if layout.SAMPLES_MASK in f else None
-        height = 1.2 + 0.45 * len(self.names) * shown
-        fig, axes = plt.subplots(shown, 1, figsize=(12, height), squeeze=False)
-        for row, ax in enumerate(axes[:, 0]):
-            length = int(mask[row].sum()) if mask is not None else ids.shape[1]
-            length = min(length, _TOKENS)
+        lengths = shown_lengths(f, min(rows, _ROWS), _TOKENS)
+        height = 1.2 + 0.45 * len(self.names) * len(lengths)
+        fig, axes = plt.subplots(len(lengths), 1, figsize=(12, height), squeeze=False)
+        for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
             image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
             ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
             ax.set_xticks(

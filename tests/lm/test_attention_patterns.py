@@ -115,6 +115,20 @@ def test_scale_every_head_by_one_changes_nothing_and_heads_are_checked(tmp_path)
         run_config(tmp_path / "r2", [*base, "++hooks.attn.args.heads=[2]"])
 
 
+def _pattern_run(tmp_path, module: str) -> list[str]:
+    """The overrides of a run of two prompts capturing `module`'s attention pattern."""
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+    return [
+        "dataset=prompts",
+        f"dataset.path={data}",
+        "render=false",
+        "progress=false",
+        f"++hooks.attn.select.name={module}",
+        "++hooks.attn.at=pattern",
+        "++hooks.attn.action=capture",
+    ]
+
+
 def test_a_fused_attention_model_is_switched_to_eager_and_the_plan_says_so(tmp_path):
     import hookrun
 
@@ -125,16 +139,7 @@ def test_a_fused_attention_model_is_switched_to_eager_and_the_plan_says_so(tmp_p
     assert hf.config._attn_implementation == "sdpa"
     from hookrun.models.language import LanguageModel
 
-    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
-    overrides = [
-        "dataset=prompts",
-        f"dataset.path={data}",
-        "render=false",
-        "progress=false",
-        "++hooks.attn.select.name=transformer.h.0.attn",
-        "++hooks.attn.at=pattern",
-        "++hooks.attn.action=capture",
-    ]
+    overrides = _pattern_run(tmp_path, "transformer.h.0.attn")
     lm = LanguageModel(hf, tok)
     plan = hookrun.run(overrides=[*overrides, "dry_run=true"], model=lm, run_dir=tmp_path / "d")
     assert "switched to eager attention" in plan.plan_text
@@ -154,19 +159,8 @@ def test_model_attention_sdpa_with_a_pattern_site_runs_eager_and_says_so(tmp_pat
     """model=hf model.attention=sdpa (as experiment=lm_cache loads): a pattern site switches
     the run to eager, the plan says so, and the patterns are the model's own."""
     model, _ = save_lm(tmp_path / "lm", "gpt2")
-    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
-    overrides = [
-        "model=hf",
-        f"model.path={tmp_path / 'lm'}",
-        "model.attention=sdpa",
-        "dataset=prompts",
-        f"dataset.path={data}",
-        "render=false",
-        "progress=false",
-        "++hooks.attn.select.name=transformer.h.1.attn",
-        "++hooks.attn.at=pattern",
-        "++hooks.attn.action=capture",
-    ]
+    model_args = ["model=hf", f"model.path={tmp_path / 'lm'}", "model.attention=sdpa"]
+    overrides = [*model_args, *_pattern_run(tmp_path, "transformer.h.1.attn")]
     result = run_config(tmp_path / "run", overrides)
     assert "switched to eager attention" in result.plan_text
     with h5py.File(result.path) as f:
