@@ -24,6 +24,7 @@ from hookrun.render.pictures import save_figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 __all__ = ["render_tokens", "render_token_attributions", "shown_lengths"]
 
@@ -119,6 +120,26 @@ def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: di
     return [picture.draw(f, out_dir / "token_attributions.png", rows, config)]
 
 
+def _label_tokens(ax: Any, texts: list[str]) -> None:
+    """Each token's text under its column. Plain text artists, not tick labels: a tick is
+    five artists, and ~150 of them were most of the picture's cost (0.5 s → 0.3 s here);
+    `parse_math=False`: a token such as `$x$` is shown as written, not as math."""
+    ax.set_xticks([])
+    below = blended_transform_factory(ax.transData, ax.transAxes)
+    for column, text in enumerate(texts):
+        ax.text(
+            column,
+            -0.04,
+            text,
+            transform=below,
+            rotation=90,
+            fontsize=6,
+            ha="center",
+            va="top",
+            parse_math=False,
+        )
+
+
 @dataclass(frozen=True)
 class _Panels:
     """A picture of one panel per row of the first rows: `cells(row, length)` the (names,
@@ -137,9 +158,7 @@ class _Panels:
         for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
             image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
             ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
-            ax.set_xticks(
-                range(length), _token_texts(config, ids[row][:length]), fontsize=6, rotation=90
-            )
+            _label_tokens(ax, _token_texts(config, ids[row][:length]))
             index = int(f[layout.SAMPLES_INDEX][row])
             ax.set_title(f"row {index}: {self.title}", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.02)
