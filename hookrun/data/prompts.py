@@ -9,8 +9,8 @@ first token, or None).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,18 @@ from hookrun.data.tokens import Source, TokenRows, check_context, encode, pad_id
 from hookrun.errors import HookrunError
 from hookrun.typed import Frozen
 
-__all__ = ["PromptsDatasetConfig", "build_prompts"]
+__all__ = [
+    "PROMPT_COLUMNS",
+    "PromptsDatasetConfig",
+    "Row",
+    "build_prompts",
+    "prompt_rows",
+    "prompt_texts",
+]
 
-_COLUMNS = ("prompt", "answer", "counterfactual", "counterfactual_answer")
+PROMPT_COLUMNS = ("prompt", "answer", "counterfactual", "counterfactual_answer")
 _PROMPT_ROW = "rows {prompt, answer?, counterfactual?, counterfactual_answer?} of strings"
-Row = tuple[Source, list[str | None]]  # a row's source and its texts, in _COLUMNS order
+Row = tuple[Source, list[str | None]]  # a row's source and its texts, in PROMPT_COLUMNS order
 
 
 @dataclass
@@ -42,9 +49,14 @@ class PromptsDatasetConfig(Frozen):
 
 
 def build_prompts(cfg: PromptsDatasetConfig, seed: int, tokenizer: Any) -> TokenRows:
-    """`dataset=prompts`, every row read and refused before anything is tokenized. The
-    answers are tokenized alone, as written (" Paris" keeps its space: no space is added)."""
-    rows = _rows(data_files(cfg.path, (".jsonl",), False)[0])
+    """`dataset=prompts`, every row read and refused before anything is tokenized."""
+    file = data_files(cfg.path, (".jsonl",), False)[0]
+    return prompt_rows(prompt_texts(json_rows(file), file), cfg, tokenizer)
+
+
+def prompt_rows(rows: list[Row], cfg: PromptsDatasetConfig, tokenizer: Any) -> TokenRows:
+    """Prompts (prompt_texts) as token rows. The answers are tokenized alone, as written
+    (" Paris" keeps its space: no space is added)."""
     bos = special_id(tokenizer, ("bos", "cls"), "dataset.prepend_bos") if cfg.prepend_bos else None
     lead = [] if bos is None else [bos]
     prompts: list[list[int]] = _column(tokenizer, rows, 0, (lead, cfg.context))  # type: ignore[assignment]
@@ -55,17 +67,18 @@ def build_prompts(cfg: PromptsDatasetConfig, seed: int, tokenizer: Any) -> Token
     answers = _firsts(_column(tokenizer, rows, 1, ([], None)))
     labels = None if answers[0] is None else np.array(answers, np.int64)
     data = TokenRows(ids, lengths, lengths - 1, labels, [where for where, _ in rows])
+    data.kind = "prompts"
     data.counterfactual_ids = _column(tokenizer, rows, 2, (lead, cfg.context))
     data.counterfactual_answer = _firsts(_column(tokenizer, rows, 3, ([], None)))
     return data
 
 
-def _rows(file: Path) -> list[Row]:
-    """Every row's source and texts; refused: no prompt, a non-string value, a file with no
-    rows, and answers on some rows but not others."""
+def prompt_texts(records: Iterable[tuple[str, int, dict[str, Any]]], where: Any) -> list[Row]:
+    """Every (source, number, row)'s source and texts; refused: no prompt, a non-string
+    value, no rows at all (`where` is named), and answers on some rows but not others."""
     rows: list[Row] = []
-    for name, number, row in json_rows(file):
-        texts = [string_field(row, key, (name, number), "dataset.path") for key in _COLUMNS]
+    for name, number, row in records:
+        texts = [string_field(row, key, (name, number), "dataset.path") for key in PROMPT_COLUMNS]
         if texts[0] is None:
             raise HookrunError(
                 f"dataset.path: {name}:{number} has no 'prompt'; valid: {_PROMPT_ROW}"
@@ -80,7 +93,7 @@ def _rows(file: Path) -> list[Row]:
             )
         rows.append(((name, number), texts))
     if not rows:
-        raise HookrunError(f"dataset.path: {file} is empty (no prompts); valid: {_PROMPT_ROW}")
+        raise HookrunError(f"dataset.path: {where} is empty (no prompts); valid: {_PROMPT_ROW}")
     return rows
 
 
@@ -88,7 +101,7 @@ def _column(tokenizer: Any, rows: list[Row], column: int, limits: tuple) -> list
     """Column `column` of every row tokenized, behind `lead` (a bos); None where the row has
     none. Refused: no tokens, or more than `context` (None: any length)."""
     lead, context = limits
-    what = _COLUMNS[column]
+    what = PROMPT_COLUMNS[column]
     present = [texts[column] for _, texts in rows if texts[column] is not None]
     encoded = iter(encode(tokenizer, present))  # type: ignore[arg-type]
     out: list[list[int] | None] = []

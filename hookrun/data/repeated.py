@@ -71,13 +71,15 @@ def build_repeated(cfg: RepeatedTokensConfig, seed: int, tokenizer: Any) -> Toke
     if bos is not None:
         rows = np.concatenate([np.full((cfg.size, 1), bos, np.int64), rows], axis=1)
     width = rows.shape[1]
-    return TokenRows(
+    data = TokenRows(
         rows,
         np.full(cfg.size, width),
         np.full(cfg.size, width - 2),
         rows[:, width - 1],
         [(KIND, r + 1) for r in range(cfg.size)],
     )
+    data.kind = KIND
+    return data
 
 
 DATASETS.register(KIND)(DatasetKind(RepeatedTokensConfig, build_repeated, tokens=True))

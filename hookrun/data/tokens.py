@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,6 +39,8 @@ __all__ = [
     "TextDatasetConfig",
     "TokenRows",
     "build_text",
+    "field_documents",
+    "text_rows",
     "check_vocab",
     "token_rows",
     "check_context",
@@ -136,6 +139,9 @@ class TokenRows(Dataset):
         self.sources = sources
         self.padded = bool((self.lengths < self.ids.shape[1]).any())
         self.packing: _Packing | None = None
+        # What the rows are (what a target.kind reads): text, prompts or repeated_tokens;
+        # dataset=hf_disk gives text or prompts rows.
+        self.kind = "text"
         # dataset=prompts: per row, the counterfactual's token ids and the first token of
         # counterfactual_answer (None where the row has none); None for other data.
         self.counterfactual_ids: list[list[int] | None] | None = None
@@ -230,23 +236,27 @@ def encode(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
 
 def _documents(file: Path, field: str) -> list[Line]:
     """The documents of one file: its lines (.txt) or each row's `field` (.jsonl)."""
-    if file.suffix == ".txt":
-        found = list(lines(file))
-    else:
-        found = []
-        for name, number, row in json_rows(file):
-            text = string_field(row, field, (name, number), "dataset.field")
-            if text is None:
-                raise HookrunError(
-                    f"dataset.field: {field!r} is missing from {name}:{number}; valid: a key "
-                    f"of every row (this one has: {', '.join(map(str, row)) or 'none'})"
-                )
-            if text.strip():
-                found.append((name, number, text))
+    found = list(lines(file)) if file.suffix == ".txt" else field_documents(json_rows(file), field)
     if not found:
         raise HookrunError(
             f"dataset.path: {file} is empty (no documents); valid: a file with a document"
         )
+    return found
+
+
+def field_documents(rows: Iterable[tuple[str, int, dict[str, Any]]], field: str) -> list[Line]:
+    """The string `field` of each (source, number, row) as a document, blank ones skipped;
+    a row without it (absent or null) is refused, naming its source and number."""
+    found = []
+    for name, number, row in rows:
+        text = string_field(row, field, (name, number), "dataset.field")
+        if text is None:
+            raise HookrunError(
+                f"dataset.field: {field!r} is missing from {name}:{number}; valid: a key "
+                f"of every row (this one has: {', '.join(map(str, row)) or 'none'})"
+            )
+        if text.strip():
+            found.append((name, number, text))
     return found
 
 
@@ -257,6 +267,11 @@ def build_text(cfg: TextDatasetConfig, seed: int, tokenizer: Any) -> TokenRows:
         for file in data_files(cfg.path, (".txt", ".jsonl"), True)
         for doc in _documents(file, cfg.field)
     ]
+    return text_rows(docs, cfg, tokenizer)
+
+
+def text_rows(docs: list[Line], cfg: TextDatasetConfig, tokenizer: Any) -> TokenRows:
+    """Documents as token rows the way `cfg` says: packed, or one row per document."""
     bos = special_id(tokenizer, ("bos", "cls"), "dataset.prepend_bos") if cfg.prepend_bos else None
     sep = special_id(tokenizer, ("eos", "sep"), "dataset.pack") if cfg.pack and len(docs) > 1 else 0
     ids = encode(tokenizer, [text for _, _, text in docs])

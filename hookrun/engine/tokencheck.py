@@ -52,10 +52,13 @@ def _check_targets(spec: RunSpec, tokens: Any, rows: int) -> None:
     need = _TARGET_DATA.get(kind)
     if need is None:
         return
-    if tokens is None or spec.dataset.kind != need:
+    if tokens is None or tokens.kind != need:
         have = "data without tokens" if tokens is None else f"dataset={spec.dataset.kind}"
+        if tokens is not None and tokens.kind != spec.dataset.kind:  # hf_disk: its `rows`
+            have += f" with {tokens.kind} rows"
         raise HookrunError(
-            f"target.kind: {kind.value} reads the token each row of dataset={need} names, but "
+            f"target.kind: {kind.value} reads the token each row of dataset={need} names (or "
+            f"of dataset=hf_disk with rows: {need}), but "
             f"this run reads {have}; valid here: "
             + ", ".join(k.value for k in TargetKind if k not in _TARGET_DATA)
         )
@@ -87,7 +90,7 @@ def check_token_run(
                 raise HookrunError(
                     f"hooks.{hook.name}.args.positions: {hook.action.positions.describe()}, but "
                     f"dataset={spec.dataset.kind} has no tokens; valid: positions only with "
-                    "token data (dataset=text, dataset=prompts)"
+                    "token data (dataset=text, prompts, hf_disk, repeated_tokens)"
                 )
         return
     gradients = [name for name in spec.derive if not METHODS.get(name, "derive").tokens_ok]

@@ -55,7 +55,8 @@ SAMPLES_COUNTER_TARGET = "samples/counterfactual_target"
 SAMPLES_PATH = "samples/path"
 SAMPLES_TOKENS = "samples/tokens"  # token ids (N, T) of token data
 SAMPLES_MASK = "samples/mask"  # (N, T) bool, True at real tokens, when rows are padded
-SAMPLES_LINE = "samples/line"  # text: each row's 1-based line in its /samples/path file
+SAMPLES_LINE = "samples/line"  # token data: each row's 1-based line in its /samples/path file
+# (dataset=hf_disk: its 0-based row in the /samples/path folder)
 MODEL_OUTPUT = "model/output"
 
 

@@ -1,0 +1,164 @@
+"""`dataset=hf_disk`: a Hugging Face `datasets` folder written by `save_to_disk`, read
+offline (memory-mapped Arrow files; nothing is downloaded, nothing written beside it), as
+the token rows of `dataset=text` (`rows: text`: the string column `field` is the corpus,
+packed or one row per document) or of `dataset=prompts` (`rows: prompts`: the columns
+prompt, answer, counterfactual, counterfactual_answer). The same keys as those kinds, and
+the same tokenizing, so a corpus gives the same rows from a .jsonl as from its
+save_to_disk folder (tested).
+
+A row's source is the split's folder and the row's index in it (0-based, as `ds[i]` reads
+it): /samples/path and /samples/line, and every refusal names them as `FOLDER:INDEX`.
+`datasets` comes with the hf extra and is imported only here, on use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hookrun.data.kinds import DATASETS, DatasetKind
+from hookrun.data.prompts import PROMPT_COLUMNS, PromptsDatasetConfig, prompt_rows, prompt_texts
+from hookrun.data.tokens import TextDatasetConfig, TokenRows, field_documents, text_rows
+from hookrun.errors import HookrunError
+from hookrun.typed import Frozen
+
+__all__ = ["HfDiskDatasetConfig", "build_hf_disk"]
+
+_ROWS = ("text", "prompts")
+_FOLDER = "a folder written by datasets' save_to_disk"
+_STRINGS = ("string", "large_string")
+
+
+@dataclass
+class HfDiskDatasetConfig(Frozen):
+    kind: str = "hf_disk"
+    # A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`.
+    path: str | None = None
+    # The split of a DatasetDict folder; null: its only split (several are refused).
+    split: str | None = None
+    # text: a corpus, read like dataset=text; prompts: rows read like dataset=prompts.
+    rows: str = "text"
+    # The keys of dataset=text (rows: text) and dataset=prompts (context, prepend_bos).
+    field: str = "text"
+    context: int = 128
+    pack: bool = True
+    prepend_bos: bool = False
+    read: Any = "last"
+
+    def check(self) -> None:
+        if self.rows not in _ROWS:
+            raise HookrunError(f"dataset.rows: {self.rows!r}; valid: {', '.join(_ROWS)}")
+        self.as_kind().check()
+
+    def as_kind(self) -> TextDatasetConfig | PromptsDatasetConfig:
+        """The text or prompts config whose rows these are (its path: the folder)."""
+        if self.rows == "prompts":
+            return PromptsDatasetConfig(
+                path=self.path, context=self.context, prepend_bos=self.prepend_bos
+            )
+        return TextDatasetConfig(
+            path=self.path,
+            field=self.field,
+            context=self.context,
+            pack=self.pack,
+            prepend_bos=self.prepend_bos,
+            read=self.read,
+        )
+
+
+def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows:
+    """The split's rows, every one read and refused before anything is tokenized."""
+    split, where = _split(cfg)
+    if cfg.rows == "prompts":
+        present = [c for c in PROMPT_COLUMNS if c in split.column_names]
+        if PROMPT_COLUMNS[0] not in present:
+            raise HookrunError(
+                f"dataset.path: {where} has no 'prompt' column (it has: "
+                f"{', '.join(split.column_names) or 'none'}); valid: string columns prompt, "
+                "answer?, counterfactual?, counterfactual_answer?"
+            )
+        records = _records(split, where, present, "dataset.path")
+        return prompt_rows(prompt_texts(records, where), cfg.as_kind(), tokenizer)
+    if cfg.field not in split.column_names:
+        raise HookrunError(
+            f"dataset.field: {cfg.field!r} is not a column of {where}; valid: one of its "
+            f"string columns: {', '.join(_string_columns(split)) or 'none'}"
+        )
+    docs = field_documents(_records(split, where, [cfg.field], "dataset.field"), cfg.field)
+    if not docs:
+        raise HookrunError(
+            f"dataset.path: {where} is empty (no documents in {cfg.field!r}); valid: a "
+            "dataset with a document"
+        )
+    return text_rows(docs, cfg.as_kind(), tokenizer)  # type: ignore[arg-type]
+
+
+def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:
+    """The Dataset to read and its folder (absolute): the folder itself, or its split's."""
+    try:
+        import datasets  # an optional extra: pip install hookrun[hf]
+    except ImportError:
+        raise HookrunError(
+            "dataset.kind: 'hf_disk' needs the datasets package; valid: pip install "
+            "hookrun[hf], or dataset=text with the rows exported to .jsonl"
+        ) from None
+    if cfg.path is None:
+        raise HookrunError(f"dataset.path: null; valid: {_FOLDER} (give dataset.path=...)")
+    # Absolute and local: fsspec would read a URL such as s3://… from the network.
+    where = os.path.abspath(os.path.expanduser(str(cfg.path)))
+    if not os.path.isdir(where):
+        raise HookrunError(f"dataset.path: {cfg.path!r} is not a folder; valid: {_FOLDER}")
+    try:
+        loaded = datasets.load_from_disk(where)
+    except Exception as err:  # a partial or foreign folder: any of the library's errors
+        raise HookrunError(
+            f"dataset.path: {where} cannot be read as a datasets folder ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:200]}); valid: {_FOLDER}"
+        ) from None
+    if not isinstance(loaded, datasets.DatasetDict):
+        if cfg.split is not None:
+            raise HookrunError(
+                f"dataset.split: {cfg.split!r}, but {where} holds one dataset, not splits; "
+                "valid: null"
+            )
+        return loaded, where
+    names = sorted(loaded)
+    name = cfg.split
+    if name is None and len(names) == 1:
+        name = names[0]
+    if name not in loaded:
+        said = "null" if cfg.split is None else repr(cfg.split)
+        raise HookrunError(
+            f"dataset.split: {said}, but {where} holds the splits {', '.join(names) or 'none'}; "
+            f"valid: {', '.join(names) or 'a folder with a split'}"
+        )
+    return loaded[name], os.path.join(where, name)
+
+
+def _string_columns(split: Any) -> list[str]:
+    return [
+        name
+        for name, feature in split.features.items()
+        if getattr(feature, "dtype", None) in _STRINGS
+    ]
+
+
+def _records(split: Any, where: str, columns: list[str], key: str) -> Iterator[tuple]:
+    """(folder, row index, {column: value}) for every row, as json_rows gives a file's; a
+    column that does not hold strings is refused before any row is read."""
+    strings = _string_columns(split)
+    for column in columns:
+        if column not in strings:
+            feature = split.features[column]
+            raise HookrunError(
+                f"{key}: the column {column!r} of {where} holds {feature}, not strings; "
+                f"valid: a string column: {', '.join(strings) or 'none'}"
+            )
+    values = split.select_columns(columns).to_dict()
+    for index in range(len(split)):
+        yield where, index, {column: values[column][index] for column in columns}
+
+
+DATASETS.register("hf_disk")(DatasetKind(HfDiskDatasetConfig, build_hf_disk, tokens=True))
