@@ -166,3 +166,30 @@ def test_a_profiler_still_gets_its_report(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert pstats.Stats(str(out)).total_calls > 0
+
+
+# A language-model run in a fresh interpreter: what it imports (transformers, tokenizers,
+# datasets for dataset=hf_disk, matplotlib for its picture) is hookrun's own.
+LANGUAGE_RUN = """
+import sys
+from hookrun.quick_exit import QuickExit
+quick = QuickExit()
+import datasets
+datasets.Dataset.from_dict({"text": ["the cat sat on the mat " * 8] * 4}).save_to_disk(sys.argv[2])
+import hookrun
+hookrun.run(["experiment=lm_cache", "dataset=hf_disk", "dataset.path=" + sys.argv[2],
+             "dataset.context=16", "limit=2", "progress=false"], run_dir=sys.argv[1])
+print("foreign:", quick.foreign(), flush=True)
+"""
+
+
+def test_a_language_model_run_imports_nothing_that_keeps_the_ordinary_exit(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", LANGUAGE_RUN, str(tmp_path / "run"), str(tmp_path / "ds")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "foreign: []" in proc.stdout, proc.stdout
+    assert (tmp_path / "run" / "images" / "lm_cache" / "residual_norms.png").is_file()
