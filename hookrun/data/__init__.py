@@ -6,4 +6,5 @@ imported here so that `hookrun.data.kinds.DATASETS` always lists them."""
 from hookrun.data import hf_disk as hf_disk
 from hookrun.data import prompts as prompts
 from hookrun.data import repeated as repeated
+from hookrun.data import text as text
 from hookrun.data import tokens as tokens

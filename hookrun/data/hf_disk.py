@@ -3,8 +3,8 @@ offline (memory-mapped Arrow files; nothing is downloaded, nothing written besid
 the token rows of `dataset=text` (`rows: text`: the string column `field` is the corpus,
 packed or one row per document) or of `dataset=prompts` (`rows: prompts`: the columns
 prompt, answer, counterfactual, counterfactual_answer). The same keys as those kinds, and
-the same tokenizing, so a corpus gives the same rows from a .jsonl as from its
-save_to_disk folder (tested).
+the same tokenizing (a corpus streamed, hookrun/data/text.py), so a corpus gives the same
+rows from a .jsonl as from its save_to_disk folder (tested).
 
 A row's source is the split's folder and the row's index in it (0-based, as `ds[i]` reads
 it): /samples/path and /samples/line, and every refusal names them as `FOLDER:INDEX`.
@@ -20,7 +20,8 @@ from typing import Any
 
 from hookrun.data.kinds import DATASETS, DatasetKind
 from hookrun.data.prompts import PROMPT_COLUMNS, PromptsDatasetConfig, prompt_rows, prompt_texts
-from hookrun.data.tokens import TextDatasetConfig, TokenRows, field_documents, text_rows
+from hookrun.data.text import CorpusRows, TextDatasetConfig, field_documents, text_rows
+from hookrun.data.tokens import TokenRows
 from hookrun.errors import HookrunError
 from hookrun.typed import Frozen
 
@@ -29,6 +30,7 @@ __all__ = ["HfDiskDatasetConfig", "build_hf_disk"]
 _ROWS = ("text", "prompts")
 _FOLDER = "a folder written by datasets' save_to_disk"
 _STRINGS = ("string", "large_string")
+_BATCH = 1024  # rows read from the Arrow files at a time
 
 
 @dataclass
@@ -68,7 +70,7 @@ class HfDiskDatasetConfig(Frozen):
         )
 
 
-def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows:
+def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows | CorpusRows:
     """The split's rows, every one read and refused before anything is tokenized."""
     split, where = _split(cfg)
     if cfg.rows == "prompts":
@@ -87,11 +89,6 @@ def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenR
             f"string columns: {', '.join(_string_columns(split)) or 'none'}"
         )
     docs = field_documents(_records(split, where, [cfg.field], "dataset.field"), cfg.field)
-    if not docs:
-        raise HookrunError(
-            f"dataset.path: {where} is empty (no documents in {cfg.field!r}); valid: a "
-            "dataset with a document"
-        )
     return text_rows(docs, cfg.as_kind(), tokenizer)  # type: ignore[arg-type]
 
 
@@ -156,9 +153,11 @@ def _records(split: Any, where: str, columns: list[str], key: str) -> Iterator[t
                 f"{key}: the column {column!r} of {where} holds {feature}, not strings; "
                 f"valid: a string column: {', '.join(strings) or 'none'}"
             )
-    values = split.select_columns(columns).to_dict()
-    for index in range(len(split)):
-        yield where, index, {column: values[column][index] for column in columns}
+    index = 0
+    for batch in split.select_columns(columns).iter(batch_size=_BATCH):  # a batch in memory
+        for values in zip(*(batch[column] for column in columns), strict=True):
+            yield where, index, dict(zip(columns, values, strict=True))
+            index += 1
 
 
 DATASETS.register("hf_disk")(DatasetKind(HfDiskDatasetConfig, build_hf_disk, tokens=True))

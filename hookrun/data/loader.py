@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,12 +128,10 @@ def has_labels(data: Dataset) -> bool:
 
 def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
     """(dataset index, source path, label or line) of every row, in row order, for datasets
-    read from files (an image folder, text); None for others."""
+    read from image files (an image folder); None for others."""
     rows: Any = range(len(data))  # type: ignore[arg-type]
     while isinstance(data, Subset):
         rows, data = [data.indices[i] for i in rows], data.dataset
-    if getattr(data, "tokens", False):
-        return [(i, *data.sources[i]) for i in rows]
     samples = getattr(data, "samples", None)
     if not isinstance(samples, list):
         return None
@@ -164,12 +162,12 @@ def files_fingerprint(data: Dataset) -> str:
 class SourceFiles:
     """Each row's source file (absolute), for datasets read from files: /samples/path."""
 
-    by_index: dict[int, str]
+    by_index: Mapping[int, str]  # token data: looked up when asked, not one entry a row
     # UTF-8 bytes of the longest path of the whole run, known before its first batch: one
     # width for every batch, every torchrun shard and every resumed run.
     width: int
     # Text: each row's 1-based line in its file (/samples/line); None for image files.
-    lines: dict[int, int] | None = None
+    lines: Mapping[int, int] | None = None
 
     def of(self, index: torch.Tensor) -> list[str]:
         """The source files of a batch's rows, by dataset index."""
@@ -184,13 +182,39 @@ class SourceFiles:
 def source_files(data: Dataset) -> SourceFiles | None:
     """The run's source files (every row, not one rank's share), or None when the dataset
     is not read from files."""
+    tokens = token_rows(data)
+    if tokens is not None:  # a corpus may have millions of rows: each looked up when asked
+        sources = tokens.sources  # type: ignore[attr-defined]
+        # A corpus lists its files; in-memory rows (prompts) are few enough to walk.
+        files = getattr(tokens, "files", None) or [name for name, _ in sources]
+        names = {os.path.abspath(name) for name in files}
+        width = max((len(os.fsencode(p)) for p in names), default=1)
+        paths = _Lookup(len(sources), lambda i: os.path.abspath(sources[i][0]))
+        return SourceFiles(paths, width, _Lookup(len(sources), lambda i: int(sources[i][1])))
     rows = _file_rows(data)
     if rows is None:
         return None
     by_index = {i: os.path.abspath(path) for i, path, _ in rows}
-    lines = {i: int(line) for i, _, line in rows} if token_rows(data) is not None else None
     width = max((len(os.fsencode(p)) for p in set(by_index.values())), default=1)
-    return SourceFiles(by_index, width, lines)
+    return SourceFiles(by_index, width)
+
+
+class _Lookup(Mapping):
+    """Dataset index → value, computed when asked (`get` and `[]` as a dict's)."""
+
+    def __init__(self, size: int, value: Any) -> None:
+        self._size, self._value = size, value
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self._size:
+            raise KeyError(index)
+        return self._value(index)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._size))
 
 
 def worker_init(worker_id: int) -> None:

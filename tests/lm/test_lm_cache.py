@@ -85,3 +85,13 @@ def test_dry_run_says_the_size_and_activations_read_the_tokens_in_order(tmp_path
     picked = [5, 0, len(matrix) - 1, 17]
     for i in picked:
         np.testing.assert_array_equal(matrix[i].numpy(), whole.reshape(-1, whole.shape[2])[i])
+
+
+def test_loader_workers_read_the_streamed_corpus_as_the_main_process_does(tmp_path):
+    # The corpus's ids live in a temporary file the forked workers read by offset.
+    args = _args(tmp_path, 30, 4)
+    alone = read(run_config(tmp_path / "alone", args).path)
+    workers = read(run_config(tmp_path / "workers", [*args, "num_workers=2"]).path)
+    assert alone.keys() == workers.keys()
+    for key in alone:
+        np.testing.assert_array_equal(workers[key], alone[key], err_msg=key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_config
@@ -19,7 +20,8 @@ from transformers import PreTrainedTokenizerFast
 
 from hookrun.data.kinds import DATASETS, NO_LABEL
 from hookrun.data.prompts import PromptsDatasetConfig
-from hookrun.data.tokens import TextDatasetConfig, check_vocab, token_rows
+from hookrun.data.text import TextDatasetConfig
+from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.errors import HookrunError
 from hookrun.spec.build import build_spec
 
@@ -341,3 +343,37 @@ def test_sizes_and_tokenizers_that_cannot_work_are_refused(corpus, tokenizer):
     assert_names(refused(text_data, corpus, bare, context=4), "dataset.pack", "eos")
     err = refused(text_data, corpus, bare, context=4, pack=False, prepend_bos=True)
     assert_names(err, "dataset.prepend_bos", "bos")
+
+
+def test_a_corpus_whose_ids_cannot_be_written_is_refused_naming_the_folder(
+    corpus, tokenizer, tmp_path, monkeypatch
+):
+    # The ids go to a temporary file in TMPDIR, never all held in memory; no room there (a
+    # folder that is gone stands in for a full disk) is one line before any work.
+    import tempfile
+
+    gone = tmp_path / "gone"
+    monkeypatch.setattr(tempfile, "tempdir", str(gone))
+    with pytest.raises(HookrunError) as err:
+        text_data(corpus, tokenizer, context=4)
+    assert_names(err, "dataset", str(gone), "valid: a TMPDIR with room")
+
+
+def test_the_rows_read_back_are_the_tokens_written_for_a_corpus_of_many_chunks(tmp_path, tokenizer):
+    # More documents than one tokenizer call takes (1024): the stream crosses chunks.
+    words = WORDS[4:]
+    docs = [" ".join(words[(k + j) % len(words)] for j in range(k % 5 + 1)) for k in range(2500)]
+    path = tmp_path / "big.txt"
+    path.write_text("\n".join(docs) + "\n")
+    stream: list[int] = []
+    for k, doc in enumerate(docs):
+        stream += ids(doc) + ([EOS] if k < len(docs) - 1 else [])
+    data = text_data(path, tokenizer, context=16)
+    tensors, labels = items(data)
+    expected = torch.tensor(stream[: len(stream) // 16 * 16]).reshape(-1, 16)
+    assert torch.equal(tensors[:, 0], expected)
+    assert labels == expected[:, 15].tolist()
+    # Each row's source: the line of its first token's document.
+    starts = np.cumsum([0] + [len(ids(d)) + 1 for d in docs[:-1]])
+    lines = [int(np.searchsorted(starts, r * 16, side="right")) for r in range(len(expected))]
+    assert list(data.sources) == [(str(path), line) for line in lines]

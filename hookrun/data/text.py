@@ -1,0 +1,396 @@
+"""`dataset=text`: a corpus as rows of token ids, streamed from its files to a token file.
+
+Documents are read and tokenized a chunk at a time, and their ids go to an unlinked
+temporary file (int32, in TMPDIR: 4 bytes a token, gone when the process ends, killed or
+not), never all held in memory: what stays is a few numbers per document. Rows are read back
+from the file as the loader asks for them. `pack: true` joins the documents with the
+tokenizer's eos (else sep) token into one stream cut into rows of `context` tokens (the last
+partial row dropped); `pack: false` gives one row per document, truncated or right-padded.
+The sample, its mask, read marker and label are those of hookrun/data/tokens.py; so are the
+fingerprint (byte for byte: a run resumed across this change is continued) and the
+vocabulary check. Every refusal of the data happens before the first batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookrun.data.corpus import Line, data_files, json_rows, lines, string_field
+from hookrun.data.kinds import DATASETS, NO_LABEL, DatasetKind
+from hookrun.data.tokens import (
+    LAST,
+    Source,
+    TokenData,
+    check_context,
+    encode,
+    pad_id,
+    past_vocab,
+    read_at,
+    read_valid,
+    sample_of,
+    special_id,
+)
+from hookrun.errors import HookrunError
+from hookrun.typed import Frozen
+
+__all__ = ["TextDatasetConfig", "CorpusRows", "build_text", "field_documents", "text_rows"]
+
+_CHUNK = 1024  # documents per call of the tokenizer
+_ROWS_READ = 4096  # rows per read when the whole corpus is scanned (fingerprint, vocabulary)
+
+
+@dataclass
+class TextDatasetConfig(Frozen):
+    kind: str = "text"
+    # A .txt file (one document per line; blank lines skipped), a .jsonl file (the string
+    # `field` of each row) or a folder of them (sorted by name). `~` and paths relative to
+    # the working directory work. null: the experiment's default corpus, where it has one.
+    path: str | None = None
+    field: str = "text"
+    # Tokens per row.
+    context: int = 128
+    # true: the documents joined by the tokenizer's eos (else sep) token and cut into full
+    # rows of `context` tokens, the last partial row dropped; false: one row per document,
+    # truncated or right-padded to `context` (with its attention mask).
+    pack: bool = True
+    # A bos token (else cls) at the start of every row.
+    prepend_bos: bool = False
+    # The row's read position: last (the second-to-last real token: the label, its actual
+    # next token, is the last), or an int i (negative: from the end of the real tokens);
+    # the label is the token at i + 1.
+    read: Any = LAST
+
+    def check(self) -> None:
+        check_context(self.context)
+        if not self.field:
+            raise HookrunError("dataset.field: ''; valid: the key of each .jsonl row's text")
+        if isinstance(self.read, bool) or not (self.read == LAST or isinstance(self.read, int)):
+            raise HookrunError(f"dataset.read: {self.read!r}; valid: {read_valid(self.context)}")
+        if read_at(self.read, self.context) is None:
+            raise HookrunError(
+                f"dataset.read: {self.read} has no next token in a row of {self.context}; "
+                f"valid: {read_valid(self.context)}"
+            )
+
+
+class TokenFile:
+    """Token ids appended as int32 to an unlinked temporary file, read back by offset
+    (pread: workers forked by the loader share it safely)."""
+
+    def __init__(self) -> None:
+        try:
+            # Lives as long as the rows (no with-block): unlinked, it goes with the process.
+            self._file = tempfile.TemporaryFile(prefix="hookrun-tokens-")  # noqa: SIM115
+        except OSError as err:
+            raise _no_room(err) from None
+        self.size = 0
+
+    def append(self, ids: np.ndarray) -> None:
+        try:
+            self._file.write(np.asarray(ids, dtype=np.int32).tobytes())
+        except OSError as err:
+            raise _no_room(err) from None
+        self.size += len(ids)
+
+    def done(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as err:
+            raise _no_room(err) from None
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        raw = os.pread(self._file.fileno(), 4 * count, 4 * start)
+        return np.frombuffer(raw, dtype=np.int32).astype(np.int64)
+
+
+def _no_room(err: OSError) -> HookrunError:
+    return HookrunError(
+        f"dataset: cannot write the corpus's token ids to {tempfile.gettempdir()} "
+        f"({err.strerror or err}); valid: a TMPDIR with room for 4 bytes a token"
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How rows are cut: `width` stream tokens a row behind `bos` (packed), or one row per
+    document (width 0); `read` the packed rows' read position; `pad` the padding id."""
+
+    context: int
+    width: int
+    bos: int | None
+    read: int
+    pad: int
+
+
+class CorpusRows(TokenData):
+    """Rows of a corpus whose ids live in a TokenFile: packed (one stream) or one per
+    document. Per document it keeps its offset in the file, its token count, its source and
+    (one row per document) its row's read position."""
+
+    has_labels = True
+
+    def __init__(self, store: TokenFile, docs: dict[str, Any], shape: _Shape, top: int) -> None:
+        self.store, self.shape, self.top = store, shape, top
+        self.files: list[str] = docs["files"]
+        self.starts, self.counts = docs["starts"], docs["counts"]
+        self.file_of, self.lines = docs["file_of"], docs["lines"]
+        self.reads = docs.get("reads")
+        lead = int(shape.bos is not None)
+        if shape.width:
+            self.rows = store.size // shape.width
+            self.padded = False
+        else:
+            self.rows = len(self.starts)
+            self.padded = bool((self.counts + lead < shape.context).any())
+        self.kind = "text"
+        self.counterfactual_ids = self.counterfactual_answer = None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def real(self, row: int) -> np.ndarray:
+        """Row `row`'s real tokens (int64, the bos first where there is one)."""
+        shape = self.shape
+        lead = [] if shape.bos is None else [shape.bos]
+        if shape.width:
+            ids = self.store.read(row * shape.width, shape.width)
+        else:
+            ids = self.store.read(
+                int(self.starts[row]), min(int(self.counts[row]), shape.context - len(lead))
+            )
+        return np.concatenate([np.asarray(lead, np.int64), ids]) if lead else ids
+
+    def read_of(self, row: int) -> int:
+        return self.shape.read if self.shape.width else int(self.reads[row])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        real = self.real(index)
+        read = self.read_of(index)
+        return sample_of(real, self.shape.context, self.shape.pad, read), int(real[read + 1]), index
+
+    def source_of(self, row: int, column: int) -> Source:
+        """The file and line the token at (row, column) comes from (a separator counts as
+        its document's; a packed row's bos as its first document's)."""
+        doc = row
+        if self.shape.width:
+            lead = int(self.shape.bos is not None)
+            offset = row * self.shape.width + max(column - lead, 0)
+            doc = int(np.searchsorted(self.starts, offset, side="right")) - 1
+        return self.files[int(self.file_of[doc])], int(self.lines[doc])
+
+    @property
+    def sources(self) -> Sequence[Source]:
+        """Each row's source: the file and line of its first token."""
+        return _Sources(self)
+
+    def missing(self, row: int, fields: tuple[str, ...]) -> str | None:
+        """The first of `fields` a text row lacks: it has an answer (its next token) only."""
+        return next((name for name in fields if name != "answer"), None)
+
+    def counterfactual_answers(self) -> torch.Tensor:
+        return torch.full((self.rows,), NO_LABEL, dtype=torch.int64)
+
+    def _blocks(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, the rows' ids padded to context (m, T)) over the whole corpus."""
+        shape = self.shape
+        for first in range(0, self.rows, _ROWS_READ):
+            m = min(_ROWS_READ, self.rows - first)
+            if shape.width:
+                block = self.store.read(first * shape.width, m * shape.width).reshape(m, -1)
+                if shape.bos is not None:
+                    block = np.concatenate([np.full((m, 1), shape.bos, np.int64), block], axis=1)
+            else:
+                block = np.full((m, shape.context), shape.pad, np.int64)
+                for k in range(m):
+                    real = self.real(first + k)
+                    block[k, : len(real)] = real
+            yield first, block
+
+    def _lengths_reads(self) -> tuple[np.ndarray, np.ndarray]:
+        shape, lead = self.shape, int(self.shape.bos is not None)
+        if shape.width:
+            return np.full(self.rows, shape.context), np.full(self.rows, shape.read)
+        return np.minimum(self.counts + lead, shape.context), np.asarray(self.reads)
+
+    def fingerprint(self) -> str:
+        """sha256 over every row's ids, length, read position, label and source: the bytes
+        TokenRows.fingerprint hashes for the same rows."""
+        digest, labels = hashlib.sha256(), []
+        lengths, reads = self._lengths_reads()
+        for first, block in self._blocks():
+            digest.update(block.tobytes())
+            labels.append(block[np.arange(len(block)), reads[first : first + len(block)] + 1])
+        for part in (lengths, reads, np.concatenate(labels) if labels else np.zeros(0)):
+            digest.update(np.asarray(part, dtype=np.int64).tobytes())
+        digest.update(b"[")
+        for row in range(self.rows):
+            digest.update((", " if row else "").encode() + repr(self.sources[row]).encode())
+        digest.update(b"]")
+        return digest.hexdigest()
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse an id the model has no embedding for, naming the file and line of the
+        first one (row by row); the corpus is scanned only when one exists."""
+        shape = self.shape
+        specials = [shape.bos] if shape.bos is not None else []
+        specials += [shape.pad] if self.padded else []
+        if max([self.top, *specials]) < vocab_size:
+            return
+        lengths, _ = self._lengths_reads()
+        for first, block in self._blocks():
+            past = (block >= vocab_size).flatten().nonzero()[0]
+            if len(past):
+                k, column = divmod(int(past[0]), block.shape[1])
+                row, token = first + k, int(block[k, column])
+                padding = column >= int(lengths[row])
+                name, line = self.sources[row] if padding else self.source_of(row, column)
+                what = f"the padding id {token}" if padding else f"token id {token}"
+                past_vocab(f"{name}:{line}: {what}", vocab_size)
+
+
+class _Sources(Sequence):
+    """CorpusRows.sources: each row's source, computed when asked."""
+
+    def __init__(self, rows: CorpusRows) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, row: Any) -> Any:
+        if isinstance(row, slice):
+            return [self[r] for r in range(*row.indices(len(self)))]
+        if not -len(self) <= row < len(self):
+            raise IndexError(row)
+        return self._rows.source_of(row % len(self), 0)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _documents(file: Path, field: str) -> Iterator[Line]:
+    """The documents of one file, one by one: its lines (.txt) or each row's `field`
+    (.jsonl); a file with none is refused once it has been read to its end."""
+    found = lines(file) if file.suffix == ".txt" else field_documents(json_rows(file), field)
+    empty = True
+    for doc in found:
+        empty = False
+        yield doc
+    if empty:
+        raise HookrunError(
+            f"dataset.path: {file} is empty (no documents); valid: a file with a document"
+        )
+
+
+def field_documents(rows: Iterable[tuple[str, int, dict[str, Any]]], field: str) -> Iterator[Line]:
+    """The string `field` of each (source, number, row) as a document, blank ones skipped;
+    a row without it (absent or null) is refused, naming its source and number."""
+    for name, number, row in rows:
+        text = string_field(row, field, (name, number), "dataset.field")
+        if text is None:
+            raise HookrunError(
+                f"dataset.field: {field!r} is missing from {name}:{number}; valid: a key "
+                f"of every row (this one has: {', '.join(map(str, row)) or 'none'})"
+            )
+        if text.strip():
+            yield name, number, text
+
+
+def build_text(cfg: TextDatasetConfig, seed: int, tokenizer: Any) -> CorpusRows:
+    """`dataset=text`: the files in name order, each document refused or tokenized in turn."""
+    files = data_files(cfg.path, (".txt", ".jsonl"), True)
+    return text_rows((doc for file in files for doc in _documents(file, cfg.field)), cfg, tokenizer)
+
+
+def text_rows(docs: Iterable[Line], cfg: TextDatasetConfig, tokenizer: Any) -> CorpusRows:
+    """Documents as token rows the way `cfg` says: packed, or one row per document."""
+    bos = special_id(tokenizer, ("bos", "cls"), "dataset.prepend_bos") if cfg.prepend_bos else None
+    store, seen = TokenFile(), _Seen()
+    docs = iter(docs)
+    while chunk := list(islice(docs, _CHUNK)):
+        for (name, number, _), ids in zip(
+            chunk, encode(tokenizer, [t for *_, t in chunk]), strict=True
+        ):
+            if cfg.pack and seen.starts:  # a separator before every document but the first
+                seen.sep = special_id(tokenizer, ("eos", "sep"), "dataset.pack")
+                store.append(np.array([seen.sep]))
+            seen.add(name, number, store.size, ids)
+            store.append(ids)
+    store.done()
+    if not seen.starts:
+        raise HookrunError(f"dataset.path: {cfg.path} is empty (no documents); valid: a document")
+    top = max(seen.top, -1 if seen.sep is None else seen.sep)
+    lead = int(bos is not None)
+    docs_of = seen.arrays()
+    if not cfg.pack:
+        docs_of["reads"] = _reads(docs_of, cfg, lead)
+        return CorpusRows(store, docs_of, _Shape(cfg.context, 0, bos, 0, pad_id(tokenizer)), top)
+    width = cfg.context - lead
+    if store.size < width:
+        corpus = os.path.abspath(os.path.expanduser(str(cfg.path)))
+        raise HookrunError(
+            f"dataset.context: {cfg.context} is longer than all of {corpus} ({store.size} "
+            f"tokens with separators{', plus a bos' if lead else ''}); valid: a context up to "
+            f"{store.size + lead}, or dataset.pack=false"
+        )
+    read = read_at(cfg.read, cfg.context)
+    assert read is not None  # cfg.check() refused a read outside the row
+    return CorpusRows(store, docs_of, _Shape(cfg.context, width, bos, read, 0), top)
+
+
+class _Seen:
+    """What text_rows keeps of each document: its offset, token count and source."""
+
+    def __init__(self) -> None:
+        self.starts, self.counts, self.file_of, self.lines = (array("q") for _ in range(4))
+        self.files: dict[str, int] = {}
+        self.sep: int | None = None
+        self.top = -1
+
+    def add(self, name: str, number: int, offset: int, ids: np.ndarray) -> None:
+        self.starts.append(offset)
+        self.counts.append(len(ids))
+        self.file_of.append(self.files.setdefault(name, len(self.files)))
+        self.lines.append(number)
+        if len(ids):
+            self.top = max(self.top, int(ids.max()))
+
+    def arrays(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"files": list(self.files)}
+        for name in ("starts", "counts", "file_of", "lines"):
+            out[name] = np.frombuffer(getattr(self, name), dtype=np.int64)
+        return out
+
+
+def _reads(docs: dict[str, Any], cfg: TextDatasetConfig, lead: int) -> np.ndarray:
+    """One row per document: each row's read position; a row too short for it is refused."""
+    lengths = np.minimum(docs["counts"] + lead, cfg.context)
+    reads = np.zeros(len(lengths), np.int64)
+    for r, length in enumerate(lengths.tolist()):
+        read = read_at(cfg.read, length)
+        if read is None:
+            need = 2 if cfg.read == LAST else max(2, cfg.read + 2 if cfg.read >= 0 else -cfg.read)
+            name, line = docs["files"][int(docs["file_of"][r])], int(docs["lines"][r])
+            raise HookrunError(
+                f"dataset.read: {cfg.read!r} needs rows of {need} tokens or more, but "
+                f"{name}:{line} has {length}; valid: documents of "
+                f"{need} tokens or more, another dataset.read, or dataset.pack=true"
+            )
+        reads[r] = read
+    return reads
+
+
+DATASETS.register("text")(DatasetKind(TextDatasetConfig, build_text, tokens=True))
