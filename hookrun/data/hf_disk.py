@@ -52,6 +52,14 @@ class HfDiskDatasetConfig(Frozen):
     def check(self) -> None:
         if self.rows not in _ROWS:
             raise HookrunError(f"dataset.rows: {self.rows!r}; valid: {', '.join(_ROWS)}")
+        if self.rows == "prompts":  # the corpus's keys would be silently ignored
+            for key, default in (("field", "text"), ("pack", True), ("read", "last")):
+                value = getattr(self, key)
+                if value != default or isinstance(value, bool) != isinstance(default, bool):
+                    raise HookrunError(
+                        f"dataset.{key}: {value!r} applies to rows: text; valid with rows: "
+                        f"prompts: {default!r} (the default), or dataset.rows=text"
+                    )
         self.as_kind().check()
 
     def as_kind(self) -> TextDatasetConfig | PromptsDatasetConfig:
@@ -71,7 +79,8 @@ class HfDiskDatasetConfig(Frozen):
 
 
 def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows | CorpusRows:
-    """The split's rows, every one read and refused before anything is tokenized."""
+    """The split's rows: prompts every one read and refused before anything is tokenized,
+    a corpus (rows: text) refused or tokenized a batch at a time, before the first batch."""
     split, where = _split(cfg)
     if cfg.rows == "prompts":
         present = [c for c in PROMPT_COLUMNS if c in split.column_names]
@@ -153,8 +162,17 @@ def _records(split: Any, where: str, columns: list[str], key: str) -> Iterator[t
                 f"{key}: the column {column!r} of {where} holds {feature}, not strings; "
                 f"valid: a string column: {', '.join(strings) or 'none'}"
             )
-    index = 0
-    for batch in split.select_columns(columns).iter(batch_size=_BATCH):  # a batch in memory
+    index, batches = 0, split.select_columns(columns).iter(batch_size=_BATCH)
+    while True:  # a batch in memory at a time
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:  # damaged Arrow data: any of pyarrow's or a decode error
+            raise HookrunError(
+                f"dataset.path: {where}: the rows from {index} cannot be read "
+                f"({type(err).__name__}: {' '.join(str(err).split())[:160]}); valid: {_FOLDER}"
+            ) from None
         for values in zip(*(batch[column] for column in columns), strict=True):
             yield where, index, dict(zip(columns, values, strict=True))
             index += 1

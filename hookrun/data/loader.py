@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import os
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,10 +185,8 @@ def source_files(data: Dataset) -> SourceFiles | None:
     tokens = token_rows(data)
     if tokens is not None:  # a corpus may have millions of rows: each looked up when asked
         sources = tokens.sources  # type: ignore[attr-defined]
-        # A corpus lists its files; in-memory rows (prompts) are few enough to walk.
-        files = getattr(tokens, "files", None) or [name for name, _ in sources]
-        names = {os.path.abspath(name) for name in files}
-        width = max((len(os.fsencode(p)) for p in names), default=1)
+        names = tokens.files_of(_run_rows(data))  # type: ignore[attr-defined]
+        width = max((len(os.fsencode(os.path.abspath(p))) for p in names), default=1)
         paths = _Lookup(len(sources), lambda i: os.path.abspath(sources[i][0]))
         return SourceFiles(paths, width, _Lookup(len(sources), lambda i: int(sources[i][1])))
     rows = _file_rows(data)
@@ -197,6 +195,19 @@ def source_files(data: Dataset) -> SourceFiles | None:
     by_index = {i: os.path.abspath(path) for i, path, _ in rows}
     width = max((len(os.fsencode(p)) for p in set(by_index.values())), default=1)
     return SourceFiles(by_index, width)
+
+
+def _run_rows(data: Dataset) -> Sequence[int]:
+    """The dataset indices of `data`'s rows under its Subsets (a range where they are)."""
+    rows: Sequence[int] = range(len(data))  # type: ignore[arg-type]
+    while isinstance(data, Subset):
+        picked = data.indices
+        if isinstance(rows, range) and isinstance(picked, range):
+            rows = picked[rows.start : rows.stop : rows.step]
+        else:
+            rows = [picked[i] for i in rows]
+        data = data.dataset
+    return rows
 
 
 class _Lookup(Mapping):

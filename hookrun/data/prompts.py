@@ -67,7 +67,6 @@ def prompt_rows(rows: list[Row], cfg: PromptsDatasetConfig, tokenizer: Any) -> T
     answers = _firsts(_column(tokenizer, rows, 1, ([], None)))
     labels = None if answers[0] is None else np.array(answers, np.int64)
     data = TokenRows(ids, lengths, lengths - 1, labels, [where for where, _ in rows])
-    data.kind = "prompts"
     data.counterfactual_ids = _column(tokenizer, rows, 2, (lead, cfg.context))
     data.counterfactual_answer = _firsts(_column(tokenizer, rows, 3, ([], None)))
     return data

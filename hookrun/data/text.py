@@ -1,11 +1,12 @@
 """`dataset=text`: a corpus as rows of token ids, streamed from its files to a token file.
 
 Documents are read and tokenized a chunk at a time, and their ids go to an unlinked
-temporary file (int32, in TMPDIR: 4 bytes a token, gone when the process ends, killed or
-not), never all held in memory: what stays is a few numbers per document. Rows are read back
-from the file as the loader asks for them. `pack: true` joins the documents with the
-tokenizer's eos (else sep) token into one stream cut into rows of `context` tokens (the last
-partial row dropped); `pack: false` gives one row per document, truncated or right-padded.
+temporary file (int32, in Python's temporary folder: TMPDIR, else /tmp; 4 bytes a token,
+gone when the process ends, killed or not), never all held in memory: what stays is a few
+numbers per document. Rows are read back from the file as the loader asks for them.
+`pack: true` joins the documents with the tokenizer's eos (else sep) token into one stream
+cut into rows of `context` tokens (the last partial row dropped); `pack: false` gives one
+row per document, truncated or right-padded.
 The sample, its mask, read marker and label are those of hookrun/data/tokens.py; so are the
 fingerprint (byte for byte: a run resumed across this change is continued) and the
 vocabulary check. Every refusal of the data happens before the first batch.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import torch
 
 from hookrun.data.corpus import Line, data_files, json_rows, lines, string_field
 from hookrun.data.kinds import DATASETS, NO_LABEL, DatasetKind
+from hookrun.data.token_file import TokenFile
 from hookrun.data.tokens import (
     LAST,
     Source,
@@ -47,7 +48,7 @@ from hookrun.typed import Frozen
 __all__ = ["TextDatasetConfig", "CorpusRows", "build_text", "field_documents", "text_rows"]
 
 _CHUNK = 1024  # documents per call of the tokenizer
-_ROWS_READ = 4096  # rows per read when the whole corpus is scanned (fingerprint, vocabulary)
+_TOKENS_READ = 1 << 20  # tokens per read when the whole corpus is scanned (fingerprint, vocab)
 
 
 @dataclass
@@ -82,43 +83,6 @@ class TextDatasetConfig(Frozen):
                 f"dataset.read: {self.read} has no next token in a row of {self.context}; "
                 f"valid: {read_valid(self.context)}"
             )
-
-
-class TokenFile:
-    """Token ids appended as int32 to an unlinked temporary file, read back by offset
-    (pread: workers forked by the loader share it safely)."""
-
-    def __init__(self) -> None:
-        try:
-            # Lives as long as the rows (no with-block): unlinked, it goes with the process.
-            self._file = tempfile.TemporaryFile(prefix="hookrun-tokens-")  # noqa: SIM115
-        except OSError as err:
-            raise _no_room(err) from None
-        self.size = 0
-
-    def append(self, ids: np.ndarray) -> None:
-        try:
-            self._file.write(np.asarray(ids, dtype=np.int32).tobytes())
-        except OSError as err:
-            raise _no_room(err) from None
-        self.size += len(ids)
-
-    def done(self) -> None:
-        try:
-            self._file.flush()
-        except OSError as err:
-            raise _no_room(err) from None
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        raw = os.pread(self._file.fileno(), 4 * count, 4 * start)
-        return np.frombuffer(raw, dtype=np.int32).astype(np.int64)
-
-
-def _no_room(err: OSError) -> HookrunError:
-    return HookrunError(
-        f"dataset: cannot write the corpus's token ids to {tempfile.gettempdir()} "
-        f"({err.strerror or err}); valid: a TMPDIR with room for 4 bytes a token"
-    )
 
 
 @dataclass(frozen=True)
@@ -175,8 +139,10 @@ class CorpusRows(TokenData):
         return self.shape.read if self.shape.width else int(self.reads[row])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
-        real = self.real(index)
-        read = self.read_of(index)
+        if not -self.rows <= index < self.rows:  # the dropped partial row is no row
+            raise IndexError(f"row {index} of {self.rows}")
+        row = index % self.rows
+        real, read = self.real(row), self.read_of(row)
         return sample_of(real, self.shape.context, self.shape.pad, read), int(real[read + 1]), index
 
     def source_of(self, row: int, column: int) -> Source:
@@ -188,6 +154,13 @@ class CorpusRows(TokenData):
             offset = row * self.shape.width + max(column - lead, 0)
             doc = int(np.searchsorted(self.starts, offset, side="right")) - 1
         return self.files[int(self.file_of[doc])], int(self.lines[doc])
+
+    def files_of(self, rows: Sequence[int]) -> set[str]:
+        """The source files of `rows` (dataset indices): those their first tokens come from."""
+        at = np.asarray(rows, dtype=np.int64)
+        if self.shape.width:
+            at = np.searchsorted(self.starts, at * self.shape.width, side="right") - 1
+        return {self.files[int(i)] for i in np.unique(self.file_of[at])}
 
     @property
     def sources(self) -> Sequence[Source]:
@@ -204,8 +177,9 @@ class CorpusRows(TokenData):
     def _blocks(self) -> Iterator[tuple[int, np.ndarray]]:
         """(first row, the rows' ids padded to context (m, T)) over the whole corpus."""
         shape = self.shape
-        for first in range(0, self.rows, _ROWS_READ):
-            m = min(_ROWS_READ, self.rows - first)
+        step = max(1, _TOKENS_READ // shape.context)  # memory flat in the context too
+        for first in range(0, self.rows, step):
+            m = min(step, self.rows - first)
             if shape.width:
                 block = self.store.read(first * shape.width, m * shape.width).reshape(m, -1)
                 if shape.bos is not None:
@@ -300,6 +274,10 @@ def field_documents(rows: Iterable[tuple[str, int, dict[str, Any]]], field: str)
     a row without it (absent or null) is refused, naming its source and number."""
     for name, number, row in rows:
         text = string_field(row, field, (name, number), "dataset.field")
+        if text is None and field in row:
+            raise HookrunError(
+                f"dataset.field: {field!r} is null at {name}:{number}; valid: a string in every row"
+            )
         if text is None:
             raise HookrunError(
                 f"dataset.field: {field!r} is missing from {name}:{number}; valid: a key "
@@ -331,7 +309,8 @@ def text_rows(docs: Iterable[Line], cfg: TextDatasetConfig, tokenizer: Any) -> C
             store.append(ids)
     store.done()
     if not seen.starts:
-        raise HookrunError(f"dataset.path: {cfg.path} is empty (no documents); valid: a document")
+        corpus = os.path.abspath(os.path.expanduser(str(cfg.path)))
+        raise HookrunError(f"dataset.path: {corpus} is empty (no documents); valid: a document")
     top = max(seen.top, -1 if seen.sep is None else seen.sep)
     lead = int(bos is not None)
     docs_of = seen.arrays()

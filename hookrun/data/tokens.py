@@ -11,7 +11,8 @@ position for text, the first token of the answer for prompts) or NO_LABEL.
 
 A token dataset (a TokenData) says `tokens` (True), `kind` (text, prompts or
 repeated_tokens: what a target.kind reads), `has_labels`, `padded` (whether any row has
-padding) and `sources` (per row: absolute source file and 1-based line). The kinds are built
+padding) and `sources` (per row: absolute source file and 1-based line; dataset=hf_disk:
+its folder and 0-based row). The kinds are built
 as `build(cfg, seed, tokenizer)`; every refusal of the data happens there, before the first
 batch, except a token id past the model's vocabulary: `check_vocab(data, vocab_size)`, once
 the model is built.
@@ -20,6 +21,7 @@ the model is built.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -131,6 +133,10 @@ class TokenRows(TokenData):
     def source_of(self, row: int, column: int) -> Source:
         """The file and line the token at (row, column) comes from: the row's."""
         return self.sources[row]
+
+    def files_of(self, rows: Sequence[int]) -> set[str]:
+        """The source files of `rows` (dataset indices)."""
+        return {self.sources[i][0] for i in rows}
 
     def missing(self, row: int, fields: tuple[str, ...]) -> str | None:
         """The first of `fields` (answer, counterfactual, counterfactual_answer) that row

@@ -1,7 +1,7 @@
 """`experiment=lm_cache` (issue 19) beside a bare forward, hand-written hooks, TransformerLens
 and nnsight: tokens/s side by side in one process, and peak RSS at 1× and 8× the tokens.
 
-    python tests/benchmarks/lm_cache.py [--rows 1024] [--reps 3] [--dir DIR] [--out FILE]
+    python tests/benchmarks/lm_cache.py [--rows 1024] [--reps 3] [--device cuda] [--dir DIR]
     python tests/benchmarks/lm_cache.py --child VARIANT --rows N --dir DIR   (one run, for RSS)
 
 Not part of the test run, and not in run.py: it needs transformers, TransformerLens and nnsight
@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "hookrun" / "models" / "checkpoints" / "tiny_lm"
 CONTEXT, BATCH = 128, 32
 ONE_BATCH = "hookrun, render=false, one batch"
+DEVICE = torch.device("cpu")  # --device: where every variant runs (set once, in main)
 EOS = "<|endoftext|>"
 # Standard-library modules whose docstrings make the corpus (every Python has them).
 MODULES = (
@@ -151,7 +152,8 @@ def load_hf(path: Path):
     model = AutoModelForCausalLM.from_pretrained(
         str(path), local_files_only=True, attn_implementation="sdpa"
     )
-    return model.eval(), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model.eval().to(DEVICE), tokenizer
 
 
 def corpus(folder: Path, model_dir: Path, docs: list[str], rows: int) -> tuple[Path, np.ndarray]:
@@ -204,7 +206,7 @@ def whole_job(variant: Callable, model_dir: Path, corpus_path: Path, rows: int, 
 
 
 def batches(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    ids = torch.from_numpy(tokens)
+    ids = torch.from_numpy(tokens).to(DEVICE)
     return [(b, torch.ones_like(b)) for b in ids.split(BATCH)]
 
 
@@ -243,7 +245,7 @@ def hand(model, data, folder: Path) -> Callable[[], None]:
             def hook(i: int):
                 def write(module, args, out) -> None:
                     out = out[0] if isinstance(out, tuple) else out
-                    sets[i][at[0] : at[0] + len(out)] = out.to(torch.float16).numpy()
+                    sets[i][at[0] : at[0] + len(out)] = out.to(torch.float16).cpu().numpy()
 
                 return write
 
@@ -267,7 +269,7 @@ def lens(model, tokenizer, model_dir: Path, data, folder: Path, keep: bool = Fal
     from transformer_lens.model_bridge import TransformerBridge
 
     bridge = TransformerBridge.boot_transformers(
-        str(model_dir), hf_model=model, tokenizer=tokenizer, device="cpu"
+        str(model_dir), hf_model=model, tokenizer=tokenizer, device=str(DEVICE)
     )
     layers = model.config.n_layer
     names = [f"blocks.{i}.hook_out" for i in range(layers)]
@@ -287,11 +289,11 @@ def lens(model, tokenizer, model_dir: Path, data, folder: Path, keep: bool = Fal
                         kept.append(cache)
                         continue
                     for i, name in enumerate(names):
-                        sets[i][at : at + len(ids)] = cache[name].to(torch.float16).numpy()
+                        sets[i][at : at + len(ids)] = cache[name].to(torch.float16).cpu().numpy()
                     at += len(ids)
             for i, name in enumerate(names):
                 if kept:
-                    sets[i][:] = torch.cat([c[name] for c in kept]).to(torch.float16).numpy()
+                    sets[i][:] = torch.cat([c[name] for c in kept]).to(torch.float16).cpu().numpy()
         path.unlink()
 
     return run
@@ -317,7 +319,7 @@ def sight(model, tokenizer, data, folder: Path) -> Callable[[], None]:
                         for block in blocks:
                             saved.append(block.output)
                     for i, out in enumerate(saved):
-                        sets[i][at : at + len(ids)] = out.to(torch.float16).numpy()
+                        sets[i][at : at + len(ids)] = out.to(torch.float16).cpu().numpy()
                     at += len(ids)
         path.unlink()
 
@@ -335,6 +337,7 @@ def hookrun_args(model_dir: Path, corpus_path: Path, rows: int, extra=()) -> lis
         f"batch_size={BATCH}",
         f"limit={rows}",
         "progress=false",
+        f"device.name={DEVICE}",
         *extra,
     ]
 
@@ -407,7 +410,7 @@ def peak_rss_mib(variant: str, rows: int, folder: Path, model_dir: Path) -> floa
     else:
         where = None
         args = [sys.executable, __file__, "--child", variant, "--rows", str(rows)]
-        args += ["--threads", str(torch.get_num_threads())]
+        args += ["--threads", str(torch.get_num_threads()), "--device", str(DEVICE)]
         args += ["--dir", str(folder)]
     proc = subprocess.run(
         ["/usr/bin/time", "-f", "maxrss_kib=%M", *args], capture_output=True, text=True
@@ -440,6 +443,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024, help="rows of 128 tokens (the 1×)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: every variant there")
     parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp)")
     parser.add_argument("--out", type=Path, default=None, help="also write the section here")
     parser.add_argument(
@@ -448,6 +452,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated timed variants")
     parser.add_argument("--child", choices=RSS_VARIANTS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     folder = args.dir or Path(tempfile.mkdtemp(prefix="hookrun-lm-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -500,7 +506,7 @@ def main() -> None:
         # Interleaved, each repetition starting one variant later: a neighbour's burst hits
         # every variant alike, and no variant always runs first.
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            wall, seconds = timed(variants[name], torch.device("cpu"))
+            wall, seconds = timed(variants[name], DEVICE)
             walls[name].append(wall)
             cpu[name].append(seconds)
     print(f"timed in {time.perf_counter() - started:.0f} s: {walls}, CPU {cpu}", flush=True)
@@ -537,6 +543,12 @@ def main() -> None:
         args.out.write_text((kept + "\n\n" if kept else "") + head + "\n\n" + text)
 
 
+def _where() -> str:
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name(DEVICE)
+    return "CPU"
+
+
 def table(args, times, tokens: int, rss, model_dir: Path) -> list[str]:
     walls, cpu = times
     which = "the shipped tiny_lm" if model_dir == SHIPPED else "a random GPT-2"
@@ -545,7 +557,7 @@ def table(args, times, tokens: int, rss, model_dir: Path) -> list[str]:
     cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{torch.get_num_threads()} torch threads, CPU; {versions()}"
+        f"{torch.get_num_threads()} torch threads, {_where()}; {versions()}"
     )
     lines = [
         f"{which} ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, vocab "

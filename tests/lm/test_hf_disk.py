@@ -220,3 +220,19 @@ def test_prompt_rows_from_a_folder_drive_logit_diff_as_the_jsonl_does(tmp_path):
             tmp_path / "c",
             [*on_file, "dataset=hf_disk", f"dataset.path={text}", "dataset.context=8"],
         )
+
+
+def test_damaged_arrow_data_and_keys_of_the_other_rows_are_refused(tmp_path, tokenizer):
+    folder = save(tmp_path, {"text": ["the cat sat on the mat", "a dog ran on the mat"]})
+    (arrow,) = folder.glob("*.arrow")
+    raw = arrow.read_bytes()
+    at = raw.index(b"a dog ran")
+    arrow.write_bytes(raw[:at] + b"\xff" + raw[at + 1 :])  # no longer UTF-8
+    says = refused(tokenizer, path=str(folder))
+    assert "dataset.path" in says and str(folder) in says and "valid" in says
+    prompts = save(tmp_path, {"prompt": ["a cat"]}, "prompts")
+    for key, value in (("read", 0), ("pack", False), ("field", "body")):
+        says = refused(tokenizer, path=str(prompts), rows="prompts", **{key: value})
+        assert f"dataset.{key}: {value!r} applies to rows: text" in says
+    says = refused(tokenizer, path=str(save(tmp_path, {"text": ["a cat", None]}, "n")))
+    assert "'text' is null at" in says

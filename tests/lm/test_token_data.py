@@ -377,3 +377,36 @@ def test_the_rows_read_back_are_the_tokens_written_for_a_corpus_of_many_chunks(t
     starts = np.cumsum([0] + [len(ids(d)) + 1 for d in docs[:-1]])
     lines = [int(np.searchsorted(starts, r * 16, side="right")) for r in range(len(expected))]
     assert list(data.sources) == [(str(path), line) for line in lines]
+
+
+def test_rows_index_like_a_sequence_and_reach_spawned_workers(tmp_path, tokenizer):
+    from torch.utils.data import DataLoader
+
+    docs = [" ".join(WORDS[4 + k % 8] for k in range(j, j + 9)) for j in range(40)]
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(docs) + "\n")
+    data = text_data(path, tokenizer, context=8)
+    last = data[len(data) - 1]
+    assert torch.equal(data[-1][0], last[0]) and data[-1][1] == last[1]
+    with pytest.raises(IndexError):
+        data[len(data)]  # the dropped partial row is no row
+    assert len(list(iter(data[i] for i in range(len(data))))) == len(data)
+    # Workers started by spawn (macOS's default, forkserver Python 3.14's) get the rows too.
+    loader = DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    got = torch.cat([batch[0] for batch in loader])
+    assert torch.equal(got, torch.stack([data[i][0] for i in range(len(data))]))
+
+
+def test_the_path_width_is_that_of_the_runs_rows(tmp_path, tokenizer):
+    from hookrun.data.loader import build_dataset, source_files
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the cat sat on the mat\n" * 4)
+    (folder / ("b" * 80 + ".txt")).write_text("a dog ran on the mat the cat\n")
+    cfg = TextDatasetConfig(path=str(folder), context=4)
+    cfg.check()
+    first = build_dataset(cfg, 0, 2, tokenizer)  # limit=2: rows of a.txt only
+    assert source_files(first).width == len(str(folder / "a.txt").encode())
+    whole = build_dataset(cfg, 0, None, tokenizer)
+    assert source_files(whole).width == len(str(folder / ("b" * 80 + ".txt")).encode())

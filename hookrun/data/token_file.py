@@ -1,0 +1,72 @@
+"""A corpus's token ids on disk: appended as int32 to an unlinked temporary file (Python's
+temporary folder: TMPDIR, else /tmp), read back by offset with os.pread, so that neither
+the ids nor a file position are shared state: the loader's workers read it as the main
+process does. Unlinked, the file is gone when the process ends, killed or not."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+
+from hookrun.errors import HookrunError
+
+__all__ = ["TokenFile"]
+
+
+class TokenFile:
+    """Token ids appended as int32 to an unlinked temporary file, read back by offset
+    (pread: workers forked by the loader share it safely)."""
+
+    def __init__(self) -> None:
+        try:
+            # Lives as long as the rows (no with-block): unlinked, it goes with the process.
+            self._file = tempfile.TemporaryFile(prefix="hookrun-tokens-")  # noqa: SIM115
+        except OSError as err:
+            raise _no_room(err) from None
+        self.size = 0
+
+    def append(self, ids: np.ndarray) -> None:
+        try:
+            self._file.write(np.asarray(ids, dtype=np.int32).tobytes())
+        except OSError as err:
+            raise _no_room(err) from None
+        self.size += len(ids)
+
+    def done(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as err:
+            raise _no_room(err) from None
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        parts, want, at = [], 4 * count, 4 * start
+        while want:  # pread may return less than asked (Linux caps one call near 2 GiB)
+            part = os.pread(self._file.fileno(), want, at)
+            if not part:
+                raise EOFError(f"token file: {want} bytes missing at {at}")
+            parts.append(part)
+            want, at = want - len(part), at + len(part)
+        return np.frombuffer(b"".join(parts), dtype=np.int32).astype(np.int64)
+
+    def __reduce__(self) -> tuple:
+        # Loader workers started by spawn or forkserver get a duplicate of the descriptor
+        # (the file has no name to reopen); forked ones inherit it.
+        return _reopened, (reduction.DupFd(self._file.fileno()), self.size)
+
+
+def _reopened(duplicate: Any, size: int) -> TokenFile:
+    store = TokenFile.__new__(TokenFile)
+    store._file = os.fdopen(duplicate.detach(), "rb")
+    store.size = size
+    return store
+
+
+def _no_room(err: OSError) -> HookrunError:
+    return HookrunError(
+        f"dataset: cannot write the corpus's token ids to {tempfile.gettempdir()} "
+        f"({err.strerror or err}); valid: a TMPDIR with room for 4 bytes a token"
+    )
