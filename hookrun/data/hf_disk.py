@@ -57,8 +57,8 @@ class HfDiskDatasetConfig(Frozen):
                 value = getattr(self, key)
                 if value != default or isinstance(value, bool) != isinstance(default, bool):
                     raise HookrunError(
-                        f"dataset.{key}: {value!r} applies to rows: text; valid with rows: "
-                        f"prompts: {default!r} (the default), or dataset.rows=text"
+                        f"dataset.{key}: {_yaml(value)} applies to rows: text; valid with "
+                        f"rows: prompts: {_yaml(default)} (the default), or dataset.rows=text"
                     )
         self.as_kind().check()
 
@@ -76,6 +76,13 @@ class HfDiskDatasetConfig(Frozen):
             prepend_bos=self.prepend_bos,
             read=self.read,
         )
+
+
+def _yaml(value: Any) -> str:
+    """A config value as YAML writes it (true, null), not as Python does (True, None)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
 
 
 def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows | CorpusRows:
@@ -129,7 +136,7 @@ def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:
                 f"dataset.split: {cfg.split!r}, but {where} holds one dataset, not splits; "
                 "valid: null"
             )
-        return loaded, where
+        return _validated(loaded, where), where
     names = sorted(loaded)
     name = cfg.split
     if name is None and len(names) == 1:
@@ -140,7 +147,20 @@ def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:
             f"dataset.split: {said}, but {where} holds the splits {', '.join(names) or 'none'}; "
             f"valid: {', '.join(names) or 'a folder with a split'}"
         )
-    return loaded[name], os.path.join(where, name)
+    return _validated(loaded[name], os.path.join(where, name)), os.path.join(where, name)
+
+
+def _validated(split: Any, where: str) -> Any:
+    """The split, once its Arrow data passed pyarrow's full check: damaged offsets would
+    otherwise read past their buffers (a crash, or wrong text without a word)."""
+    try:
+        split.data.table.validate(full=True)
+    except Exception as err:  # pyarrow's ArrowInvalid, or anything a damaged file raises
+        raise HookrunError(
+            f"dataset.path: {where} holds damaged Arrow data ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:160]}); valid: {_FOLDER}"
+        ) from None
+    return split
 
 
 def _string_columns(split: Any) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 from multiprocessing import reduction
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
@@ -53,15 +54,26 @@ class TokenFile:
         return np.frombuffer(b"".join(parts), dtype=np.int32).astype(np.int64)
 
     def __reduce__(self) -> tuple:
-        # Loader workers started by spawn or forkserver get a duplicate of the descriptor
-        # (the file has no name to reopen); forked ones inherit it.
-        return _reopened, (reduction.DupFd(self._file.fileno()), self.size)
+        if get_spawning_popen() is not None:
+            # A loader worker being started by spawn or forkserver: it gets a duplicate of
+            # the descriptor (the file has no name to reopen); forked workers inherit it.
+            return _reopened, (reduction.DupFd(self._file.fileno()), self.size)
+        # Any other pickle (a file, a copy): the ids themselves, a self-contained copy.
+        return _restored, (self.read(0, self.size).astype(np.int32).tobytes(), self.size)
 
 
 def _reopened(duplicate: Any, size: int) -> TokenFile:
     store = TokenFile.__new__(TokenFile)
     store._file = os.fdopen(duplicate.detach(), "rb")
     store.size = size
+    return store
+
+
+def _restored(raw: bytes, size: int) -> TokenFile:
+    store = TokenFile()
+    store.append(np.frombuffer(raw, dtype=np.int32))
+    store.done()
+    assert store.size == size
     return store
 
 

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, run_config
+from conftest import compose_config, hookrun_cli, run_config
 from lm_models import save_lm
 from test_token_data import word_tokenizer
 
@@ -231,8 +231,48 @@ def test_damaged_arrow_data_and_keys_of_the_other_rows_are_refused(tmp_path, tok
     says = refused(tokenizer, path=str(folder))
     assert "dataset.path" in says and str(folder) in says and "valid" in says
     prompts = save(tmp_path, {"prompt": ["a cat"]}, "prompts")
-    for key, value in (("read", 0), ("pack", False), ("field", "body")):
+    for key, value, said in (("read", 0, "0"), ("pack", False, "false"), ("field", "b", "b")):
         says = refused(tokenizer, path=str(prompts), rows="prompts", **{key: value})
-        assert f"dataset.{key}: {value!r} applies to rows: text" in says
+        assert f"dataset.{key}: {said} applies to rows: text" in says
     says = refused(tokenizer, path=str(save(tmp_path, {"text": ["a cat", None]}, "n")))
     assert "'text' is null at" in says
+
+
+def test_damaged_offsets_are_refused_before_they_are_read(tmp_path):
+    # Offsets pointing far past the text buffer would read out of bounds (a crash, or
+    # wrong text): pyarrow's full check refuses the folder first. In a child process, so a
+    # regression crashes it, not the test run.
+    texts = [f"document number {k} about the cat" for k in range(8)]
+    folder = save(tmp_path, {"text": texts})
+    (arrow,) = folder.glob("*.arrow")
+    ends = np.cumsum([0] + [len(t) for t in texts]).astype("<i4").tobytes()
+    raw = arrow.read_bytes()
+    at = raw.index(ends)
+    bad = np.array([1 << 30], "<i4").tobytes()
+    arrow.write_bytes(raw[: at + 12] + bad + raw[at + 16 :])  # the fourth offset
+    save_lm(tmp_path / "lm", "gpt2")
+    proc = hookrun_cli(
+        [
+            "experiment=lm_cache",
+            "model=hf",
+            f"model.path={tmp_path / 'lm'}",
+            "dataset=hf_disk",
+            f"dataset.path={folder}",
+            "dataset.context=4",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert "holds damaged Arrow data" in proc.stderr and str(folder) in proc.stderr
+
+
+def test_rows_pickle_by_value_outside_the_loader(tmp_path, tokenizer):
+    import copy
+    import pickle
+
+    folder = save(tmp_path, {"text": DOCS})
+    data = build("hf_disk", tokenizer, path=str(folder), context=4)
+    dumped = pickle.dumps(data)
+    for again in (pickle.loads(dumped), pickle.loads(dumped), copy.deepcopy(data)):
+        same_rows(again, data)
