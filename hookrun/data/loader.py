@@ -129,9 +129,7 @@ def has_labels(data: Dataset) -> bool:
 def _file_rows(data: Dataset) -> list[tuple[int, str, int]] | None:
     """(dataset index, source path, label or line) of every row, in row order, for datasets
     read from image files (an image folder); None for others."""
-    rows: Any = range(len(data))  # type: ignore[arg-type]
-    while isinstance(data, Subset):
-        rows, data = [data.indices[i] for i in rows], data.dataset
+    rows, data = _run_rows(data)
     samples = getattr(data, "samples", None)
     if not isinstance(samples, list):
         return None
@@ -185,7 +183,7 @@ def source_files(data: Dataset) -> SourceFiles | None:
     tokens = token_rows(data)
     if tokens is not None:  # a corpus may have millions of rows: each looked up when asked
         sources = tokens.sources  # type: ignore[attr-defined]
-        names = tokens.files_of(_run_rows(data))  # type: ignore[attr-defined]
+        names = tokens.files_of(_run_rows(data)[0])  # type: ignore[attr-defined]
         width = max((len(os.fsencode(os.path.abspath(p))) for p in names), default=1)
         paths = _Lookup(len(sources), lambda i: os.path.abspath(sources[i][0]))
         return SourceFiles(paths, width, _Lookup(len(sources), lambda i: int(sources[i][1])))
@@ -197,8 +195,9 @@ def source_files(data: Dataset) -> SourceFiles | None:
     return SourceFiles(by_index, width)
 
 
-def _run_rows(data: Dataset) -> Sequence[int]:
-    """The dataset indices of `data`'s rows under its Subsets (a range where they are)."""
+def _run_rows(data: Dataset) -> tuple[Sequence[int], Dataset]:
+    """The dataset indices of `data`'s rows under its Subsets (a range where they are: a
+    corpus's `limit` lists no indices), and the dataset under the Subsets."""
     rows: Sequence[int] = range(len(data))  # type: ignore[arg-type]
     while isinstance(data, Subset):
         picked = data.indices
@@ -207,7 +206,7 @@ def _run_rows(data: Dataset) -> Sequence[int]:
         else:
             rows = [picked[i] for i in rows]
         data = data.dataset
-    return rows
+    return rows, data
 
 
 class _Lookup(Mapping):

@@ -36,9 +36,9 @@ from hookrun.data.tokens import (
     check_context,
     encode,
     pad_id,
-    past_vocab,
     read_at,
     read_valid,
+    refuse_past_vocab,
     sample_of,
     special_id,
 )
@@ -223,14 +223,7 @@ class CorpusRows(TokenData):
             return
         lengths, _ = self._lengths_reads()
         for first, block in self._blocks():
-            past = (block >= vocab_size).flatten().nonzero()[0]
-            if len(past):
-                k, column = divmod(int(past[0]), block.shape[1])
-                row, token = first + k, int(block[k, column])
-                padding = column >= int(lengths[row])
-                name, line = self.sources[row] if padding else self.source_of(row, column)
-                what = f"the padding id {token}" if padding else f"token id {token}"
-                past_vocab(f"{name}:{line}: {what}", vocab_size)
+            refuse_past_vocab(block, first, lengths, vocab_size, self.source_of)
 
 
 class _Sources(Sequence):

@@ -40,6 +40,7 @@ __all__ = [
     "TokenRows",
     "check_vocab",
     "past_vocab",
+    "refuse_past_vocab",
     "read_at",
     "read_valid",
     "sample_of",
@@ -156,14 +157,7 @@ class TokenRows(TokenData):
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse an id past `vocab_size`, in the rows or the answers and counterfactuals."""
-        past = (self.ids >= vocab_size).flatten().nonzero()
-        if len(past):
-            row, column = divmod(int(past[0]), self.ids.shape[1])
-            token = int(self.ids[row, column])
-            padding = column >= int(self.lengths[row])
-            name, line = self.sources[row]
-            what = f"the padding id {token}" if padding else f"token id {token}"
-            past_vocab(f"{name}:{line}: {what}", vocab_size)
+        refuse_past_vocab(self.ids.numpy(), 0, self.lengths.numpy(), vocab_size, self.source_of)
         cf_ids = self.counterfactual_ids or [None] * len(self)
         cf_answers = self.counterfactual_answer or [None] * len(self)
         for r, (name, line) in enumerate(self.sources):
@@ -235,6 +229,22 @@ def check_vocab(data: Dataset, vocab_size: int) -> None:
     rows = token_rows(data)
     if rows is not None:
         rows.check_vocab(vocab_size)  # type: ignore[attr-defined]
+
+
+def refuse_past_vocab(
+    block: np.ndarray, first: int, lengths: np.ndarray, vocab_size: int, source_of: Any
+) -> None:
+    """Refuse the first id past `vocab_size` in `block` (rows `first`…, padded (m, T)),
+    naming the file and line its token comes from (`source_of(row, column)`; padding: its
+    row's), or return."""
+    past = (block >= vocab_size).flatten().nonzero()[0]
+    if len(past):
+        k, column = divmod(int(past[0]), block.shape[1])
+        row, token = first + k, int(block[k, column])
+        padding = column >= int(lengths[row])
+        name, line = source_of(row, 0 if padding else column)
+        what = f"the padding id {token}" if padding else f"token id {token}"
+        past_vocab(f"{name}:{line}: {what}", vocab_size)
 
 
 def past_vocab(what: str, vocab_size: int) -> None:
