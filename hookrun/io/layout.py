@@ -31,14 +31,16 @@ __all__ = [
     "CHUNK_BYTES", "CAPTURES", "SAMPLES", "DERIVED", "SAMPLES_INDEX", "SAMPLES_LABEL",
     "SAMPLES_TARGET", "SAMPLES_COUNTER_TARGET", "SAMPLES_PATH", "SAMPLES_TOKENS",
     "SAMPLES_MASK", "SAMPLES_LINE",
-    "mark_bfloat16", "is_bfloat16", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
+    "mark_bfloat16", "is_bfloat16", "marks_bfloat16",
+    "without_bfloat16_mark", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
     "Provenance", "FileState", "PER_BATCH", "FOLDED", "per_batch", "folded", "rows_for",
     "rows_note", "copy_attrs", "capture_key", "derived_key", "LOGIT_LENS", "gap_key",
     "GAP_SUFFIX", "chunk_shape", "open_readonly", "read_state", "read_provenance",
     "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
     "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension", "EVALUATE",
     "SANITY", "FRACTIONS", "AUC_SUFFIX", "SCORE_SUFFIX", "VERDICT_SIMILARITY", "evaluate_key",
-    "sanity_key", "PATCHING", "patching_key", "read_patching", "sanity_attrs", "read_sanity",
+    "sanity_key", "PATCHING", "patching_key", "read_patching", "UNSCORABLE", "mark_unscorable",
+    "read_unscorable", "sanity_attrs", "read_sanity",
     "read_fractions", "verdict_of", "mark_verdict", "write_attrs", "copy_group_attrs",
     "pattern_key", "INDUCTION_SCORE", "INDUCTION_ROWS", "LAYERS_ATTR", "induction_layers",
     "SUMMARIES"
@@ -280,7 +282,18 @@ def mark_bfloat16(ds: h5py.Dataset) -> None:
 
 
 def is_bfloat16(ds: h5py.Dataset) -> bool:
-    return ds.attrs.get("dtype") == "bfloat16"
+    return marks_bfloat16(ds.attrs)
+
+
+def marks_bfloat16(attrs: Mapping[str, Any]) -> bool:
+    """Whether a dataset's attributes (h5py's, or xarray's copy of them) say its uint16
+    values are bfloat16 bits."""
+    return attrs.get("dtype") == "bfloat16"
+
+
+def without_bfloat16_mark(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The attributes of a bfloat16 dataset once its bits are decoded to float32."""
+    return {k: v for k, v in attrs.items() if k != "dtype"}
 
 
 def mark_complete(f: h5py.File, rows: int) -> None:
@@ -325,10 +338,25 @@ def sanity_key(method: str, similarity: str) -> str:
 # /patching/<kind> (N, layers, positions), <kind>_logit_diff; clean, corrupted (N,): grid.py
 PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
 LOGIT_DIFF_SUFFIX = "_logit_diff"
+# The /patching group's attribute: dataset indices of the rows whose clean − corrupted logit
+# difference is 0 (every cell of their grid NaN), written when the file is complete.
+UNSCORABLE = "unscorable"
 
 
 def patching_key(name: str, suffix: str = "") -> str:
     return f"{PATCHING}/{name}{suffix}"
+
+
+def mark_unscorable(f: h5py.File, indices: np.ndarray) -> None:
+    f[PATCHING].attrs[UNSCORABLE] = np.asarray(indices, dtype=np.int64)
+
+
+def read_unscorable(f: h5py.File) -> np.ndarray | None:
+    """The dataset indices of the rows patching could not score (None: no such record)."""
+    group = f.get(PATCHING)
+    if group is None or UNSCORABLE not in group.attrs:
+        return None
+    return np.asarray(group.attrs[UNSCORABLE], dtype=np.int64)
 
 
 def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout, walk
+from hookrun.io.encoding import bits_to_float32, decoded, read_floats
 
 __all__ = ["Results", "open_results", "summary"]
 
@@ -26,7 +27,8 @@ class Results:
     `results.layers` lists `{layer: {site: shape}}` (`repr` also says which datasets are
     not one row per sample: layout.rows_note); `results[path]` (a path such as
     captures/layer4/output, or `results.capture("layer4", "output")`) is an h5py dataset,
-    read lazily by slicing;
+    read lazily by slicing (a bfloat16 one reads as the float32 numbers it holds, its raw
+    bits are `.raw`: io/encoding.py);
     `results.config` is the resolved run config.
     """
 
@@ -48,15 +50,16 @@ class Results:
     def close(self) -> None:
         self.file.close()
 
-    def __getitem__(self, key: str) -> h5py.Dataset:
-        return self.file[key]
+    def __getitem__(self, key: str) -> Any:
+        found = self.file[key]
+        return decoded(found) if isinstance(found, h5py.Dataset) else found
 
     def __contains__(self, key: str) -> bool:
         return key in self.file
 
-    def capture(self, layer: str, site: str) -> h5py.Dataset:
+    def capture(self, layer: str, site: str) -> Any:
         """The dataset of one capture, e.g. capture('layer4', 'grad_output')."""
-        return self.file[layout.capture_key(layer, site)]
+        return self[layout.capture_key(layer, site)]
 
     @property
     def layers(self) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -104,9 +107,10 @@ class Results:
                 "'hookrun[xarray]' (xarray and h5netcdf)"
             ) from None
         swmr = {"swmr": True} if self.file.swmr_mode else None  # a killed or running writer
-        return xarray.open_datatree(
+        tree = xarray.open_datatree(
             self.path, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr
         )
+        return tree.map_over_datasets(_decode_bfloat16)
 
     def __repr__(self) -> str:
         lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]
@@ -116,6 +120,29 @@ class Results:
                 note = layout.rows_note(ds)
                 lines.append(f"  {layer}/{site}: {ds.shape}" + (f" ({note})" if note else ""))
         return "\n".join(lines)
+
+
+def _decode_bfloat16(ds: Any) -> Any:
+    """A node's variables with bfloat16 bits (attribute dtype=bfloat16) as float32, decoded
+    lazily where xarray allows it (its own element-wise decoding), else on reading."""
+    import xarray
+
+    try:
+        from xarray.coding.variables import lazy_elemwise_func
+    except ImportError:  # xarray moved it: decode eagerly
+        lazy_elemwise_func = None
+    changed = {}
+    for name, var in ds.variables.items():
+        if not layout.marks_bfloat16(var.attrs):
+            continue
+        attrs = layout.without_bfloat16_mark(var.attrs)
+        data = (
+            lazy_elemwise_func(var._data, bits_to_float32, np.dtype(np.float32))
+            if lazy_elemwise_func is not None
+            else bits_to_float32(var.values)
+        )
+        changed[name] = xarray.Variable(var.dims, data, attrs, var.encoding)
+    return ds.assign(changed) if changed else ds
 
 
 def open_results(path: str | Path) -> Results:
@@ -143,7 +170,8 @@ def summary(
             count = len(list(images.glob("*.png"))) if images.is_dir() else 0
             lines.append(f"pictures: {images} ({count} files)")
         if layout.MODEL_OUTPUT in res and rows:
-            logits = res[layout.MODEL_OUTPUT][: min(rows, show)].reshape(min(rows, show), -1)
+            logits = read_floats(res.file[layout.MODEL_OUTPUT], slice(0, min(rows, show)))
+            logits = logits.reshape(len(logits), -1)
             index = res[layout.SAMPLES_INDEX][: len(logits)]
             for i, row in zip(index, logits.astype(np.float64), strict=True):
                 prob = np.exp(row - row.max())
@@ -162,6 +190,7 @@ def summary(
             lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
         lines += _vanished(res.file, min(rows, show))
         lines += _evaluated(res.file, rows)
+        lines += _unscorable(res.file, rows)
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
     note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
@@ -175,7 +204,7 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
     gives zeros everywhere); numbers that are right but say nothing should not pass unseen."""
     found = [ds for group in walk.derived_of(f).values() for ds in group.values()]
     if layout.INPUT_GRAD in f:
-        found.append(f[layout.INPUT_GRAD])
+        found.append(decoded(f[layout.INPUT_GRAD]))
     return [
         f"warning: /{ds.name.lstrip('/')} is exactly zero in its first {rows} rows (often "
         "the target's gradient vanishing: a zero-initialised head, as torchvision's ViT has "
@@ -213,6 +242,23 @@ def _evaluated(f: h5py.File, rows: int) -> list[str]:
     return lines
 
 
+def _unscorable(f: h5py.File, rows: int) -> list[str]:
+    """A warning naming the rows patching could not score (clean = corrupted)."""
+    found = layout.read_unscorable(f)
+    if found is None or not len(found):
+        return []
+    shown = ", ".join(map(str, found[:_SHOWN_ROWS].tolist()))
+    more = f" and {len(found) - _SHOWN_ROWS} more" if len(found) > _SHOWN_ROWS else ""
+    return [
+        f"warning: patching could not score {len(found)} of {rows} rows (clean − corrupted "
+        f"logit difference 0: every cell of their grid is NaN): samples {shown}{more} "
+        f"(/{layout.PATCHING} attribute {layout.UNSCORABLE})"
+    ]
+
+
+_SHOWN_ROWS = 10
+
+
 def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
     """`integrated_gradients/input: worst completeness gap ... (sample #i)`."""
     if not len(gap):
@@ -228,7 +274,7 @@ def _gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
     """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
     found = [(m, k, ds) for m, group in walk.derived_of(f).items() for k, ds in group.items()]
     return {
-        f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}": ds
+        f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}": decoded(ds)
         for m, k, ds in found
         if k.endswith(layout.GAP_SUFFIX)
     }

@@ -15,6 +15,7 @@ import numpy as np
 from hookrun.io import storage
 from hookrun.io.appender import CapturesFile, FileOptions
 from hookrun.io.dimensions import attach, read_names
+from hookrun.io.encoding import read_floats
 from hookrun.io.layout import (
     FileState,
     Provenance,
@@ -28,7 +29,7 @@ from hookrun.io.layout import (
     rows_note,
     write_header,
 )
-from hookrun.io.walk import write_verdicts
+from hookrun.io.walk import write_summaries
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
@@ -50,10 +51,11 @@ def record_rows(file: Path, record: str) -> str:
 
 
 def read_rows(file: Path, record: str, rows: np.ndarray) -> np.ndarray:
-    """Rows `rows` (any order, repeats allowed) of one dataset of a stored file."""
+    """Rows `rows` (any order, repeats allowed) of one dataset of a stored file, as numbers
+    (a bfloat16 record decoded: its bits are no values)."""
     unique, inverse = np.unique(rows, return_inverse=True)  # HDF5 reads increasing rows
     with open_readonly(file) as f:
-        return f[record][unique][inverse]
+        return read_floats(f[record], unique)[inverse]
 
 
 def reopen(path: Path, options: FileOptions, header: Provenance | None = None) -> CapturesFile:
@@ -140,7 +142,7 @@ def join_shards(
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
             attach(out, read_names(opened[0]), _checksummed(opened[0]))
             copy_group_attrs(opened[0], out)
-            write_verdicts(out, samples, opened)  # over every shard's rows
+            write_summaries(out, samples, opened)  # over every shard's rows
             mark_complete(out, samples)
     finally:
         for f in opened:

@@ -20,6 +20,7 @@ pass). The passes run on the bare model: the run's own hooks stand aside
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -39,6 +40,8 @@ from hookrun.patching.config import PatchingConfig, chosen_layers
 from hookrun.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
+
+log = logging.getLogger("hookrun")
 
 # Module name patterns per site kind ({} = the layer), by the families' `model_type`.
 # `heads` names the attention's output projection: its input is the heads' outputs side by
@@ -172,6 +175,14 @@ class PatchingGrid:
                 self.heads,
             )
             grids = patched_grids(hf, sites, rows, clean, corrupted)
+        unscorable = index[(clean.diff == corrupted.diff).cpu()].tolist()
+        if unscorable:  # known only now: the file's `unscorable` attribute and the summary too
+            log.warning(
+                "patching: clean − corrupted logit difference is 0 for dataset rows %s: "
+                "every cell of their grid is NaN (the model does not tell the prompt from its "
+                "counterfactual there)",
+                ", ".join(map(str, unscorable)),
+            )
         return self._records(grids, clean.diff, corrupted.diff, inputs[:, 1].sum(1))
 
     def _records(
@@ -244,8 +255,29 @@ def _counterfactuals(tokens: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor
                 f"dataset.path: {name}:{line}: the counterfactual has {len(cf)} tokens, the "
                 f"prompt {length}; valid: a counterfactual of the prompt's token length"
             )
+        _refuse_unscorable(tokens, r, cf)
         out[r, :length] = torch.tensor(cf)
     return out, tokens.counterfactual_answers()[:rows]
+
+
+def _refuse_unscorable(tokens: Any, row: int, counterfactual: list[int]) -> None:
+    """A row whose clean − corrupted logit difference is 0 whatever the model (the same
+    answer token twice, or a counterfactual that is the prompt itself) divides every cell by
+    zero: refused, naming it, before any work."""
+    name, line = tokens.sources[row]
+    answer, wrong = int(tokens.labels[row]), int(tokens.counterfactual_answer[row])
+    if answer == wrong:
+        raise HookrunError(
+            f"dataset.path: {name}:{line}: the answer and the counterfactual_answer are one "
+            f"token (id {answer}), so clean − corrupted is 0 and every cell of its grid would "
+            "divide by it; valid: a counterfactual_answer whose first token differs"
+        )
+    if list(counterfactual) == tokens.ids[row, : len(counterfactual)].tolist():
+        raise HookrunError(
+            f"dataset.path: {name}:{line}: the counterfactual is the prompt itself (the same "
+            f"{len(counterfactual)} tokens), so the clean and corrupted runs are one run; "
+            "valid: a counterfactual that differs from the prompt"
+        )
 
 
 def plan_patching(

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from hookrun.io import layout, walk
+from hookrun.io.encoding import read_floats
 from hookrun.render.attention import render_attention
 from hookrun.render.evaluation import render_evaluation
 from hookrun.render.induction import render_induction
@@ -67,7 +68,7 @@ class _Picture:
 def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
     if layout.INPUT_PHOTO not in f:
         return None
-    return display_image(f[layout.INPUT_PHOTO][row], config.get("dataset", {}))
+    return display_image(read_floats(f[layout.INPUT_PHOTO], row), config.get("dataset", {}))
 
 
 def _class_names(config: dict) -> list[str] | None:
@@ -83,7 +84,7 @@ def _row_label(f: h5py.File, row: int, names: list[str] | None) -> str:
     index = int(f[layout.SAMPLES_INDEX][row])
     label = f"#{index}"
     if layout.MODEL_OUTPUT in f:
-        logits = f[layout.MODEL_OUTPUT][row].reshape(-1).astype(np.float64)
+        logits = read_floats(f[layout.MODEL_OUTPUT], row).reshape(-1).astype(np.float64)
         top = int(logits.argmax())
         name = names[top] if names and top < len(names) else str(top)
         label += f"\n{name}"
@@ -141,7 +142,7 @@ def render(
             if photo is not None:
                 drawn.append(("input", "input", photo))
             if layout.INPUT_GRAD in f:
-                grad = f[layout.INPUT_GRAD][row].astype(np.float32)
+                grad = read_floats(f[layout.INPUT_GRAD], row).astype(np.float32)
                 kind = _GRADIENT_TITLES.get(experiment, "input gradient")
                 drawn.append((kind, "gradient", seed_normalize(grad)))
             for key, ds in derived.items():

@@ -24,6 +24,7 @@ from hookrun.evaluate.curves import baseline_image
 from hookrun.evaluate.impute import impute
 from hookrun.evaluate.relevance import pixel_ranks, pixel_relevance
 from hookrun.io import layout, walk
+from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import display_image, save_whole
 
 matplotlib.use("Agg")
@@ -73,11 +74,13 @@ def _perturbed(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pat
     attributions = [a for a in attributions if a in f]  # the curves, not their .auc
     out = []
     for row in range(min(rows, _PERTURBED_SAMPLES)):
-        x = torch.from_numpy(f[layout.INPUT_PHOTO][row : row + 1].astype(np.float32))
+        photo = read_floats(f[layout.INPUT_PHOTO], slice(row, row + 1))
+        x = torch.from_numpy(photo.astype(np.float32))
         h, w = x.shape[-2:]
         index = int(f[layout.SAMPLES_INDEX][row])
         for attribution in attributions:
-            value = torch.from_numpy(f[attribution][row : row + 1].astype(np.float32))
+            value = read_floats(f[attribution], slice(row, row + 1))
+            value = torch.from_numpy(value.astype(np.float32))
             ranks = pixel_ranks(pixel_relevance(value, (h, w), spec.config.reduce))[0]
             lines = []
             for metric in ("deletion", "insertion", "road"):

@@ -10,6 +10,7 @@ import matplotlib
 import numpy as np
 
 from hookrun.io import layout
+from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
 
 matplotlib.use("Agg")
@@ -23,7 +24,7 @@ def render_induction(f: h5py.File, out_dir: Path) -> list[Path]:
     if layout.INDUCTION_SCORE not in f:
         return []
     ds = f[layout.INDUCTION_SCORE]
-    score = np.asarray(ds[()], dtype=np.float32)
+    score = np.asarray(read_floats(ds), dtype=np.float32)
     layers = layout.induction_layers(f) or [str(i) for i in range(score.shape[0])]
     height, width = score.shape
     fig, ax = plt.subplots(figsize=(2.5 + 0.6 * width, 1.2 + 0.45 * height))

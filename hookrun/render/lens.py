@@ -12,6 +12,7 @@ import matplotlib
 import numpy as np
 
 from hookrun.io import layout, walk
+from hookrun.io.encoding import decoded
 from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts, shown_lengths
 
@@ -47,7 +48,7 @@ def render_lens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pa
     """`logit_lens.png` for a file with the logit lens's results; [] otherwise."""
     if _IDS not in f or layout.SAMPLES_TOKENS not in f or not rows:
         return []
-    ids, probs = f[_IDS], f[_PROBS]
+    ids, probs = f[_IDS], decoded(f[_PROBS])
     layers = ids.shape[1]
     names = _block_names(f, layers)
     shown = min(rows, _ROWS)

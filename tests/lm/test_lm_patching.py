@@ -343,6 +343,16 @@ def test_a_stored_clean_run_that_does_not_fit_is_refused_before_any_work(tmp_pat
             "prompts.jsonl:2: the counterfactual has",
         ),
         ([], [ROWS[0], ROWS[1][:2]], "prompts.jsonl:2 has no 'counterfactual'"),
+        (
+            [],
+            [ROWS[0], ("A quick brown fox", " jumps", "A lazy brown fox", " jumps")],
+            "prompts.jsonl:2: the answer and the counterfactual_answer are one token",
+        ),
+        (
+            [],
+            [ROWS[0], ("A quick brown fox", " jumps", "A quick brown fox", " dog")],
+            "prompts.jsonl:2: the counterfactual is the prompt itself (the same",
+        ),
         (["patching.sites=[resid,blocks]"], ROWS, "patching.sites[1]: 'blocks'"),
         (["patching.positions=[2,8]"], ROWS, "patching.positions: 8 is past the row at"),
         (["patching.positions=[-1]"], ROWS, "patching.positions: [-1]"),
@@ -358,6 +368,34 @@ def test_refused_in_one_line_before_any_work(tmp_path, extra, rows, said):
         run_config(tmp_path / "run", _args(tmp_path / "lm", data, *extra))
     assert said in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_rows_found_unscorable_by_their_passes_are_named_in_log_summary_and_file(tmp_path, caplog):
+    """With every attention output zeroed, the read position sees only its own token: a row
+    whose counterfactual changes an earlier token has clean = corrupted (every cell NaN)."""
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.zero_()
+            block.attn.c_proj.bias.zero_()
+    model.save_pretrained(tmp_path / "lm")
+    rows = [
+        ("The cat sat on the", " mat", "The dog sat on the", " cat"),  # same last token
+        ("The cat sat on the", " mat", "The cat sat on a", " cat"),  # the last token differs
+        ("A quick brown fox", " jumps", "A lazy brown fox", " dog"),  # same last token
+    ]
+    data = _prompts(tmp_path / "prompts.jsonl", rows)
+    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data))
+    got = read(result.path)
+    gap = got["patching/clean"] - got["patching/corrupted"]
+    assert (gap == 0).tolist() == [True, False, True]
+    assert np.isnan(got["patching/resid"][[0, 2]]).all()
+    assert not np.isnan(got["patching/resid"][1]).all()
+    with h5py.File(result.path) as f:
+        assert f["patching"].attrs["unscorable"].tolist() == [0, 2]
+    assert "could not score 2 of 3 rows" in result.summary and "samples 0, 2" in result.summary
+    said = [r.getMessage() for r in caplog.records if "logit difference is 0" in r.getMessage()]
+    assert said and "dataset rows 0" in said[0]
 
 
 def test_an_architecture_without_known_module_names_is_refused(tmp_path):
