@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 
@@ -52,6 +55,27 @@ class ExplodingNet(TwiceNet):
         self.calls += torch.is_grad_enabled()
         if self.calls == 2:
             raise RuntimeError("boom in batch 2")
+        return super().forward(x)
+
+
+class StallingNet(TwiceNet):
+    """TwiceNet whose batch `stall_at` (its forward pass of that number in gradient mode: the
+    probes come first, without) takes ten minutes of small torch operations — a long batch,
+    with Python running between them — while the file `stall_flag` exists; the flag is
+    removed as the stall starts, so a later process runs at full speed."""
+
+    def __init__(self, width: int = 4, stall_flag: str = "", stall_at: int = 3) -> None:
+        super().__init__(width)
+        self.stall_flag, self.stall_at = stall_flag, stall_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += torch.is_grad_enabled()
+        if self.calls == self.stall_at and os.path.exists(self.stall_flag):
+            os.unlink(self.stall_flag)
+            end, y = time.monotonic() + 600, x.detach()
+            while time.monotonic() < end:
+                y = torch.tanh(y)
         return super().forward(x)
 
 

@@ -29,6 +29,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from hookrun.engine.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
+from hookrun.engine.interrupt import deferred
 from hookrun.engine.leaves import leaves, rebuild
 from hookrun.engine.plan import HookPlan, PlannedHook
 from hookrun.engine.positions import act_at
@@ -38,7 +39,7 @@ from hookrun.engine.transfer import HostCopier
 from hookrun.io.layout import INPUT_GRAD, capture_key
 from hookrun.spec.schema import Site
 
-__all__ = ["Recorder", "attach", "prepare_input", "run_mode"]
+__all__ = ["Recorder", "attach", "hooks_kept", "prepare_input", "run_mode"]
 
 
 class Recorder:
@@ -281,9 +282,47 @@ def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[Non
                     handles.append(module.register_forward_hook(_post_hook(layer, plan, recorder)))
             yield
     finally:
-        for handle in handles:
-            handle.remove()
-        handles.clear()
+        with deferred():  # a signal now waits until every hook is off
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+
+
+# The hook tables of a module (torch keeps a hook in one, and flags about it in the others,
+# all under the handle's id).
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+@contextmanager
+def hooks_kept(model: nn.Module | None) -> Iterator[None]:
+    """The caller's `model` leaves with exactly the module hooks it came with: a safety net
+    under every registration of the run (attach, and the passes of derived methods, the
+    sanity check and patching), whatever path the run ended by."""
+    if model is None:
+        yield
+        return
+    before = {
+        name: {table: set(getattr(m, table, {})) for table in _HOOK_TABLES}
+        for name, m in model.named_modules()
+    }
+    try:
+        yield
+    finally:
+        with deferred():
+            for name, m in model.named_modules():
+                for table in _HOOK_TABLES:
+                    hooks = getattr(m, table, None)
+                    kept = before.get(name, {}).get(table, set())
+                    for key in [k for k in hooks or {} if k not in kept]:
+                        del hooks[key]
 
 
 def _graph_start(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -322,9 +361,10 @@ def run_mode(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(False)  # backward then computes no parameter gradients
         yield
     finally:
-        for name, m in model.named_modules():
-            m.training = training[name]
-        if wrapped_training is not None:
-            wrapped.training = wrapped_training
-        for name, p in model.named_parameters():
-            p.requires_grad_(grads[name])
+        with deferred():
+            for name, m in model.named_modules():
+                m.training = training[name]
+            if wrapped_training is not None:
+                wrapped.training = wrapped_training
+            for name, p in model.named_parameters():
+                p.requires_grad_(grads[name])

@@ -1,11 +1,17 @@
-"""SIGTERM and SIGINT during a run: finish the batch in flight, then stop cleanly.
+"""SIGTERM and SIGINT during a run: stop within moments, wherever the run is, and leave a
+file that resumes.
 
-The handlers only note the signal; the batch loop checks the note before it fetches the next
-batch (`until_signal`), so the batch being computed completes, the writer flushes every
-queued batch, the file is marked `interrupted` with the signal as its reason, and every hook
-comes off on the way out. A second signal gets the handler that was there before (Python's
-KeyboardInterrupt for SIGINT, immediate termination for SIGTERM): the file is then left
-`running`, which `resume=true` continues just the same.
+The handlers note the signal. Where the run is computing (`interruptible()`: building the data
+and the model, the probe, a batch's passes, drawing pictures) they stop it at once by raising
+Interrupted there: what a batch in flight computed is not in the file yet, so dropping it
+loses nothing (`resume=true` computes it again). Elsewhere — queuing a batch to the writer,
+closing the file, taking hooks off, putting weights back (`deferred()`) — the signal waits
+until that step is done, then stops the run at its next check (`stop_if_signalled`, before
+each batch). Either way the writer flushes every queued batch, the file is marked
+`interrupted` with the signal as its reason, and every hook comes off on the way out. A second
+signal gets the handler that was there before (Python's KeyboardInterrupt for SIGINT,
+immediate termination for SIGTERM): the file is then left `running`, which `resume=true`
+continues just the same.
 """
 
 from __future__ import annotations
@@ -18,11 +24,34 @@ from typing import TypeVar
 
 from hookrun.errors import Interrupted
 
-__all__ = ["signals_caught", "stop_if_signalled", "until_signal"]
+__all__ = [
+    "signals_caught",
+    "stop_if_signalled",
+    "until_signal",
+    "interruptible",
+    "deferred",
+    "signal_blamed",
+]
 
 T = TypeVar("T")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _caught: list[int] = []  # signals are process-wide, so is this note
+
+
+class _Regions:
+    """Where the main thread is: inside how many interruptible and deferred regions, and
+    whether the caught signal was already raised (it is raised once: the unwinding it
+    starts runs clean-up code that must not be cut short by it again)."""
+
+    interruptible = 0
+    deferred = 0
+    raised = False
+
+
+def _raise_now() -> None:
+    if _caught and not _Regions.raised:
+        _Regions.raised = True
+        stop_if_signalled()
 
 
 @contextmanager
@@ -36,8 +65,11 @@ def signals_caught() -> Iterator[None]:
     def note(signum: int, frame: object) -> None:
         _caught.append(signum)
         signal.signal(signum, previous[signum])  # a second one acts at once
+        if _Regions.interruptible and not _Regions.deferred:
+            _raise_now()  # computing: stop here, the work in flight is not in the file yet
 
     _caught.clear()
+    _Regions.raised = False
     for signum in _SIGNALS:
         previous[signum] = signal.signal(signum, note)
     try:
@@ -46,11 +78,39 @@ def signals_caught() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _caught.clear()
+        _Regions.raised = False
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Work a signal stops at once: nothing it does is in the file until it returns."""
+    _Regions.interruptible += 1
+    try:
+        if not _Regions.deferred:
+            _raise_now()  # a signal caught just before
+        yield
+    finally:
+        _Regions.interruptible -= 1
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Clean-up a signal must not cut short (hooks coming off, flags and weights put back):
+    a signal caught inside is acted on once it is done, when it ends inside interruptible
+    work; elsewhere at the next check."""
+    _Regions.deferred += 1
+    try:
+        yield
+    finally:
+        _Regions.deferred -= 1
+    if not _Regions.deferred and _Regions.interruptible:
+        _raise_now()
 
 
 def stop_if_signalled() -> None:
     """Raise Interrupted (exit status 128 + signal) once a signal was caught."""
     if _caught:
+        _Regions.raised = True
         signum = _caught[0]
         name = signal.Signals(signum).name
         raise Interrupted(
@@ -58,6 +118,22 @@ def stop_if_signalled() -> None:
             "is marked interrupted; continue it with resume=true",
             signum,
         )
+
+
+@contextmanager
+def signal_blamed() -> Iterator[None]:
+    """An error after a signal was caught is the signal's doing (a loader worker killed by
+    the same SIGTERM): reported as the interruption it is, and the file marked so."""
+    try:
+        yield
+    except Exception as err:
+        if not _caught or isinstance(err, Interrupted):
+            raise
+        _Regions.raised = True
+        try:
+            stop_if_signalled()
+        except Interrupted as stop:
+            raise stop from err
 
 
 def until_signal(batches: Iterable[T]) -> Iterator[T]:

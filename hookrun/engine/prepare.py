@@ -28,12 +28,13 @@ from hookrun.data.loader import (
 from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.engine.camlayer import resolve_cam_layer
 from hookrun.engine.hooks import run_mode
+from hookrun.engine.interrupt import interruptible
 from hookrun.engine.plan import HookPlan, check_reached, compile_plan
 from hookrun.engine.plan_text import FileShape, describe_plan, describe_results
 from hookrun.engine.probe import probe_shapes
 from hookrun.engine.profile import StageTimer
 from hookrun.engine.targets import check_target
-from hookrun.engine.tokencheck import check_token_run
+from hookrun.engine.tokencheck import check_token_model, check_token_run
 from hookrun.errors import HookrunError
 from hookrun.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.evaluate.registry import Stored
@@ -41,7 +42,7 @@ from hookrun.evaluate.sanity import SanityCheck, prepare_sanity
 from hookrun.io.dimensions import AxisFacts
 from hookrun.io.layout import SAMPLES_PATH, Provenance
 from hookrun.io.lock import WriterLock
-from hookrun.io.resume import check_paths, check_sources, resume_point
+from hookrun.io.resume import Resumed, check_paths, check_sources, resume_point
 from hookrun.io.sink import check_sink_path
 from hookrun.io.stored import stored_record
 from hookrun.methods.layouts import axis_facts
@@ -56,7 +57,7 @@ from hookrun.scale.provenance import provenance
 from hookrun.spec.build import RunSpec, check_sizes
 from hookrun.spec.schema import TargetKind
 
-__all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
+__all__ = ["CallerObjects", "Claim", "claim_file", "Prepared", "prepare", "STORE_DTYPES"]
 
 log = logging.getLogger("hookrun")
 
@@ -91,7 +92,6 @@ class Prepared:
     header: Provenance
     timer: StageTimer
     started: float
-    lock: WriterLock | None = None  # held from the path checks to the end of the run
     # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: dict[str, int] = field(default_factory=dict)
     # Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype.
@@ -103,17 +103,58 @@ class Prepared:
     # Attributes of the datasets and groups the run creates (evaluation's), by path.
     attrs: dict[str, dict] = field(default_factory=dict)
 
+
+@dataclass
+class Claim:
+    """The file a run writes, claimed before anything else: its paths, the writer lock (held
+    to the end of the run), and where a resumed run starts."""
+
+    final_path: Path  # the captures.h5 users read
+    sink_path: Path  # the file this process writes (a shard under torchrun)
+    lock: WriterLock | None = None
+    resumed: Resumed = field(default_factory=Resumed)
+
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
 
 
-def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> int:
-    """Rows already done (resume), after refusing paths that exist or cannot be written."""
+def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
+    """The run's file, locked and checked: a path that exists (unless resumed or
+    overwritten) or cannot be written is refused, a resumed file's rows are counted."""
+    if spec.sink.path and spec.sink.path.endswith(("/", os.sep)):
+        raise HookrunError(
+            f"sink.path: {spec.sink.path} ends with '/', which names a folder; valid: a file "
+            f"path, e.g. {spec.sink.path}captures.h5"
+        )
+    final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
+    if final_path.is_symlink() and final_path.exists():
+        # Through a link the file it names is the one written and locked: two names of one
+        # file must not give two writers, and the link itself stays a link.
+        final_path = Path(os.path.realpath(final_path))
+    sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
+    # The lock first: the checks below then cannot race another run on the same file.
+    claim = Claim(final_path, sink_path, None if spec.dry_run else WriterLock(sink_path))
+    try:
+        with interruptible():  # a resume's damage check reads the whole file
+            claim.resumed = _check_paths(spec, final_path, sink_path, world)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> Resumed:
+    """Where a resumed run starts, after refusing paths that exist or cannot be written."""
+    if spec.resume and world.parallel and final_path.exists():
+        joined = resume_point(final_path, spec.config_yaml)
+        if joined.complete:  # every shard was complete and joined: nothing to compute
+            return joined
     if spec.resume and sink_path.exists():
-        # Under torchrun a shard may have finished before another rank was killed.
-        render = spec.render_max if spec.render else 0
-        return resume_point(sink_path, spec.config_yaml, world.parallel, render)
+        found = resume_point(sink_path, spec.config_yaml)
+        # Under torchrun a shard may have finished before another rank was killed: its rows
+        # are done, and the join still to come.
+        return replace(found, complete=False) if world.parallel else found
     if spec.resume:
         sizes = distributed.shard_world_sizes(final_path) - {world.size}
         if sizes:
@@ -127,7 +168,7 @@ def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World)
         check_sink_path(sink_path, spec.sink.overwrite)
         if world.parallel and world.rank == 0:
             check_sink_path(final_path, spec.sink.overwrite)  # the file the shards will join in
-    return 0
+    return Resumed()
 
 
 def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:
@@ -147,29 +188,17 @@ def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:
 
 
 def prepare(
-    spec: RunSpec, run_dir: Path, world: World, device: torch.device, caller: CallerObjects
+    spec: RunSpec,
+    run_dir: Path,
+    world: World,
+    device: torch.device,
+    caller: CallerObjects,
+    claim: Claim,
 ) -> Prepared:
     """Check, build and probe everything a run needs; HookrunError before any work."""
-    if spec.sink.path and spec.sink.path.endswith(("/", os.sep)):
-        raise HookrunError(
-            f"sink.path: {spec.sink.path} ends with '/', which names a folder; valid: a file "
-            f"path, e.g. {spec.sink.path}captures.h5"
-        )
-    final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
-    if final_path.is_symlink() and final_path.exists():
-        # Through a link the file it names is the one written and locked: two names of one
-        # file must not give two writers, and the link itself stays a link.
-        final_path = Path(os.path.realpath(final_path))
-    sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
-    # The lock first: the checks below then cannot race another run on the same file.
-    lock = None if spec.dry_run else WriterLock(sink_path)
-    try:
-        done = _check_paths(spec, final_path, sink_path, world)
-        return _prepare(spec, run_dir, world, device, caller, (final_path, sink_path, done, lock))
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
+    # Nothing is written before the first batch: a signal stops any of this at once.
+    with interruptible():
+        return _prepare(spec, run_dir, world, device, caller, claim)
 
 
 def _prepare(
@@ -178,9 +207,9 @@ def _prepare(
     world: World,
     device: torch.device,
     caller: CallerObjects,
-    paths: tuple[Path, Path, int, WriterLock | None],
+    claim: Claim,
 ) -> Prepared:
-    final_path, sink_path, done, lock = paths
+    final_path, sink_path, done = claim.final_path, claim.sink_path, claim.resumed.rows
     started = time.perf_counter()
     # The data first: its checks are cheap, the weights may be large.
     if caller.dataset is not None:
@@ -203,6 +232,7 @@ def _prepare(
     tokens = token_rows(data)
     if tokens is not None:
         check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
+        check_token_model(spec, model, data, tokens)  # before the probe's forward pass
     sample = data[0][0].to(device)
     try:  # the first forward passes of the user's model: a failure there is bad input
         spec = resolve_cam_layer(spec, model, sample)
@@ -308,7 +338,6 @@ def _prepare(
         header=header,
         timer=StageTimer(spec.profile, device),
         started=started,
-        lock=lock,
         folds=plan.folds(shapes),
         dtypes=dtypes,
         axes=axis_facts(

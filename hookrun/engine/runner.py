@@ -8,10 +8,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from hookrun.engine.device import devices_kept, resolve_device
-from hookrun.engine.finish import Result, dry_result, finish
+from hookrun.engine.finish import Result, already_complete, dry_result, finish
+from hookrun.engine.hooks import hooks_kept
 from hookrun.engine.interrupt import signals_caught, stop_if_signalled
 from hookrun.engine.pattern import attention_kept
-from hookrun.engine.prepare import CallerObjects, prepare
+from hookrun.engine.prepare import CallerObjects, claim_file, prepare
 from hookrun.engine.stream import stream
 from hookrun.evaluate.randomize import weights_kept
 from hookrun.scale import distributed
@@ -38,12 +39,16 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
         with (
             reproducible(spec.seed, spec.deterministic),
             devices_kept(caller.model),
+            hooks_kept(caller.model),  # under every registration: none stays on the model
             attention_kept(caller.model),  # at: pattern switches fused attention to eager
             weights_kept(caller.model) if randomised else nullcontext(),
             signals_caught(),
         ):
-            run = prepare(spec, run_dir, world, device, caller)
+            claim = claim_file(spec, run_dir, world)
             try:
+                if claim.resumed.complete:  # a requeued job that had finished
+                    return already_complete(spec, claim, run_dir, caller.model, world)
+                run = prepare(spec, run_dir, world, device, caller, claim)
                 if spec.dry_run:
                     return dry_result(run)
                 stop_if_signalled()  # a signal during start-up: stop before any file exists
@@ -52,6 +57,6 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
                 rows_here = stream(run)
                 return finish(run, rows_here)
             finally:
-                run.release()  # the writer lock, held since the path checks
+                claim.release()  # the writer lock, held since the path checks
     finally:
         distributed.stop()

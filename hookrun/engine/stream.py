@@ -18,7 +18,7 @@ from tqdm import tqdm
 from hookrun.data.loader import SourceFiles, has_labels, make_loader
 from hookrun.data.tokens import token_rows
 from hookrun.engine.hooks import Recorder, attach, prepare_input, run_mode
-from hookrun.engine.interrupt import until_signal
+from hookrun.engine.interrupt import interruptible, signal_blamed, until_signal
 from hookrun.engine.leaves import model_logits
 from hookrun.engine.plan import HookPlan
 from hookrun.engine.prepare import STORE_DTYPES, Prepared
@@ -270,23 +270,34 @@ def stream(run: Prepared) -> int:
     kept = weights_kept(run.model) if run.sanity is not None else nullcontext()
     with sink, run_mode(run.model), kept, attach(run.plan, run.model, recorder):
         while True:
-            with timer.stage("data"):
-                batch = _next_batch(batches, shape)
-            if batch is None:
-                break
-            records = step(batch)
-            if run.derivations:
-                # The context inside: a language model's embeddings are computed with the
-                # run's hooks standing aside, like the derived passes themselves.
-                def work(records=records):
-                    return derive(run.derivations, records, step.context())
-
-                records.update(_on_bare_model(recorder, "derive", work))
-            if run.evaluation is not None or run.sanity is not None:
-                work = partial(_evaluate, run, step, batch, records)
-                records.update(_on_bare_model(recorder, "evaluate", work))
-            if run.patching is not None:  # the layers × positions grids (hookrun/patching/)
-                work = partial(run.patching.batch, run.model, step.inputs, batch[1], batch[2])
-                records.update(_on_bare_model(recorder, "patching", work))
+            # A signal stops the batch in flight at once (it is not in the file yet); the
+            # queue to the writer is left only once a batch is whole in it.
+            with interruptible(), signal_blamed():
+                with timer.stage("data"):
+                    batch = _next_batch(batches, shape)
+                if batch is None:
+                    break
+                records = _batch_records(run, step, batch)
             sink.write(records, recorder.events, copier.give_back)
     return len(todo)
+
+
+def _batch_records(run: Prepared, step: BatchStep, batch: tuple) -> dict:
+    """Everything the run stores of one batch: the hooked passes' records, then what the
+    derived methods, the evaluation, the sanity check and patching make of the batch."""
+    recorder = step.recorder
+    records = step(batch)
+    if run.derivations:
+        # The context inside: a language model's embeddings are computed with the run's
+        # hooks standing aside, like the derived passes themselves.
+        def work(records=records):
+            return derive(run.derivations, records, step.context())
+
+        records.update(_on_bare_model(recorder, "derive", work))
+    if run.evaluation is not None or run.sanity is not None:
+        work = partial(_evaluate, run, step, batch, records)
+        records.update(_on_bare_model(recorder, "evaluate", work))
+    if run.patching is not None:  # the layers × positions grids (hookrun/patching/)
+        work = partial(run.patching.batch, run.model, step.inputs, batch[1], batch[2])
+        records.update(_on_bare_model(recorder, "patching", work))
+    return records

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hookrun.engine.interrupt import deferred
 from hookrun.errors import HookrunError, nearest
 
 __all__ = ["default_layers", "check_layers", "Randomizer", "weights_kept", "reset_seed"]
@@ -166,5 +167,5 @@ def weights_kept(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
+        with deferred(), torch.no_grad():  # a signal waits until the weights are back
             model.load_state_dict(saved)

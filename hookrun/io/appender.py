@@ -1,16 +1,23 @@
 """Appending rows to a captures.h5, batch by batch, so that a fault at any moment loses
 nothing already counted in `completed`.
 
-SWMR mode once the first batch's datasets exist, a flush every batch, `completed` advanced
-only after the data is flushed; a killed writer's file opens read-only (`open_readonly`) with
-every row up to `completed` intact, and io/stored.py's `rewrite_rows` copies them into a
-fresh file (HDF5 cannot clear a dead writer's mark). Every path and attribute name comes
-from io/layout.py.
+A new file takes its name when its first batch comes, made beside it under another name
+(header, datasets, SWMR on) and renamed: the path never names a file HDF5 holds open
+without SWMR, which no reader can open after a kill. A run killed before its first batch
+leaves no file (resume=true starts it); one stopped by a signal or an error before it
+leaves a closed file with its header and status. From the first batch: a flush every batch,
+`completed` advanced only after the data is flushed; a killed writer's file opens read-only
+(`open_readonly`) with every row up to `completed` intact, and io/stored.py's
+`rewrite_rows` copies them into a fresh file (HDF5 cannot clear a dead writer's mark). Every
+path and attribute name comes from io/layout.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +44,7 @@ from hookrun.io.layout import (
     write_header,
 )
 from hookrun.io.storage import chunk_shape
-from hookrun.io.walk import write_verdicts
+from hookrun.io.walk import write_summaries
 
 __all__ = ["FileOptions", "CapturesFile"]
 
@@ -67,26 +74,59 @@ class FileOptions:
         return self.dtypes.get(key, self.dtype)
 
 
+def _give_name(part: Path, path: Path, overwrite: bool) -> None:
+    """`part` renamed to `path`; an existing `path` is refused unless `overwrite` (a hard link
+    refuses it atomically; on a file system without links — FUSE, FAT — the run's writer
+    lock and the check just before stand in)."""
+    if overwrite:
+        os.replace(part, path)
+        return
+    try:
+        os.link(part, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "file exists", str(path)) from None
+        os.rename(part, path)
+    else:
+        part.unlink()
+
+
 class CapturesFile:
     """A captures.h5 open for appending rows, batch by batch (one writer thread at a time).
 
     `create` makes a new file with every attribute up front (SWMR forbids new attributes
     later); `reopen` continues an interrupted one from `completed`, dropping rows past it.
+    A file with no rows stays closed (a new one is not on disk) until its first batch.
     `close(error)` sets the final status. Room for each batch is reserved before HDF5
     writes it (io/storage.py): a full disk then fails cleanly and the file still closes as
     `failed`; a write HDF5 itself failed leaves the file as it was after the last batch.
     """
 
-    def __init__(self, file: h5py.File, options: FileOptions) -> None:
-        self.file = file
+    def __init__(
+        self, path: Path, options: FileOptions, new: tuple[Provenance | Mapping, bool] | None
+    ) -> None:
+        self.path = Path(path)
         self.options = options
-        self.rows = read_state(file).completed
+        self.file: h5py.File | None = None  # open for appending (None: until a batch comes)
+        # A file not on disk yet: its header and whether it may replace an existing one.
+        self.new = new
+        self.rows = 0
         # Open handles, looked up once: a path lookup per dataset per batch is most of the
         # writer's time on small batches.
+        self.datasets: dict[str, h5py.Dataset] = {}
+        self.keys: set[str] = set()
+        self.batch: dict[str, int] = {}  # key → rows per batch-row (0: one row per sample)
+        self.broken = False  # HDF5 failed a write: the handle must not flush again
+
+    def _use(self, file: h5py.File) -> None:
+        """Append to `file` from here (its datasets, rows and layout as it holds them)."""
+        self.file = file
+        self.rows = read_state(file).completed
         self.datasets = {k: file[k] for k in dataset_names(file)}
         self.keys = set(self.datasets)
-        self.batch = {k: per_batch(ds) for k, ds in self.datasets.items()}  # 0: one row per sample
-        self.broken = False  # HDF5 failed a write: the handle must not flush again
+        self.batch = {k: per_batch(ds) for k, ds in self.datasets.items()}
 
     @classmethod
     def create(
@@ -96,31 +136,65 @@ class CapturesFile:
         options: FileOptions,
         overwrite: bool = False,
     ) -> CapturesFile:
-        # 'w-' refuses an existing file even if one appeared after the path was checked.
-        f = h5py.File(path, "w" if overwrite else "w-", libver="latest")
-        write_header(f, header)
-        mark_status(f, "running")
-        mark_completed(f, 0)
-        f.flush()
-        return cls(f, options)
+        """A new file at `path`, made when the first batch comes (or the run ends)."""
+        return cls(path, options, (header, overwrite))
 
     @classmethod
     def reopen(cls, path: Path, options: FileOptions) -> CapturesFile:
         """Continue an interrupted, cleanly closed file (io/stored.py's `reopen` first
-        copies a killed writer's file into one)."""
+        copies a killed writer's file into one); one with no rows yet stays closed until
+        its first batch."""
+        out = cls(path, options, None)
         f = h5py.File(path, "r+", libver="latest")
         try:
-            out = cls(f, options)
-            for ds in out.datasets.values():  # rows past `completed` may be half written
-                ds.resize(rows_for(ds, out.rows), axis=0)
+            completed = read_state(f).completed
+            for key in dataset_names(f):  # rows past `completed` may be half written
+                f[key].resize(rows_for(f[key], completed), axis=0)
             mark_status(f, "running")
             f.flush()
+            out._use(f)
             if out.keys:
                 f.swmr_mode = True
+            else:
+                f.close()
+                out.file = None
         except BaseException:
             f.close()  # no handle left open on a file the run gives up on
             raise
         return out
+
+    def _part(self) -> Path:
+        """Where a new file is made before it takes its name: beside it, a name of its own
+        (`.{path.name}…` could pass the file system's 255 bytes), the same for every run of
+        that path, so the next one removes what a killed one left."""
+        digest = hashlib.sha256(self.path.name.encode()).hexdigest()[:16]
+        return self.path.with_name(f".hookrun-{digest}.part.h5")
+
+    def _begin(self) -> None:
+        """Open the file for its first batch. A new one is made under another name and takes
+        its own once SWMR is on (`_named`): the path never names a file HDF5 holds open
+        without SWMR, which no reader could open after a kill."""
+        if self.new is None:
+            self._use(h5py.File(self.path, "r+", libver="latest"))
+            return
+        part = self._part()
+        part.unlink(missing_ok=True)  # left by a killed run (the writer lock is ours)
+        f = h5py.File(part, "w-", libver="latest")
+        try:
+            write_header(f, self.new[0])
+            mark_status(f, "running")
+            mark_completed(f, 0)
+        except BaseException:
+            f.close()
+            part.unlink(missing_ok=True)
+            raise
+        self._use(f)
+
+    def _named(self) -> None:
+        """A new file, made under another name, takes its own."""
+        if self.new is not None:
+            _give_name(self._part(), self.path, self.new[1])
+            self.new = None
 
     def append(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Write one batch (every key, same row count), then flush and advance `completed`.
@@ -129,6 +203,8 @@ class CapturesFile:
         it began)."""
         if SAMPLES_INDEX in arrays and (SAMPLE in self.keys or not self.keys):
             arrays = {**arrays, SAMPLE: arrays[SAMPLES_INDEX]}
+        if self.file is None:
+            self._begin()
         if not self.keys:
             for key, array in arrays.items():
                 self._create(key, array)
@@ -136,6 +212,7 @@ class CapturesFile:
             name_dimensions(self.file, self.options.axes, self.options.checksum)
             write_attrs(self.file, self.options.attrs)  # SWMR allows no new attributes
             self.file.swmr_mode = True  # all datasets exist: from here a kill loses nothing
+            self._named()
         if set(arrays) != self.keys:
             raise RuntimeError(
                 f"batch keys changed: missing {sorted(self.keys - set(arrays))}, "
@@ -201,20 +278,25 @@ class CapturesFile:
     def close(self, error: BaseException | None = None, interrupted: bool = False) -> None:
         """Final status (`complete`; `failed` or `interrupted` with the error recorded), then
         close. A broken handle is closed without writing: the file stays `running` with
-        every row up to `completed` intact, which `resume=true` continues."""
+        every row up to `completed` intact, which `resume=true` continues (a new file that
+        had not taken its name yet is dropped: it holds no row)."""
         if self.broken:
             storage.abandon(self.file)
+            if self.new is not None:
+                self._part().unlink(missing_ok=True)
             return
+        if self.file is None:  # no batch came: the header and the status, closed
+            self._begin()
         try:
             if error is None:
-                write_verdicts(self.file, self.rows)  # summaries of every row, then the mark
+                write_summaries(self.file, self.rows)  # of every row, then the mark
                 mark_status(self.file, "complete")
             else:
                 status = "interrupted" if interrupted else "failed"
                 mark_status(self.file, status, f"{type(error).__name__}: {error}")
-            path = Path(self.file.filename)
             self.file.close()
-            storage.trim(path)
+            self._named()
+            storage.trim(self.path)
         except (OSError, RuntimeError):
             self.broken = True
             storage.abandon(self.file)

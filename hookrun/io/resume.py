@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,7 +22,7 @@ from hookrun.io.layout import (
 )
 from hookrun.io.storage import never_written, open_readonly, unreadable_rows
 
-__all__ = ["RESUME_IGNORES", "resume_point", "check_sources", "check_paths"]
+__all__ = ["RESUME_IGNORES", "Resumed", "resume_point", "check_sources", "check_paths"]
 
 log = logging.getLogger("hookrun")
 
@@ -68,22 +69,30 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
     return config
 
 
-def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render: int = 0) -> int:
-    """Rows already complete in the captures.h5 a resumed run continues (0: none, the run
-    starts it, or starts it over); HookrunError for a cut, foreign, complete or differently
-    configured file. `complete_ok`: a complete file is fine (a torchrun shard that finished
-    before another rank was killed) and gives all its rows. `render`: the pictures the run
-    draws (render_max; 0 with render=false), named in the refusal of a complete file."""
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run starts: the rows already complete in its file, and whether the
+    whole file is (a requeued job that had finished: nothing to compute)."""
+
+    rows: int = 0
+    complete: bool = False
+
+
+def resume_point(path: Path, config_yaml: str) -> Resumed:
+    """Where a resumed run continues the captures.h5 at `path` (0 rows: none yet, the run
+    starts it, or starts it over; a complete file: every row, nothing to compute, resuming
+    is idempotent); HookrunError for a cut, foreign, damaged or differently configured
+    file."""
     if not path.exists():
         # A requeued job killed before its file existed: nothing to continue, so start.
         log.warning("resume: there is no %s yet; starting it", path)
-        return 0
+        return Resumed()
     try:
         state = read_state(path)
     except OSError as err:
         if never_written(err):  # killed before its first row: nothing in it to keep
             log.warning("resume: %s was stopped before its first row; starting it over", path)
-            return 0
+            return Resumed()
         raise HookrunError(f"resume: {path} is not a readable HDF5 file ({err})") from None
     except (KeyError, RuntimeError, ValueError) as err:  # HDF5 read damaged metadata
         raise HookrunError(
@@ -92,16 +101,6 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
         ) from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
-    if state.status == "complete" and not complete_ok:
-        # Pictures come after the file is complete: a run stopped while drawing them leaves
-        # a complete file, and only the pictures to make again.
-        pictures = ""
-        if render:
-            pictures = f"; to draw its pictures: python -m hookrun.render {path} --max {render}"
-        raise HookrunError(
-            f"resume: {path} is already complete ({state.completed} rows); nothing to compute"
-            f"{pictures}"
-        )
     before = _without(OmegaConf.to_container(OmegaConf.create(state.config)), RESUME_IGNORES)
     now = _without(OmegaConf.to_container(OmegaConf.create(config_yaml)), RESUME_IGNORES)
     if before == now and list(before.get("hooks") or {}) != list(now.get("hooks") or {}):
@@ -117,8 +116,11 @@ def resume_point(path: Path, config_yaml: str, complete_ok: bool = False, render
             f"resume: the config differs from the one {path} was written with in "
             f"{', '.join(changed)}; resume with the same config, or start a new run"
         )
+    if state.status == "complete":
+        # Nothing will be written to it (python -m hookrun.verify reads every chunk).
+        return Resumed(state.completed, complete=True)
     _refuse_damage(path, state.completed)
-    return state.completed
+    return Resumed(state.completed)
 
 
 def _refuse_damage(path: Path, completed: int) -> None:

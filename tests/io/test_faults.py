@@ -161,7 +161,7 @@ def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_finishes_the_batch_marks_interrupted_and_resumes(tmp_path, signum, code):
+def test_a_signal_stops_the_run_marks_interrupted_and_resumes(tmp_path, signum, code):
     args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "signalled"
     path = run_dir / "captures.h5"
@@ -249,28 +249,60 @@ def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
     assert bad.returncode == 1 and "captures/layer1/output: unreadable" in bad.stdout
 
 
-KILL_BEFORE_FIRST_ROW = """
-import os, signal, sys
-from pathlib import Path
-from hookrun.io.appender import CapturesFile, FileOptions
-kept = CapturesFile.create(Path(sys.argv[1]), {"config": "x"}, FileOptions())
-os.kill(os.getpid(), signal.SIGKILL)
-"""
+def stalling(flag: Path, stall_at: int) -> list[str]:
+    """A run of StallingNet over 8 rows in batches of 2, its batch `stall_at` ten minutes
+    long while `flag` exists."""
+    return [
+        "model=custom",
+        "model._target_=models_for_tests.StallingNet",
+        f"+model.kwargs.stall_flag={flag}",
+        f"+model.kwargs.stall_at={stall_at}",
+        "dataset=constant",
+        "dataset.shape=[4]",
+        "dataset.size=8",
+        "batch_size=2",
+        *hook("c", "fc", "output", "capture"),
+        *hook("g", "relu", "grad_input", "capture"),
+        "progress=false",
+        "render=false",
+    ]
 
 
-def test_killed_before_its_first_row_resume_starts_it_over(tmp_path):
-    args = [*RUN, "dataset.size=4"]
+def stalled(args: list[str], flag: Path, cwd: Path, run_dir: Path) -> subprocess.Popen:
+    """The run started, once it is inside its stalling batch."""
+    flag.touch()
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], cwd)
+    deadline = time.monotonic() + 120
+    while flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not flag.exists() and proc.poll() is None  # inside the long batch
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_stopped_during_its_first_batch_then_resumed(tmp_path, signum):
+    """Killed during its first batch, a run leaves no file (it takes its name with its first
+    rows); stopped by SIGTERM, a closed one any reader opens, also as SWMR readers do:
+    header, `interrupted`, no rows. Either way resume=true computes every row, and no file
+    made on the way is left beside it."""
+    args = stalling(tmp_path / "stall", 1)
     run_dir = tmp_path / "early"
     path = run_dir / "captures.h5"
-    run_dir.mkdir()
-    # A real process killed right after creating the file, before any dataset exists.
-    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_FIRST_ROW, str(path)])
-    assert proc.returncode == -signal.SIGKILL and path.exists()
-    with pytest.raises(OSError):
-        open_readonly(path)
+    proc = stalled(args, tmp_path / "stall", tmp_path, run_dir)
+    proc.send_signal(signum)
+    proc.communicate(timeout=60)
+    assert proc.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 143)
+    if signum == signal.SIGKILL:
+        assert not path.exists()
+    else:
+        for swmr in (False, True):
+            with h5py.File(path, "r", swmr=swmr) as f:
+                assert f.attrs["status"] == "interrupted" and f.attrs["completed"] == 0
+                assert "config" in f.attrs and "SIGTERM" in f.attrs["error"]
     rc, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
     assert rc == 0, err[-2000:]
-    assert_same_bytes(path, read(run_config(tmp_path / "reference", args).path))
+    assert_same_bytes(path, read(run_config(tmp_path / "clean", args).path))
+    assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".h5") == ["captures.h5"]
 
 
 class SignalsItself(torch.utils.data.Dataset):
@@ -289,7 +321,7 @@ class SignalsItself(torch.utils.data.Dataset):
         return torch.linspace(-1, 1, 4) * (index + 1)
 
 
-def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
+def test_sigterm_in_process_stops_the_batch_and_removes_every_hook(tmp_path):
     from models_for_tests import TwiceNet
 
     import hookrun
@@ -306,8 +338,9 @@ def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
         assert not module._forward_hooks and not module._forward_pre_hooks
         assert not module._backward_hooks and not module._backward_pre_hooks
     state = attrs(tmp_path / "captures.h5")
-    # Row 5 was read in batch [4, 5]: that batch finishes and is written, nothing after it.
-    assert state["status"] == "interrupted" and state["completed"] == 6
+    # Row 5 was being read for batch [4, 5]: that batch stops there (it is computed again on
+    # resume); every batch before it is written.
+    assert state["status"] == "interrupted" and state["completed"] == 4
     assert "SIGTERM" in state["error"]
     resumed = hookrun.run(
         [*overrides, "resume=true"], model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path
@@ -316,6 +349,31 @@ def test_sigterm_in_process_finishes_the_batch_and_removes_every_hook(tmp_path):
         overrides, model=TwiceNet(), dataset=SignalsItself(None), run_dir=tmp_path / "clean"
     )
     assert_same_bytes(resumed.path, read(clean.path))
+
+
+def test_sigterm_inside_a_long_batch_ends_the_run_within_seconds_and_it_resumes(tmp_path):
+    """Slurm gives 30 s between SIGTERM and SIGKILL: a batch that takes ten minutes is
+    stopped where it is, the batches before it are in the file, marked interrupted, and
+    resume=true gives the bytes of an uninterrupted run."""
+    args = stalling(tmp_path / "stall", 3)
+    run_dir = tmp_path / "run"
+    path = run_dir / "captures.h5"
+    proc = stalled(args, tmp_path / "stall", tmp_path, run_dir)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert took < 30, took
+    assert proc.returncode == 143
+    assert one_line(err).startswith("hookrun: error: interrupted by SIGTERM")
+    state = attrs(path)
+    assert state["status"] == "interrupted" and "SIGTERM" in state["error"]
+    assert state["completed"] == 4  # the two batches before it
+    for swmr in (False, True):  # closed cleanly: any reader opens it
+        h5py.File(path, "r", swmr=swmr).close()
+    code, err = finish(spawn([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
+    assert code == 0, err[-2000:]
+    assert_same_bytes(path, read(run_config(tmp_path / "clean", args).path))
 
 
 def test_samples_path_holds_each_rows_file_also_after_a_kill_and_resume(tmp_path):
@@ -401,9 +459,10 @@ FEATURE_MAPS = [
 ]
 
 
-def test_killed_while_drawing_the_file_is_complete_and_resume_says_how_to_draw(tmp_path):
+def test_killed_while_drawing_then_resumed_draws_only_the_missing_pictures(tmp_path):
     """Pictures are drawn from the complete file: a kill there leaves a complete, intact
-    file, only whole PNGs, and a resume that says so and names the command that draws them."""
+    file and only whole PNGs. The requeued job's resume=true computes nothing, leaves the file
+    and the pictures already there as they are, draws the missing ones and exits 0."""
     run_dir = tmp_path / "killed"
     path, images = run_dir / "captures.h5", run_dir / "images" / "feature_maps"
     proc = spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -420,19 +479,29 @@ def test_killed_while_drawing_the_file_is_complete_and_resume_says_how_to_draw(t
     assert len(drawn) > 0 and not (images / "contact_sheet.png").exists()
     for picture in drawn:  # every picture there is whole (written under another name first)
         Image.open(picture).load()
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in drawn}
+    file_bytes = path.read_bytes()
 
-    code, err = finish(spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path))
-    assert code == 2
-    assert one_line(err) == (
-        f"hookrun: error: resume: {path} is already complete (12 rows); nothing to compute; "
-        f"to draw its pictures: python -m hookrun.render {path} --max 12"
-    )
-    assert attrs(path)["status"] == "complete"
-    render = [sys.executable, "-m", "hookrun.render", str(path), "--max", "12"]
-    assert subprocess.run(render, capture_output=True).returncode == 0
+    resumed = spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
+    added = 12 * 21 + 1 - len(drawn)
+    said = "is already complete (12 rows): nothing computed, every dataset left as it was; drew"
+    assert f"{said} {added} missing pictures" in out, out[-2000:]
+    assert path.read_bytes() == file_bytes  # not opened for writing
+    for name, (mtime, data) in before.items():  # the pictures already there are untouched
+        assert (images / name).stat().st_mtime_ns == mtime
+        assert (images / name).read_bytes() == data
+    assert not [p for p in images.parent.iterdir() if p.name.startswith(".")]  # no scratch left
     clean = run_config(tmp_path / "clean", FEATURE_MAPS, "feature_maps")
     expected = sorted(p.name for p in clean.images.glob("*.png"))
     assert sorted(p.name for p in images.glob("*.png")) == expected
     assert len(expected) == 12 * 21 + 1  # the input and 20 conv layers per sample, the sheet
     for name in expected[:-1]:
         assert (images / name).read_bytes() == (clean.images / name).read_bytes(), name
+
+    # Resumed again, all there: nothing drawn, still 0.
+    again = spawn([*FEATURE_MAPS, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0 and f"{said} 0 missing pictures" in out, err[-2000:]

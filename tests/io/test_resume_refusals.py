@@ -146,7 +146,7 @@ def test_verify_refuses_files_that_are_not_whole_hookrun_files(tmp_path):
     assert len(drawn.stderr.strip().splitlines()) == 1, drawn.stderr
 
 
-@pytest.mark.parametrize("offset", [100, 600, 2000])
+@pytest.mark.parametrize("offset", [100, 600, 1900])  # all in HDF5 metadata
 def test_damaged_metadata_gives_one_line_from_verify_render_and_resume(tmp_path, offset):
     args = [*SMALL, "dataset.size=2", *hook("c", "layer1", "output", "capture")]
     path = run_config(tmp_path / "run", args).path

@@ -123,15 +123,20 @@ def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     )
 
 
-def test_resume_starts_missing_refuses_complete_foreign_and_changed(tmp_path):
+def test_resume_starts_missing_keeps_complete_refuses_foreign_and_changed(tmp_path):
     small = ["dataset.size=2", "dataset.image_size=32", "render=false"]
     # A requeued job killed before its file existed starts it (the Slurm preset's requeue).
     started = run_config(tmp_path / "none", [*small, "resume=true"])
     with h5py.File(started.path) as f:
         assert f.attrs["status"] == "complete" and f.attrs["completed"] == 2
     done = run_config(tmp_path / "done", small).path
-    with pytest.raises(HookrunError, match=r"resume: .* is already complete \(2 rows\)"):
-        run_config(tmp_path / "done", [*small, "resume=true"])
+    # A requeued job that had finished: nothing computed, the file left as it was.
+    before = done.read_bytes()
+    again = run_config(tmp_path / "done", [*small, "resume=true"])
+    assert again.rows == 2 and "is already complete (2 rows): nothing computed" in again.summary
+    assert done.read_bytes() == before
+    with pytest.raises(HookrunError, match=r"resume: the config differs .* in seed"):
+        run_config(tmp_path / "done", [*small, "resume=true", "seed=7"])  # still checked
     foreign = tmp_path / "foreign" / "captures.h5"
     foreign.parent.mkdir()
     with h5py.File(foreign, "w") as f:
@@ -157,8 +162,8 @@ def test_torchrun_two_processes_read_as_one_file(tmp_path):
         *hook("c", "layer1", "output", "capture"),
         *hook("x", "input", "grad_output", "capture"),
     ]
-    # torchrun gives each process one thread; the same for the reference makes every
-    # summation order, and so every bit, the same.
+    # conftest.torchrun gives each process one thread; the same for the reference makes
+    # every summation order, and so every bit, the same.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
