@@ -42,10 +42,14 @@ def build_dataset(cfg: Any, seed: int, limit: int | None, tokenizer: Any = None)
             k for k in DATASETS.choices() if getattr(DATASETS.get(k, ""), "tokens", False)
         ]
         if tokenizer is None:
-            valid = "a language model: model=hf or model=tiny_lm"
-        else:
-            valid = f"with a language model: {', '.join(token_kinds)}"
-        raise HookrunError(f"dataset.kind: {cfg.kind}; valid {valid}")
+            raise HookrunError(
+                f"dataset.kind: {cfg.kind} is text, read with a language model's tokenizer, "
+                "and this model has none; valid: model=hf, model=tiny_lm, or from Python "
+                "LanguageModel(model, tokenizer) with its transformers tokenizer"
+            )
+        raise HookrunError(
+            f"dataset.kind: {cfg.kind}; valid with a language model: {', '.join(token_kinds)}"
+        )
     if tokenizer is not None:
         return _limited(kind.build(cfg, seed, tokenizer), limit)
     data = _limited(kind.build(cfg, seed), limit)
@@ -184,8 +188,9 @@ def source_files(data: Dataset) -> SourceFiles | None:
     if tokens is not None:  # a corpus may have millions of rows: each looked up when asked
         sources = tokens.sources  # type: ignore[attr-defined]
         names = tokens.files_of(_run_rows(data)[0])  # type: ignore[attr-defined]
-        width = max((len(os.fsencode(os.path.abspath(p))) for p in names), default=1)
-        paths = _Lookup(len(sources), lambda i: os.path.abspath(sources[i][0]))
+        where = os.path.abspath if tokens.from_files else str  # type: ignore[attr-defined]
+        width = max((len(os.fsencode(where(p))) for p in names), default=1)
+        paths = _Lookup(len(sources), lambda i: where(sources[i][0]))
         return SourceFiles(paths, width, _Lookup(len(sources), lambda i: int(sources[i][1])))
     rows = _file_rows(data)
     if rows is None:

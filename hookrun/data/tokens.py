@@ -35,6 +35,7 @@ from hookrun.typed import check_range
 
 __all__ = [
     "LAST",
+    "Numbered",
     "Source",
     "TokenData",
     "TokenRows",
@@ -53,6 +54,7 @@ __all__ = [
 
 _ID = 8  # bytes of one int64 token id
 _CHUNK = 1024  # texts per call of the tokenizer
+_SOURCES = 65536  # rows' sources hashed at a time
 LAST = "last"
 Source = tuple[str, int]  # (absolute path, 1-based line)
 
@@ -81,6 +83,9 @@ class TokenData(Dataset):
 
     tokens = True
     kind = "text"
+    # Whether each row's source names a file (its /samples/path is that file's absolute
+    # path); a generated dataset's source is its own name, the same from every folder.
+    from_files = True
 
 
 def sample_of(real: np.ndarray, context: int, pad: int, read: int) -> torch.Tensor:
@@ -94,6 +99,41 @@ def sample_of(real: np.ndarray, context: int, pad: int, read: int) -> torch.Tens
     return sample
 
 
+class Numbered(Sequence):
+    """The sources of rows that all come from one place, numbered from 1 (repeated tokens:
+    `(repeated_tokens, r + 1)`), made when asked instead of a tuple a row."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name, self.count = name, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, row: Any) -> Any:
+        if isinstance(row, slice):
+            return [self[r] for r in range(*row.indices(self.count))]
+        if not -self.count <= row < self.count:
+            raise IndexError(row)
+        return (self.name, row % self.count + 1)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def joined(self, lo: int, hi: int) -> str:
+        """`", ".join(map(repr, self[lo:hi]))`, without making the tuples (for hashing)."""
+        prefix = repr((self.name, 0))[:-2].replace("{", "{{").replace("}", "}}")
+        return ", ".join(map(f"{prefix}{{}})".format, range(lo + 1, min(hi, self.count) + 1)))
+
+
+def _joined(sources: Sequence[Source], lo: int, hi: int) -> str:
+    """The reprs of sources[lo:hi], comma-separated, as repr of their list writes them."""
+    if isinstance(sources, Numbered):
+        return sources.joined(lo, hi)
+    return ", ".join(map(repr, sources[lo:hi]))
+
+
 class TokenRows(TokenData):
     """Rows of token ids held in memory, each with its number of real tokens, read position
     and label."""
@@ -104,14 +144,14 @@ class TokenRows(TokenData):
         lengths: np.ndarray,
         reads: np.ndarray,
         labels: np.ndarray | None,
-        sources: list[Source],
+        sources: Sequence[Source],
     ) -> None:
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         self.lengths = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
         self.reads = torch.from_numpy(np.asarray(reads, dtype=np.int64))
         self.has_labels = labels is not None
-        fill = np.full(len(sources), NO_LABEL)
-        self.labels = torch.from_numpy(np.asarray(fill if labels is None else labels, np.int64))
+        given = np.full(len(sources), NO_LABEL) if labels is None else labels
+        self.labels = torch.from_numpy(np.ascontiguousarray(given, dtype=np.int64))
         self.sources = sources
         self.padded = bool((self.lengths < self.ids.shape[1]).any())
         # What the rows are (what a target.kind reads): prompts or repeated_tokens.
@@ -137,6 +177,8 @@ class TokenRows(TokenData):
 
     def files_of(self, rows: Sequence[int]) -> set[str]:
         """The source files of `rows` (dataset indices)."""
+        if isinstance(self.sources, Numbered):
+            return {self.sources.name} if len(rows) else set()
         return {self.sources[i][0] for i in rows}
 
     def missing(self, row: int, fields: tuple[str, ...]) -> str | None:
@@ -157,18 +199,33 @@ class TokenRows(TokenData):
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse an id past `vocab_size`, in the rows or the answers and counterfactuals."""
-        refuse_past_vocab(self.ids.numpy(), 0, self.lengths.numpy(), vocab_size, self.source_of)
-        cf_ids = self.counterfactual_ids or [None] * len(self)
-        cf_answers = self.counterfactual_answer or [None] * len(self)
-        for r, (name, line) in enumerate(self.sources):
-            extras = (
-                ("answer", [int(self.labels[r])]),
-                ("counterfactual", cf_ids[r] or []),
-                ("counterfactual_answer", [] if cf_answers[r] is None else [cf_answers[r]]),
+        ids = self.ids.numpy()
+        if len(ids) and int(ids.max()) >= vocab_size:
+            refuse_past_vocab(ids, 0, self.lengths.numpy(), vocab_size, self.source_of)
+        # The first row with an extra id past the vocabulary, named as before row by row:
+        # answers are checked at once, counterfactuals (prompts only) row by row before it.
+        labels = self.labels.numpy()
+        cf_ids, cf_answers = self.counterfactual_ids, self.counterfactual_answer
+
+        def extras(r: int) -> tuple[tuple[str, list[int]], ...]:
+            answer = cf_answers[r] if cf_answers else None
+            return (
+                ("answer", [int(labels[r])]),
+                ("counterfactual", (cf_ids[r] if cf_ids else None) or []),
+                ("counterfactual_answer", [] if answer is None else [answer]),
             )
-            for what, ids in extras:
-                if ids and max(ids) >= vocab_size:
-                    past_vocab(f"{name}:{line}: the {what}'s token id {max(ids)}", vocab_size)
+
+        past = np.flatnonzero(labels >= vocab_size)
+        first = int(past[0]) if len(past) else len(self)
+        rows = range(first) if cf_ids or cf_answers else range(0)
+        past_in = (r for r in rows if any(max(x) >= vocab_size for _, x in extras(r) if x))
+        first = next(past_in, first)
+        if first == len(self):
+            return
+        name, line = self.sources[first]
+        for what, found in extras(first):
+            if found and max(found) >= vocab_size:
+                past_vocab(f"{name}:{line}: the {what}'s token id {max(found)}", vocab_size)
 
     def fingerprint(self) -> str:
         """sha256 over every row's tokens, mask length, read position, label and source, and
@@ -176,8 +233,13 @@ class TokenRows(TokenData):
         counterfactual and counterfactual answer."""
         digest = hashlib.sha256()
         for part in (self.ids, self.lengths, self.reads, self.labels):
-            digest.update(part.numpy().tobytes())
-        digest.update(repr(self.sources).encode())
+            digest.update(np.ascontiguousarray(part.numpy()))  # no copy: they are
+        # The bytes of repr(list(self.sources)), a block of rows at a time.
+        digest.update(b"[")
+        for lo in range(0, len(self), _SOURCES):
+            block = _joined(self.sources, lo, lo + _SOURCES)
+            digest.update(((", " if lo else "") + block).encode())
+        digest.update(b"]")
         others = (self.counterfactual_ids or [], self.counterfactual_answer or [])
         if any(x is not None for column in others for x in column):  # else as before
             digest.update(repr(others).encode())

@@ -7,6 +7,11 @@ with where a gradient does exist (the embeddings' output); derived methods that 
 input embeddings). `args.positions` needs token data and a (tokens, ...) site; listed
 positions must lie inside every row's real tokens. `target.kind` next_token reads text rows'
 next token, answer a prompt's answer, logit_diff its answer and counterfactual answer.
+
+`check_token_model` runs before the model's first forward pass (the probe, which would fail
+first on what it refuses): the gradient refusals, and rows longer than the model's learned
+positions (named by the key that makes them long). `check_token_run` runs after the probe:
+targets, hook positions, and a run scoring induction heads with rows of one repeat.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from hookrun.data.repeated import KIND
 from hookrun.engine.plan import CallShapes, HookPlan
 from hookrun.engine.positions import check_lengths, check_positions
 from hookrun.engine.selectors import INPUT_LAYER
 from hookrun.errors import HookrunError
+from hookrun.methods.induction import check_induction
 from hookrun.methods.registry import METHODS
 from hookrun.spec.build import RunSpec
 from hookrun.spec.schema import Site, TargetKind
 
-__all__ = ["check_token_run"]
+__all__ = ["check_token_model", "check_token_run"]
 
 _GRADIENT_HINT = (
     "a language model's input is token ids, which have no gradient; valid: a gradient site "
@@ -74,6 +81,62 @@ def _check_targets(spec: RunSpec, tokens: Any, rows: int) -> None:
                 )
 
 
+def _check_gradients(spec: RunSpec) -> None:
+    """What needs the input's gradient, refused with where a gradient does exist."""
+    gradients = [name for name in spec.derive if not METHODS.get(name, "derive").tokens_ok]
+    if gradients:
+        raise HookrunError(f"derive: {', '.join(gradients)}: {_GRADIENT_HINT}")
+    if spec.evaluate is not None:
+        raise HookrunError(f"evaluate: {_GRADIENT_HINT}")
+    if spec.sanity is not None:
+        raise HookrunError(f"sanity: {_GRADIENT_HINT}")
+
+
+def _too_long(spec: RunSpec, tokens: Any, width: int, most: int) -> tuple[str, str]:
+    """(what makes the rows `width` tokens long, as key and value; what it may be with a
+    model of `most` positions) for the run's token data."""
+    cfg = spec.dataset
+    if tokens.kind == KIND:
+        bos = int(bool(cfg.prepend_bos))
+        return (
+            f"dataset.length: {cfg.length} × dataset.repeats: {cfg.repeats}"
+            f"{' + a bos' if bos else ''} = {width} tokens a row",
+            f"length × repeats{' + 1' if bos else ''} up to {most}",
+        )
+    if tokens.kind == "prompts" and getattr(tokens, "lengths", None) is not None:
+        name, line = tokens.sources[int(tokens.lengths.argmax())]
+        return (
+            f"dataset.path: the prompt at {name}:{line} has {width} tokens",
+            f"prompts of up to {most} tokens (dataset.context={most} refuses longer ones)",
+        )
+    return f"dataset.context: {getattr(cfg, 'context', width)}", f"a context from 2 to {most}"
+
+
+def _check_positions(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> None:
+    """Rows longer than the model's learned positions (GPT-2's n_positions, BERT's
+    max_position_embeddings) are refused, naming the key that makes them that long; a model
+    without a hard limit (rotary positions) passes."""
+    limit = model.max_positions() if hasattr(model, "max_positions") else None
+    width = int(data[0][0].shape[-1])
+    if limit is None or width <= limit[0]:
+        return
+    most, key = limit
+    given, valid = _too_long(spec, tokens, width, most)
+    if most < 2:  # no row fits: the model is what to change
+        valid = f"a model with 2 positions or more ({key})"
+    raise HookrunError(f"{given}, past the model's {most} positions ({key}); valid: {valid}")
+
+
+def check_token_model(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> None:
+    """What can be refused on token data once the model is built, before its first forward
+    pass (the probe): what needs the input's gradient, and rows longer than the model's
+    positions."""
+    if tokens is None:
+        return
+    _check_gradients(spec)
+    _check_positions(spec, model, data, tokens)
+
+
 def check_token_run(
     spec: RunSpec,
     plan: HookPlan,
@@ -93,13 +156,8 @@ def check_token_run(
                     "token data (dataset=text, prompts, hf_disk, repeated_tokens)"
                 )
         return
-    gradients = [name for name in spec.derive if not METHODS.get(name, "derive").tokens_ok]
-    if gradients:
-        raise HookrunError(f"derive: {', '.join(gradients)}: {_GRADIENT_HINT}")
-    if spec.evaluate is not None:
-        raise HookrunError(f"evaluate: {_GRADIENT_HINT}")
-    if spec.sanity is not None:
-        raise HookrunError(f"sanity: {_GRADIENT_HINT}")
+    _check_gradients(spec)
+    check_induction(spec.dataset, plan)
     length, shortest = int(data[0][0].shape[-1]), None
     for hook, _, leaf in plan.sites(shapes):
         key = f"hooks.{hook.name}"

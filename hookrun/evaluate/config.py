@@ -127,6 +127,16 @@ class SanityConfig(Frozen):
     derive: dict[str, Any] = field(default_factory=dict)
 
 
+def _twice(names: Any) -> str | None:
+    """The first name listed a second time in `names`; None when they are distinct."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def parse_sanity(raw: Mapping[str, Any] | None, choices: list[str]) -> SanityConfig | None:
     """The SanityConfig of a `sanity:` node (None when empty); `choices`: the experiments
     that make one attribution."""
@@ -143,8 +153,12 @@ def parse_sanity(raw: Mapping[str, Any] | None, choices: list[str]) -> SanityCon
                 f"sanity.methods[{i}]: {name!r} is not an experiment that makes one "
                 f"attribution; valid: {', '.join(choices)}{did}"
             )
-    if len(set(config.methods)) != len(config.methods):
-        raise HookrunError(f"sanity.methods: {list(config.methods)} names a method twice")
+    twice = _twice(config.methods)
+    if twice is not None:
+        raise HookrunError(
+            f"sanity.methods: {list(config.methods)} names {twice!r} twice; valid: distinct "
+            f"methods, any of {', '.join(choices)}"
+        )
     layers = config.layers
     if layers != "auto" and not (
         isinstance(layers, list) and layers and all(isinstance(x, str) and x for x in layers)
@@ -152,6 +166,12 @@ def parse_sanity(raw: Mapping[str, Any] | None, choices: list[str]) -> SanityCon
         raise HookrunError(
             f"sanity.layers: {layers!r}; valid: auto, or a list of module names (randomised "
             "in that order)"
+        )
+    twice = _twice(layers) if layers != "auto" else None
+    if twice is not None:  # the same randomisation step twice
+        raise HookrunError(
+            f"sanity.layers: {list(layers)} names {twice!r} twice; valid: auto, or a list of "
+            "distinct module names (randomised in that order)"
         )
     if config.mode not in SANITY_MODES:
         raise HookrunError(f"sanity.mode: {config.mode!r}; valid: {', '.join(SANITY_MODES)}")

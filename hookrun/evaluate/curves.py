@@ -72,6 +72,17 @@ class _Curve(Metric):
         if args.baseline not in BASELINES:
             raise HookrunError(f"{key}.baseline: {args.baseline!r}; valid: {', '.join(BASELINES)}")
 
+    @classmethod
+    def check_image(cls, args: DeletionArgs, key: str, image: tuple[int, int]) -> None:
+        # Past one pixel a step, steps repeat: a column that perturbs nothing new, and a
+        # curve (and its pixel counts) as long as the number asked for.
+        pixels = image[0] * image[1]
+        if args.steps > pixels:
+            raise HookrunError(
+                f"{key}.steps: {args.steps} is more than the {pixels} pixels of a "
+                f"{image[0]}x{image[1]} input (a step perturbs at least one); valid: 1 to {pixels}"
+            )
+
     def summary_key(self, attribution: str) -> str:
         return layout.evaluate_key(self.name, attribution, layout.AUC_SUFFIX)
 

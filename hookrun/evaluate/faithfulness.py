@@ -95,7 +95,10 @@ def plan_evaluation(
                 f"{where}: {key!r} is not an attribution this run makes; valid: {valid}"
             )
         check_attribution(f"{where}: {key}", made[key], sample)
-    return Evaluation(spec, tuple(dict.fromkeys(wanted)), tuple(sample[-2:]), store_dtype)
+    image = (int(sample[-2]), int(sample[-1]))
+    for name, args in spec.metrics:
+        METRICS.get(name, "evaluate.metrics").check_image(args, f"evaluate.{name}", image)
+    return Evaluation(spec, tuple(dict.fromkeys(wanted)), image, store_dtype)
 
 
 def attribution_shapes(derived: Mapping[str, tuple[int, ...]], captures: Mapping[str, Any]) -> dict:

@@ -72,6 +72,11 @@ class Metric:
     def check(cls, args: Any, key: str) -> None:
         """Refuse bad `args` (HookrunError naming `key.<x>`); called before any work."""
 
+    @classmethod
+    def check_image(cls, args: Any, key: str, image: tuple[int, int]) -> None:
+        """Refuse `args` that do not fit images of `image` = (H, W) pixels (more steps than
+        pixels); called before any work, once the input's shape is known."""
+
     def summary_key(self, attribution: str) -> str:
         """The dataset whose mean over samples ranks this attribution in a sweep."""
         raise NotImplementedError

@@ -85,6 +85,17 @@ class Road(Metric):
         if not (math.isfinite(args.noise) and args.noise >= 0):
             raise HookrunError(f"{key}.noise: {args.noise}; valid: a number >= 0")
 
+    @classmethod
+    def check_image(cls, args: RoadArgs, key: str, image: tuple[int, int]) -> None:
+        # Each fraction is two perturbed images per sample (MoRF, LeRF), imputed by a
+        # solver over the image: more fractions than pixels only repeat removed counts.
+        pixels = image[0] * image[1]
+        if len(args.fractions) > pixels:
+            raise HookrunError(
+                f"{key}.fractions: {len(args.fractions)} fractions, more than the {pixels} "
+                f"pixels of a {image[0]}x{image[1]} input; valid: at most {pixels} fractions"
+            )
+
     def summary_key(self, attribution: str) -> str:
         return layout.evaluate_key(self.name, attribution, layout.SCORE_SUFFIX)
 

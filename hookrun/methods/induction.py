@@ -27,7 +27,13 @@ from hookrun.io.dimensions import attach
 from hookrun.io.encoding import read_floats
 from hookrun.spec.schema import Site
 
-__all__ = ["induction_rows", "write_induction", "pattern_layers", "induction_of_run"]
+__all__ = [
+    "induction_rows",
+    "write_induction",
+    "pattern_layers",
+    "induction_of_run",
+    "check_induction",
+]
 
 _CHUNK = 256  # rows read at a time
 _ROWS_AXES = ("sample", "layer", "head")  # /induction/rows; /induction/score the last two
@@ -72,12 +78,29 @@ def write_induction(path: Path, modules: Sequence[str], length: int, start: int)
         layout.write_attrs(f, {layout.INDUCTION_SCORE: {layout.LAYERS_ATTR: list(layers)}})
 
 
+def _scores(dataset: Any, plan: Any) -> bool:
+    """Whether a run scores induction heads: `dataset=repeated_tokens` and attention
+    patterns captured."""
+    if getattr(dataset, "kind", None) != KIND:
+        return False
+    return any(h.site == Site.pattern and h.action.captures for h in plan.hooks)
+
+
+def check_induction(dataset: Any, plan: Any) -> None:
+    """Before any work: a run that scores induction heads needs a later repeat in its rows
+    (the score reads attention from it to the earlier copy)."""
+    if _scores(dataset, plan) and dataset.repeats < 2:
+        raise HookrunError(
+            f"dataset.repeats: {dataset.repeats} writes each row's {dataset.length} tokens "
+            "once, but the induction score of the captured attention patterns reads a later "
+            "repeat's attention to the earlier copy; valid: 2 or more"
+        )
+
+
 def induction_of_run(path: Path, dataset: Any, plan: Any, model: nn.Module) -> bool:
     """After a run over `dataset=repeated_tokens` that captured attention patterns: its
     induction scores into the file at `path` (True); other runs: nothing (False)."""
-    if getattr(dataset, "kind", None) != KIND:
-        return False
-    if not any(h.site == Site.pattern and h.action.captures for h in plan.hooks):
+    if not _scores(dataset, plan):
         return False
     modules = [name for name, _ in model.named_modules()]
     write_induction(path, modules, int(dataset.length), int(bool(dataset.prepend_bos)))

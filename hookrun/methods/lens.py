@@ -8,8 +8,10 @@ Llama-family `model.norm` + `lm_head`, GPT-NeoX `gpt_neox.final_layer_norm` + `e
 (`lm_head` since transformers 5),
 BERT none + its masked-LM head `cls.predictions`; `norm: none` for a model without a final
 norm); `blocks` (the nn.ModuleList of the blocks; null: the architecture's, else the model's
-longest ModuleList). Before the first batch the lens is checked on sample 0: at the last
-block it must give the model's output, else the modules are refused naming these keys.
+longest ModuleList). Before the first batch the lens is checked on sample 0: the norm must
+run on the last block's output and keep its shape, the unembedding must run on the norm's
+output and give the model's logits (else each is refused naming its key, its value and the
+model's own module), and at the last block the lens must give the model's output.
 
 Reads each block's captured output at every position (`args.positions: all`, as
 conf/experiment/logit_lens.yaml captures them) and writes, for every row and position
@@ -29,7 +31,7 @@ from torch import nn
 
 from hookrun.engine.leaves import leaves
 from hookrun.engine.targets import NO_TARGET
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, nearest
 from hookrun.io import layout
 from hookrun.methods.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
@@ -85,15 +87,33 @@ class LensState:
     vocab: int
 
 
+def _normed(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
+    """Block outputs `hidden` (..., D) through the final norm (if any), on the unembedding's
+    device and in its dtype."""
+    param = next(state.unembed.parameters(), None)
+    h = hidden if param is None else hidden.to(param.device, param.dtype)
+    return h if state.norm is None else _tensor(state.norm(h))
+
+
+def _unembedded(state: LensState, normed: torch.Tensor) -> torch.Tensor:
+    """Logits (..., V) in float32 of the final norm's output."""
+    return _tensor(state.unembed(normed)).float()
+
+
+def _tensor(out: Any) -> torch.Tensor:
+    """A module's output, or its first tensor when it is structured (a tuple, a dict)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    found = leaves(out)
+    if not found:
+        raise TypeError(f"it returned a {type(out).__name__} with no tensor")
+    return found[0][1]
+
+
 def project(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
     """Logits (..., V) in float32 of block outputs `hidden` (..., D): norm, then unembed, on
     the modules' device and in their dtype."""
-    param = next(state.unembed.parameters(), None)
-    h = hidden if param is None else hidden.to(param.device, param.dtype)
-    if state.norm is not None:
-        h = state.norm(h)
-    out = state.unembed(h)
-    return (out if isinstance(out, torch.Tensor) else leaves(out)[0][1]).float()
+    return _unembedded(state, _normed(state, hidden))
 
 
 def _known(modules: Mapping[str, nn.Module]) -> tuple[str, str | None, str] | None:
@@ -103,13 +123,84 @@ def _known(modules: Mapping[str, nn.Module]) -> tuple[str, str | None, str] | No
     return None
 
 
+def _valid(modules: Mapping[str, nn.Module], key: str) -> str:
+    """What `derive.logit_lens.<key>` (norm or unembed) may be, for this model."""
+    known = _known(modules)
+    if key == "norm":
+        if known is not None:
+            return f"the model's final norm, {known[1] or NO_NORM} here"
+        return f"the model's final norm (a module keeping each vector's size), or {NO_NORM}"
+    if known is not None:
+        return f"the model's unembedding, {known[2]} here"
+    return "the model's unembedding (a module from the last block's width to the vocabulary)"
+
+
 def _module(modules: Mapping[str, nn.Module], name: str, key: str) -> nn.Module:
     if name not in modules or not name:
+        close = nearest(name, [n for n in modules if n])
+        hint = f"; nearest: {', '.join(close)}" if close else ""
         raise HookrunError(
-            f"{KEY}.{key}: {name!r} is not a module of the model; valid: a name "
-            "from model.named_modules()"
+            f"{KEY}.{key}: {name!r} is not a module of the model{hint}; valid: "
+            f"{_valid(modules, key)}, a name from model.named_modules()"
         )
     return modules[name]
+
+
+def _tied(modules: Mapping[str, nn.Module], module: nn.Module) -> str:
+    """For an embedding named as the unembedding: the module that shares its weight (GPT-2
+    ties lm_head to transformer.wte), as a hint; else ''."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, nn.Embedding) or weight is None:
+        return ""
+    for name, other in modules.items():
+        if other is not module and getattr(other, "weight", None) is weight:
+            return f" ({name} shares its weight and maps vectors to logits)"
+    return " (an embedding maps token ids to vectors, not vectors to logits)"
+
+
+def _checked_logits(
+    state: LensState,
+    names: tuple[str, str | None, str],
+    modules: Mapping[str, nn.Module],
+    hidden: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:
+    """The lens's logits (1, T, V) of the last block's output `hidden` (1, T, D) on one
+    sample, as a batch is projected; each module's failure refused naming its key: the norm
+    must run and keep the shape, the unembedding must run and give the model's `vocab`
+    logits at each position."""
+    last, norm_name, unembed_name = names
+    with torch.no_grad():
+        try:
+            normed = _normed(state, hidden)
+            if normed.shape != hidden.shape:
+                raise _Shape(f"it gives {list(normed.shape)}, not {list(hidden.shape)}")
+        except Exception as err:
+            raise HookrunError(
+                f"{KEY}.norm: {norm_name!r} fails on the last block's output ({last}, "
+                f"{list(hidden.shape)}) ({_first(err)}); valid: "
+                f"{_valid(modules, 'norm')}"
+            ) from None
+        try:
+            logits = _unembedded(state, normed)
+            if logits.shape != (*hidden.shape[:-1], vocab):
+                raise _Shape(f"it gives {list(logits.shape)}; the model gives {vocab} logits")
+        except Exception as err:
+            raise HookrunError(
+                f"{KEY}.unembed: {unembed_name!r} fails on the output of "
+                f"{KEY}.norm ({norm_name or NO_NORM}) ({_first(err)})"
+                f"{_tied(modules, state.unembed)}; valid: {_valid(modules, 'unembed')}"
+            ) from None
+    return logits
+
+
+class _Shape(Exception):
+    """A lens module that runs but gives the wrong shape (said without a type name)."""
+
+
+def _first(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0][:200]
+    return text if isinstance(err, _Shape) else f"{type(err).__name__}: {text}"
 
 
 def _names(args: LensArgs, model: nn.Module) -> tuple[str, str | None, str]:
@@ -201,16 +292,17 @@ class LogitLens(Method):
         state = LensState(tuple(blocks), tuple(keys), norm, unembed, 0)
         read = int(sample[2].argmax())
         last = leaves(outputs[-1])[0][1]
-        with torch.no_grad():
-            lens = project(state, last[0, read]).softmax(-1)
         own = logits if isinstance(logits, torch.Tensor) else leaves(logits)[0][1]
         own = own.reshape(-1).float()
-        diff = float((lens - own.softmax(-1)).abs().max()) if own.shape == lens.shape else 1.0
+        names = (blocks[-1], norm_name, unembed_name)
+        lens = _checked_logits(state, names, modules, last[:1], len(own))[0, read].softmax(-1)
+        diff = float((lens - own.softmax(-1)).abs().max())
         if not diff <= (_AGREE if last.dtype == torch.float32 else _AGREE_HALF):
             raise HookrunError(
                 f"{KEY}.norm, {KEY}.unembed: {norm_name or NO_NORM} then {unembed_name} on the "
                 f"last block's output ({blocks[-1]}) do not give the model's output on sample 0 "
-                f"(max |Δp| {diff:.2g}); valid: the model's final norm and unembedding"
+                f"(max |Δp| {diff:.2g}); valid: {_valid(modules, 'norm')}, and "
+                f"{_valid(modules, 'unembed')}"
             )
         if args.k > lens.shape[-1]:
             raise HookrunError(f"{KEY}.k: {args.k}; valid: 1..{lens.shape[-1]} (the vocabulary)")

@@ -8,6 +8,10 @@
   a byte-level BPE of the 256 bytes alone (token id = byte value, no merges) plus
   `<|endoftext|>` (id 256, the bos/eos token), built from no files; `vocab_size` must be at
   least the tokenizer's size (257).
+- Before any work the model is built once on the meta device (no memory, no random draws):
+  a config transformers cannot build a model from (heads that do not divide the width, a
+  negative size) is refused naming model.config (or model.path's config.json) and
+  transformers' reason, and parameters that cannot fit the machine's memory are refused.
 - `model.class`: causal_lm | masked_lm | base | sequence_classification (the transformers
   Auto class); `model.dtype`: float32 | bfloat16 | float16; `model.trust_remote_code`: false
   refuses a folder that needs the folder's own Python code (an `auto_map`, an unknown
@@ -22,6 +26,7 @@ transformers is an optional extra (`pip install hookrun[hf]`), imported only her
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from hookrun.errors import HookrunError, nearest
+from hookrun.memory import check_fits
 from hookrun.models.language import LanguageModel
 from hookrun.spec.schema import ModelConfig
 
@@ -144,21 +150,41 @@ def _refuse_remote(path: Path, why: str) -> None:
     )
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+
+
 def _json(path: Path, key: str) -> dict:
+    """The JSON object in `path` (a config.json, a tokenizer_config.json), or one line saying
+    what is wrong with the file."""
+    valid = "valid: a JSON object, as save_pretrained writes it"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HookrunError(f"{key}: {path} is not readable JSON ({err})") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise HookrunError(f"{key}: {path} cannot be read ({_first(err)}); {valid}") from None
+    if not text.strip():
+        raise HookrunError(f"{key}: {path} is empty; {valid}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise HookrunError(f"{key}: {path} is not valid JSON ({err}); {valid}") from None
     if not isinstance(data, dict):
-        raise HookrunError(f"{key}: {path} holds a {type(data).__name__}, not a JSON object")
+        kind = _JSON_KINDS.get(type(data), "a number")
+        raise HookrunError(f"{key}: {path} holds {kind}, not a JSON object; {valid}")
     return data
 
 
 def _model_folder(cfg: ModelConfig) -> Path:
-    """model.path with a config.json and a weights file, or one line naming what is missing."""
+    """model.path with a readable config.json and a weights file, or one line naming what is
+    missing or broken."""
     folder = _folder(str(cfg.path), "model.path")
     if not (folder / "config.json").is_file():
         raise HookrunError(f"model.path: {folder} has no config.json; valid: {_FOLDER}")
+    raw = _json(folder / "config.json", "model.path")
+    if "model_type" not in raw and "auto_map" not in raw:
+        raise HookrunError(
+            f"model.path: {folder / 'config.json'} has no model_type; valid: a config.json "
+            "that names its model_type (gpt2, llama, ...), as save_pretrained writes it"
+        )
     if weights_file(folder) is None:
         raise HookrunError(
             f"model.path: {folder} has no weights file ({', '.join(_WEIGHTS)}); valid: {_FOLDER}"
@@ -181,7 +207,7 @@ def _config(cfg: ModelConfig, tokenizer: Any) -> Any:
             return tf.AutoConfig.from_pretrained(
                 str(folder), local_files_only=True, trust_remote_code=cfg.trust_remote_code
             )
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except Exception as err:  # transformers (and huggingface_hub's checks) raise many types
             raise HookrunError(f"model.path: {folder}/config.json: {_first(err)}") from None
     given = _plain(cfg.config)
     model_type = given.pop("model_type", None)
@@ -196,13 +222,19 @@ def _config(cfg: ModelConfig, tokenizer: Any) -> Any:
     _check_vocab(cfg, given.get("vocab_size"), tokenizer)  # before transformers warns of it
     try:
         return tf.AutoConfig.for_model(model_type, **{**defaults, **given})
-    except (TypeError, ValueError, KeyError) as err:
-        raise HookrunError(f"model.config: {model_type} {given}: {_first(err)}") from None
+    except Exception as err:  # transformers (and huggingface_hub's checks) raise many types
+        raise HookrunError(
+            f"model.config: {model_type} {given}: {_first(err)}; valid: the keys and value "
+            f"types of transformers' {model_type} config"
+        ) from None
 
 
 def _first(err: BaseException) -> str:
-    text = (str(err).strip().splitlines() or [""])[0][:300]
-    return f"{type(err).__name__}: {text}"
+    """An error's type and first line (with the next when the first only introduces it:
+    "Validation error for field 'x':")."""
+    lines = [x.strip() for x in str(err).strip().splitlines() if x.strip()] or [""]
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return f"{type(err).__name__}: {text[:300]}"
 
 
 def _auto_class(cfg: ModelConfig, config: Any) -> Any:
@@ -253,6 +285,8 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
             f"{key}: {folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); valid: "
             "a folder a tokenizer's save_pretrained wrote"
         )
+    if (folder / "config.json").is_file():  # AutoTokenizer reads it too: named when broken
+        _json(folder / "config.json", key)
     settings = folder / "tokenizer_config.json"
     if not cfg.trust_remote_code and settings.is_file() and "auto_map" in _json(settings, key):
         _refuse_remote(settings, "names its own tokenizer class (auto_map)")
@@ -285,6 +319,7 @@ def _prepared(cfg: ModelConfig) -> tuple[Any, Any, Any]:
     auto = _auto_class(cfg, config)
     _check_attention(cfg, auto, config)
     _check_vocab(cfg, getattr(config, "vocab_size", None), tokenizer)
+    _check_builds(cfg, auto, config)
     if cfg.class_ == "sequence_classification" and config.pad_token_id is None:
         # GPT-2-style classifiers find each row's last token by the pad id.
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
@@ -308,6 +343,40 @@ def _check_attention(cfg: ModelConfig, auto: Any, config: Any) -> None:
         )
 
 
+def _config_key(cfg: ModelConfig) -> str:
+    """Where the model's config comes from, as errors name it."""
+    if cfg.config is not None:
+        return f"model.config: {_plain(cfg.config)}"
+    return f"model.path: {Path(str(cfg.path)).expanduser() / 'config.json'}"
+
+
+def _unbuildable(cfg: ModelConfig, config: Any, err: BaseException) -> HookrunError:
+    return HookrunError(
+        f"{_config_key(cfg)}: transformers cannot build a {config.model_type} model from it "
+        f"({_first(err)}); valid: a config its model class accepts"
+    )
+
+
+def _check_builds(cfg: ModelConfig, auto: Any, config: Any) -> None:
+    """Build the model on the meta device (no memory, no weights, no random draws): what
+    transformers refuses in the config (heads that do not divide the width, a negative
+    size) is refused here, naming the config, before any work."""
+    if cfg.trust_remote_code and getattr(config, "auto_map", None):
+        return  # the folder's own classes: built only when the run loads them
+    try:
+        with torch.device("meta"):
+            meta = auto.from_config(copy.deepcopy(config), attn_implementation=cfg.attention)
+    except Exception as err:  # transformers and torch raise many types for a bad config
+        raise _unbuildable(cfg, config, err) from None
+    # Its parameters are allocated at once: a random init in float32 (then cast to
+    # model.dtype), the weights read from model.path in model.dtype.
+    count = sum(p.numel() for p in meta.parameters())
+    dtype = "float32" if cfg.path is None else cfg.dtype
+    key, value = _config_key(cfg).split(": ", 1)
+    what = f"the model's {count:,} parameters in {dtype}"
+    check_fits(key, value, count * DTYPES[dtype].itemsize, what)
+
+
 def check_hf(cfg: ModelConfig) -> None:
     """Everything about an hf model that can be checked without its weights: the keys, the
     folders and their files, the config, the class, the tokenizer and its size."""
@@ -326,7 +395,10 @@ def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
     tokenizer, config, auto = _prepared(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.path is None:
-        model = auto.from_config(config, attn_implementation=cfg.attention).to(dtype)
+        try:
+            model = auto.from_config(config, attn_implementation=cfg.attention).to(dtype)
+        except Exception as err:  # what the meta build let through: still the config's
+            raise _unbuildable(cfg, config, err) from None
         return LanguageModel(model.eval(), tokenizer, cfg.class_), None
     folder = _model_folder(cfg)
     weights = weights_file(folder)

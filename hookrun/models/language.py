@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-__all__ = ["LanguageModel", "OUTPUT_KINDS", "explained_sample"]
+from hookrun.errors import HookrunError
+
+__all__ = ["LanguageModel", "OUTPUT_KINDS", "check_tokenizer", "explained_sample"]
 
 # What forward returns for each `model.class`:
 #   causal_lm, masked_lm: the logits at the read position (N, V);
@@ -26,6 +28,10 @@ __all__ = ["LanguageModel", "OUTPUT_KINDS", "explained_sample"]
 #   sequence_classification: the classifier's logits (N, C), pooled by the model itself (the
 #   first token for BERT, the last non-padding token for GPT-2); the read marker is not used.
 OUTPUT_KINDS = ("causal_lm", "masked_lm", "base", "sequence_classification")
+# Learned position embeddings (an nn.Embedding, one row a position), by the last part of
+# their module name, and the config keys that size them.
+_POSITION_MODULES = ("wpe", "position_embeddings", "embed_positions")
+_POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")
 
 
 class LanguageModel(nn.Module):
@@ -39,9 +45,11 @@ class LanguageModel(nn.Module):
     def __init__(self, hf: nn.Module, tokenizer: Any, kind: str = "causal_lm") -> None:
         super().__init__()
         if kind not in OUTPUT_KINDS:
-            raise ValueError(f"kind: {kind!r}; valid: {', '.join(OUTPUT_KINDS)}")
+            raise HookrunError(
+                f"model: LanguageModel's kind is {kind!r}; valid: {', '.join(OUTPUT_KINDS)}"
+            )
         object.__setattr__(self, "hf", hf)  # not registered: the names stay the model's own
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # checked: see the property
         self.kind = kind
         # Causal LMs that take `logits_to_keep` (transformers ≥ 4.45) unembed only the read
         # positions: the rest of the (N, T, V) logits are never read.
@@ -60,6 +68,17 @@ class LanguageModel(nn.Module):
     def config(self) -> Any:
         return self.hf.config
 
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer token data is read with (None: the caller's own token
+        tensors only)."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        check_tokenizer(tokenizer)
+        object.__setattr__(self, "_tokenizer", tokenizer)
+
     def train(self, mode: bool = True) -> LanguageModel:
         super().train(mode)
         self.hf.train(mode)  # the wrapped root's own flag (its children are ours)
@@ -73,6 +92,18 @@ class LanguageModel(nn.Module):
         for name in list(self.hf._buffers):
             self.hf._buffers[name] = self._buffers[name]
         return self
+
+    def max_positions(self) -> tuple[int, str] | None:
+        """The most tokens a row may have, and the config key that sets it: the rows of the
+        model's learned position embedding (GPT-2's wpe, BERT's position_embeddings, OPT's
+        embed_positions less its offset); None where positions have no hard limit (rotary,
+        ALiBi, relative: Llama, GPT-NeoX, ...)."""
+        for name, module in self.hf.named_modules():
+            if name.rsplit(".", 1)[-1] in _POSITION_MODULES and isinstance(module, nn.Embedding):
+                rows = module.num_embeddings - int(getattr(module, "offset", 0) or 0)
+                keys = [k for k in _POSITION_KEYS if getattr(self.config, k, None) == rows]
+                return rows, keys[0] if keys else f"the {rows} rows of {name}"
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._output(x, input_ids=x[:, 0])
@@ -120,6 +151,26 @@ class LanguageModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, wraps={type(self.hf).__name__}"
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse a tokenizer hookrun cannot read text with: valid are a transformers tokenizer
+    (PreTrainedTokenizerBase: AutoTokenizer.from_pretrained(DIR)) and None."""
+    if tokenizer is None:
+        return
+    from transformers import PreTrainedTokenizerBase  # a LanguageModel wraps a transformers one
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return
+    text = repr(tokenizer)
+    given = f"a {type(tokenizer).__qualname__} ({text[:60]}{'...' if len(text) > 60 else ''})"
+    hint = ""
+    if type(tokenizer).__module__.split(".")[0] == "tokenizers":
+        hint = "; a tokenizers.Tokenizer wrapped: PreTrainedTokenizerFast(tokenizer_object=...)"
+    raise HookrunError(
+        f"model: LanguageModel's tokenizer is {given}; valid: a transformers tokenizer "
+        f"(PreTrainedTokenizerBase, e.g. AutoTokenizer.from_pretrained(DIR)){hint}, or None"
+    )
 
 
 def _watched(head: nn.Module) -> bool:

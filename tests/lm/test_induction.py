@@ -122,3 +122,19 @@ def test_the_shipped_tiny_lm_has_an_induction_head_and_its_random_init_has_none(
         assert f["samples/tokens"].shape == g["samples/tokens"].shape == (64, 50)
     assert ours.max() >= 0.4, ours
     assert theirs.max() < 0.1, theirs
+
+
+def test_generated_rows_name_their_kind_from_any_folder(tmp_path, monkeypatch):
+    """/samples/path of generated rows says `repeated_tokens` whatever folder the run starts
+    from (it was made absolute: another folder's resume was refused as other rows)."""
+    args = ["experiment=induction", "dataset.size=4", "batch_size=2", "render=false"]
+    paths = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        with h5py.File(run_config(tmp_path / folder / "run", args).path) as f:
+            paths.append([p.decode() for p in f["samples/path"][()]])
+    assert paths[0] == paths[1] == ["repeated_tokens"] * 4
+    monkeypatch.chdir(tmp_path)  # a resume from a third folder continues the file
+    resumed = run_config(tmp_path / "a" / "run", [*args, "resume=true"])
+    assert resumed.rows == 4
