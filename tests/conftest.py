@@ -219,10 +219,18 @@ def killed_after(args: list[str], cwd: Path, run_dir: Path, rows: int) -> int:
     return seen
 
 
+# One thread in each torchrun process, as the one-thread runs its bytes are compared with.
+# torchrun sets OMP_NUM_THREADS=1 only when the caller's environment has none, and torch
+# takes its thread count from MKL_NUM_THREADS before OMP_NUM_THREADS: a shell that sets
+# either (common on a shared, busy machine) changes every summation order.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def torchrun(
     overrides: list[str], cwd: Path, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end."""
+    """`torchrun --standalone --nproc_per_node=2 -m hookrun OVERRIDES`, to its end, with one
+    thread in each process."""
     args = ["--standalone", "--nproc_per_node=2", "-m", "hookrun", *overrides]
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args],
@@ -230,5 +238,5 @@ def torchrun(
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
+        env={**(os.environ if env is None else env), **ONE_THREAD},
     )

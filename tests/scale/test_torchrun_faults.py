@@ -16,7 +16,7 @@ from pathlib import Path
 
 import h5py
 import torch
-from conftest import folder_resnet, hook, photo_folder, read, run_config
+from conftest import ONE_THREAD, folder_resnet, hook, photo_folder, read, run_config
 
 import hookrun
 from hookrun.io.layout import open_readonly
@@ -39,6 +39,7 @@ OVERRIDES = [
 def torchrun(args: list[str], cwd: Path, processes: int = 2) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
+    env.update(ONE_THREAD)  # as single_process: the same summation order, the same bits
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return subprocess.Popen(
         [*command, f"--nproc_per_node={processes}", "-m", "hookrun", *args],
@@ -47,7 +48,9 @@ def torchrun(args: list[str], cwd: Path, processes: int = 2) -> subprocess.Popen
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its own process group: one signal reaches every rank
+        # The launcher in a group of its own. Its ranks are not in it: torchrun starts
+        # each worker in a new session, so a signal to this group reaches no rank.
+        start_new_session=True,
     )
 
 
@@ -80,15 +83,57 @@ def started(args: list[str], cwd: Path, shards: list[Path], rows: int) -> subpro
     return job
 
 
+def frozen_at(job: subprocess.Popen, shards: list[Path], rows: int) -> dict[int, int]:
+    """Each rank of `job` stopped (SIGSTOP) as soon as its own shard holds at least `rows`
+    rows, so no rank runs on to its last row while the test waits for the other (on a
+    loaded machine one rank can get far ahead); rank → pid."""
+    frozen: dict[int, int] = {}
+    deadline = time.monotonic() + 240  # the start-up takes ~10 s on a quiet machine
+    while len(frozen) < len(shards):
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        seen = [rows_of(s) for s in shards]
+        assert time.monotonic() < deadline, f"rows after 240 s: {seen}"
+        for rank, count in enumerate(seen):
+            if rank not in frozen and count >= rows:
+                pid = rank_pids(job.pid)[rank]
+                os.kill(pid, signal.SIGSTOP)
+                frozen[rank] = pid
+        time.sleep(0.05)
+    return frozen
+
+
+def killed(job: subprocess.Popen, ranks: dict[int, int]) -> None:
+    """SIGKILL to the launcher, then to every (stopped) rank, and wait until all are gone:
+    torchrun starts its workers in sessions of their own, so a signal to the launcher's
+    process group reaches none of them, and they would finish and join without it."""
+    os.killpg(job.pid, signal.SIGKILL)  # first, so it cannot act on its ranks' deaths
+    job.wait()
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGKILL)  # kills a stopped process too
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in ranks.values()):
+        assert time.monotonic() < deadline, f"ranks {ranks} still alive 60 s after SIGKILL"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def test_torchrun_killed_mid_way_then_join_lost_resumes_to_the_single_bytes(tmp_path):
     single = single_process(tmp_path / "single", OVERRIDES)
     run_dir = tmp_path / "run"
     args = [*OVERRIDES, f"hydra.run.dir={run_dir}"]
     shards = [run_dir / f"captures.rank{r}-of-2.h5" for r in range(2)]
 
-    job = started(args, tmp_path, shards, 6)
-    os.killpg(job.pid, signal.SIGKILL)  # every rank at once, mid-stream
-    job.wait()
+    job = torchrun(args, tmp_path)
+    ranks = frozen_at(job, shards, 6)
+    killed(job, ranks)  # every rank, mid-stream, and the launcher
     partial = [rows_of(s) for s in shards]
     assert all(0 < rows < 80 for rows in partial), partial
     assert not (run_dir / "captures.h5").exists()
