@@ -1,6 +1,7 @@
-"""The house rules the restructure set up, checked on every test run: one module owns the
-captures.h5 layout, no import cycle, at most 6 parameters, at most 400 lines, and nothing in
-the repository points outside it."""
+"""The house rules, checked on every test run: one module owns the captures.h5 layout, no
+import cycle, and nothing in the repository points outside it. (Limits of 400 lines a module
+and 6 parameters a function were dropped: they were met by moving code to stay under them
+and by tuples bundling parameters; size is a signal, not a rule.)"""
 
 from __future__ import annotations
 
@@ -45,21 +46,6 @@ def test_no_import_cycles():
 
     for name in graph:
         visit(name, [])
-
-
-def test_functions_take_at_most_six_parameters_and_modules_stay_small():
-    wide, long = [], []
-    for path in MODULES:
-        text = path.read_text()
-        if len(text.splitlines()) > 400:
-            long.append(path.name)
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = node.args
-                params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
-                if len([p for p in params if p not in ("self", "cls")]) > 6:
-                    wide.append(f"{path.name}:{node.name}")
-    assert not wide and not long
 
 
 def test_nothing_points_outside_the_repository():
