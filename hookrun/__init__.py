@@ -13,9 +13,9 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO")
 
 from hookrun.api import compose, run  # noqa: E402
-from hookrun.engine.finish import Result  # noqa: E402
 from hookrun.errors import HookrunError  # noqa: E402
 from hookrun.io.results import open_results as open  # noqa: A001, E402  (the documented name)
+from hookrun.pipeline.finish import Result  # noqa: E402
 from hookrun.version import __version__  # noqa: E402
 
 __all__ = ["__version__", "HookrunError", "Result", "compose", "open", "run"]

@@ -15,9 +15,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hookrun.api import conf_dir
+from hookrun.config.schema import register_configs
 from hookrun.errors import HookrunError, one_line
 from hookrun.quick_exit import QuickExit
-from hookrun.spec.schema import register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
@@ -28,9 +28,9 @@ def main(cfg: DictConfig) -> None:
     """Run one job. Bad input ends a single run with a one-line message and exit status 2
     (a write fault: 1; SIGTERM/SIGINT: 143/130; an internal error: 1, traceback in the log);
     in a sweep (-m) a failing job is logged and recorded, and the other jobs go on."""
-    from hookrun.engine.runner import execute
+    from hookrun.config.build import build_spec, release_model_keys
+    from hookrun.pipeline.runner import execute
     from hookrun.scale.sweeps import write_job_summary
-    from hookrun.spec.build import build_spec, release_model_keys
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from hookrun.engine.finish import Result
-from hookrun.engine.prepare import CallerObjects
-from hookrun.engine.runner import execute
+from hookrun.config.build import RunSpec, build_spec, release_model_keys
+from hookrun.config.schema import ModelConfig, conf_dir, register_configs
 from hookrun.errors import HookrunError
-from hookrun.spec.build import RunSpec, build_spec, release_model_keys
-from hookrun.spec.schema import ModelConfig, conf_dir, register_configs
+from hookrun.pipeline.finish import Result
+from hookrun.pipeline.prepare import CallerObjects
+from hookrun.pipeline.runner import execute
 from hookrun.typed import freeze
 
 __all__ = ["conf_dir", "compose", "run"]

@@ -1,7 +1,7 @@
 """Registries: the extension points of hookrun, one table each.
 
-Dataset kinds (`hookrun/data/kinds.py`), hook actions (`hookrun/engine/actions.py`),
-derived methods (`hookrun.methods.registry.py`) and model sources
+Dataset kinds (`hookrun/data/kinds.py`), hook actions (`hookrun/runtime/actions.py`),
+derived methods (`hookrun.stages.derive.registry.py`) and model sources
 (`hookrun/models/sources.py`) are each one `@REGISTRY.register(name)` in one file. Error
 messages and the docs list `choices()`, so the valid choices a user reads cannot drift from
 what the code accepts.

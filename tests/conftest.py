@@ -16,11 +16,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
-from hookrun.engine.finish import Result
-from hookrun.engine.runner import execute
+from hookrun.config.build import HookSpec, build_spec
+from hookrun.config.schema import register_configs
 from hookrun.io.layout import is_dimension, open_readonly
-from hookrun.spec.build import HookSpec, build_spec
-from hookrun.spec.schema import register_configs
+from hookrun.pipeline.finish import Result
+from hookrun.pipeline.runner import execute
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TESTS = Path(__file__).resolve().parent

@@ -1,5 +1,5 @@
 """`dataset=repeated_tokens`: rows of a random token sequence repeated, the data induction
-heads are found with (Olsson et al. 2022; hookrun/methods/induction.py scores them).
+heads are found with (Olsson et al. 2022; hookrun/stages/induction/scores.py scores them).
 
 Row r is a sequence of `length` distinct token ids drawn uniformly without replacement from
 the tokenizer's vocabulary less its special tokens, written `repeats` times in a row (a bos

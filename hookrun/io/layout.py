@@ -48,7 +48,7 @@ __all__ = [
 
 # The groups of captured tensors, of each row's facts, and of derived results.
 CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
-LOGIT_LENS = "logit_lens"  # methods/lens.py: derived/logit_lens/{top_ids,top_probs,target_prob}
+LOGIT_LENS = "logit_lens"  # stages/lens/lens.py: derived/logit_lens/{top_ids,top_probs,target_prob}
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
@@ -74,7 +74,7 @@ def capture_key(
 
     `/captures/<layer>/<site>`; a module with several floating-point tensors at a site gets
     `_<i>` per tensor, a structured output (dict, namedtuple, ModelOutput) `.<key>` per leaf
-    (`leaf` is that suffix, engine/leaves.py), and every call of a module after its first in
+    (`leaf` is that suffix, runtime/leaves.py), and every call of a module after its first in
     one forward pass gets `.call<k>` (ResNet blocks call their one ReLU twice).
     """
     site = getattr(site, "value", site)
@@ -95,7 +95,7 @@ def pattern_key(module: str, call: int = 0) -> str:
     return f"{CAPTURES}/{module}/{PATTERN}" + (f".call{call}" if call else "")
 
 
-# experiment=induction (hookrun/methods/induction.py): the induction score per head (layers,
+# experiment=induction (hookrun/stages/induction/scores.py): the induction score per head (layers,
 # heads) with the layer names in its attribute LAYERS_ATTR, and each row's (N, layers, heads).
 INDUCTION_SCORE, INDUCTION_ROWS, LAYERS_ATTR = "induction/score", "induction/rows", "layers"
 # Datasets of a whole run with no sample axis (written once the file is complete).
@@ -120,7 +120,7 @@ def gap_key(method: str, layer: str) -> str:
     return f"{derived_key(method, layer)}{GAP_SUFFIX}"
 
 
-# Dataset attributes of captures not stored one row per sample (engine/probe.py): a tensor
+# Dataset attributes of captures not stored one row per sample (runtime/probe.py): a tensor
 # with no batch axis has one row per batch of PER_BATCH samples (the last may be shorter);
 # one with k rows per sample folded into the batch axis is stored (N, k, ...), FOLDED = k.
 PER_BATCH = "per_batch"

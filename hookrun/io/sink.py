@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookrun.engine.profile import StageTimer
 from hookrun.errors import HookrunError, Interrupted, RunFault
 from hookrun.io.appender import CapturesFile, FileOptions
 from hookrun.io.dimensions import AxisFacts
@@ -30,6 +29,7 @@ from hookrun.io.encoding import host_array
 from hookrun.io.layout import Provenance
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
+from hookrun.timing import StageTimer
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
 

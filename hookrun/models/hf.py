@@ -20,7 +20,7 @@
 `model.attention`: eager (the default: its probabilities are a module's output, and every
 family has it) | sdpa (torch's fused scaled_dot_product_attention: the same numbers to float
 rounding, faster; experiment=lm_cache uses it). A run with `at: pattern` sites switches an
-sdpa model to eager for that run and says so (engine/pattern.py).
+sdpa model to eager for that run and says so (runtime/pattern.py).
 transformers is an optional extra (`pip install hookrun[hf]`), imported only here, on use.
 """
 
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from hookrun.config.schema import ModelConfig
 from hookrun.errors import HookrunError, nearest
 from hookrun.memory import check_fits
 from hookrun.models.language import LanguageModel
-from hookrun.spec.schema import ModelConfig
 
 __all__ = [
     "CLASSES",

@@ -19,13 +19,13 @@ import matplotlib
 import numpy as np
 import torch
 
-from hookrun.evaluate.config import parse_evaluate
-from hookrun.evaluate.curves import baseline_image
-from hookrun.evaluate.impute import impute
-from hookrun.evaluate.relevance import pixel_ranks, pixel_relevance
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import display_image, save_whole
+from hookrun.stages.evaluate.config import parse_evaluate
+from hookrun.stages.evaluate.curves import baseline_image
+from hookrun.stages.evaluate.impute import impute
+from hookrun.stages.evaluate.relevance import pixel_ranks, pixel_relevance
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)

@@ -13,9 +13,9 @@ import numpy as np
 
 from hookrun.io import layout
 from hookrun.io.encoding import read_floats
-from hookrun.patching.config import SITE_KINDS
 from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts
+from hookrun.stages.patching.config import SITE_KINDS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torchvision
 
+from hookrun.config.build import RunSpec
 from hookrun.io.layout import Provenance
 from hookrun.models.weights import sha256_of
-from hookrun.spec.build import RunSpec
 from hookrun.version import __version__
 
 __all__ = ["reproducible", "provenance"]

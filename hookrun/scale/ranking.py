@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from hookrun.evaluate.config import parse_evaluate
-from hookrun.evaluate.registry import METRICS
 from hookrun.io import layout, walk
+from hookrun.stages.evaluate.config import parse_evaluate
+from hookrun.stages.evaluate.registry import METRICS
 
 __all__ = ["job_means", "write_ranking"]
 

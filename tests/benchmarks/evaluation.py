@@ -23,9 +23,9 @@ import torch
 import torchvision
 from loops import compare  # this folder: run as a script, it is first on sys.path
 
-from hookrun.evaluate.registry import METRICS, EvalBatch
-from hookrun.evaluate.relevance import pixel_relevance
-from hookrun.methods.gradients import rows_per_pass
+from hookrun.stages.derive.gradients import rows_per_pass
+from hookrun.stages.evaluate.registry import METRICS, EvalBatch
+from hookrun.stages.evaluate.relevance import pixel_relevance
 
 __all__ = ["evaluation_rows"]
 

@@ -11,14 +11,14 @@ import h5py
 import numpy as np
 import torch
 
-from hookrun.engine.hooks import Recorder, attach, run_mode
-from hookrun.engine.plan import compile_plan
-from hookrun.engine.stream import BatchStep, RowFacts
-from hookrun.engine.transfer import HostCopier
+from hookrun.config.build import HookSpec
+from hookrun.config.schema import HookConfig, SelectConfig, Site, TargetConfig
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.registry import derive
-from hookrun.spec.build import HookSpec
-from hookrun.spec.schema import HookConfig, SelectConfig, Site, TargetConfig
+from hookrun.pipeline.stream import BatchStep, RowFacts
+from hookrun.runtime.hooks import Recorder, attach, run_mode
+from hookrun.runtime.plan import compile_plan
+from hookrun.runtime.transfer import HostCopier
+from hookrun.stages.derive.registry import derive
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:

@@ -36,11 +36,11 @@ from loops import (  # this folder: run as a script, it is first on sys.path
     hooks_of,
 )
 
+from hookrun.config.schema import TargetKind
 from hookrun.io import appender
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.methods.cam import CamArgs
-from hookrun.methods.registry import METHODS, Derivation
-from hookrun.spec.schema import TargetKind
+from hookrun.stages.derive.cam import CamArgs
+from hookrun.stages.derive.registry import METHODS, Derivation
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ import torch
 import xarray
 from conftest import compose_config, hookrun_cli, killed_after, read, run_config, torchrun
 
+from hookrun.config.build import build_spec
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
 from hookrun.scale.ranking import job_means
-from hookrun.spec.build import build_spec
 from hookrun.verify import verify
 
 SMALL = [

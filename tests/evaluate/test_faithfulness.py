@@ -17,7 +17,7 @@ from conftest import read, resnet18_file, run_config
 from references import mobilenet
 from torchvision.transforms.functional import gaussian_blur
 
-from hookrun.evaluate.impute import impute
+from hookrun.stages.evaluate.impute import impute
 
 GRADIENT = ["++hooks.g.select.name=input", "++hooks.g.at=grad_output", "++hooks.g.action=capture"]
 # Edge neighbours 1/6, corner ones 1/12 (Rong et al.): written out, not imported.

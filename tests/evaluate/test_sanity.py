@@ -18,7 +18,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 import hookrun
-from hookrun.evaluate.randomize import default_layers
+from hookrun.stages.sanity.randomize import default_layers
 
 MOBILENET_LAYERS = ["classifier.1", *(f"features.{i}" for i in range(18, -1, -1))]
 

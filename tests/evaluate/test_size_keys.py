@@ -9,9 +9,9 @@ import pytest
 from conftest import run_config
 
 from hookrun.errors import HookrunError
-from hookrun.evaluate.curves import DeletionArgs, InsertionArgs
-from hookrun.evaluate.registry import METRICS
-from hookrun.evaluate.road import RoadArgs
+from hookrun.stages.evaluate.curves import DeletionArgs, InsertionArgs
+from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.road import RoadArgs
 
 SMALL = [
     "experiment=grad_cam",

@@ -19,10 +19,10 @@ from conftest import compose_config, hookrun_cli, run_config
 from lm_models import save_lm
 from test_token_data import word_tokenizer
 
+from hookrun.config.build import build_spec
 from hookrun.data.hf_disk import HfDiskDatasetConfig
 from hookrun.data.kinds import DATASETS
 from hookrun.errors import HookrunError
-from hookrun.spec.build import build_spec
 
 DOCS = ["the cat sat on the mat", "", "a dog ran", "the dog sat", "a cat ran on a mat"]
 PROMPTS = [

@@ -18,12 +18,12 @@ from conftest import compose_config
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hookrun.config.build import build_spec
 from hookrun.data.kinds import DATASETS, NO_LABEL
 from hookrun.data.prompts import PromptsDatasetConfig
 from hookrun.data.text import TextDatasetConfig
 from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.errors import HookrunError
-from hookrun.spec.build import build_spec
 
 WORDS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 ID = {w: i for i, w in enumerate(WORDS)}

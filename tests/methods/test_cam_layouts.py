@@ -18,8 +18,8 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 from torch import nn
 
 import hookrun
-from hookrun.engine.camlayer import pick_cam_layer
 from hookrun.errors import HookrunError
+from hookrun.pipeline.camlayer import pick_cam_layer
 
 
 def _vit_tokens(tensor: torch.Tensor) -> torch.Tensor:

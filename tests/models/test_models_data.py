@@ -13,9 +13,9 @@ from conftest import hook
 from PIL import Image
 from torchvision import transforms
 
+from hookrun.config.schema import ModelConfig
 from hookrun.models.seeds import SeedConvNet, SeedMLP
 from hookrun.models.sources import build_model
-from hookrun.spec.schema import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

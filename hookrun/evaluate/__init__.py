@@ -1,8 +1,0 @@
-"""Evaluation of a run's attributions: faithfulness metrics (a registry, registry.py; each
-module below registers its metrics when imported here) and the sanity check by model
-randomisation (sanity.py)."""
-
-from hookrun.evaluate import (
-    curves,  # noqa: F401  (registers deletion, insertion)
-    road,  # noqa: F401  (registers road)
-)

@@ -1,0 +1,158 @@
+"""Stage 3 of a run — finish: join torchrun shards, draw the pictures from the finished
+file, and summarise (file, pictures, top-1 classes, throughput)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookrun.config.build import RunSpec
+from hookrun.io.results import Results, summary
+from hookrun.models.sources import class_names
+from hookrun.pipeline.prepare import Claim, Prepared
+from hookrun.scale import distributed
+from hookrun.scale.distributed import World
+from hookrun.signals import interruptible
+from hookrun.stages.induction.scores import induction_of_run
+
+__all__ = ["Result", "finish", "dry_result"]
+
+log = logging.getLogger("hookrun")
+
+
+@dataclass
+class Result:
+    """What a run produced. `path` is the captures.h5 (None for a dry run); `open()` reads it."""
+
+    path: Path | None
+    run_dir: Path
+    rows: int
+    plan_text: str
+    seconds: float
+    summary: str = ""
+    images: Path | None = None
+    profile: dict[str, float] | None = field(default=None)  # seconds per stage (profile=true)
+
+    def open(self) -> Results:
+        """The captures.h5 opened read-only (`with result.open() as res: ...`)."""
+        if self.path is None:
+            raise ValueError("a dry run writes no captures.h5")
+        return Results(self.path)
+
+
+def dry_result(run: Prepared) -> Result:
+    """`dry_run=true`: the plan printed, nothing written."""
+    print(run.plan_text)
+    print("dry run: nothing written")
+    seconds = time.perf_counter() - run.started
+    return Result(None, run.run_dir, 0, run.plan_text, seconds, summary="dry run: nothing written")
+
+
+def _images_dir(spec: RunSpec, run_dir: Path) -> Path:
+    return run_dir / "images" / (spec.experiment or "run")
+
+
+def _draw(spec: RunSpec, path: Path, run_dir: Path, plan_text: str) -> Path | None:
+    """The run's pictures from its complete file (render=true); their folder, or None when
+    nothing was drawable."""
+    if not spec.render:
+        return None
+    # Imported here: matplotlib costs a run that draws nothing 0.2-0.3 s of start-up.
+    from hookrun.render.draw import render
+
+    images = _images_dir(spec, run_dir)
+    tensorboard = run_dir / "tensorboard" if spec.logger == "tensorboard" else None
+    with interruptible():  # every picture is written whole (renamed into place) or not
+        return images if render(path, images, spec.render_max, tensorboard, plan_text) else None
+
+
+def _draw_missing(spec: RunSpec, path: Path, run_dir: Path) -> tuple[Path | None, int]:
+    """The pictures of a complete file that its folder lacks (a run stopped while drawing
+    them), drawn aside and moved in; those already there are left as they are. The folder
+    and how many were added."""
+    if not spec.render:
+        return None, 0
+    from hookrun.render.draw import render
+
+    images = _images_dir(spec, run_dir)
+    images.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{images.name}.", dir=images.parent))
+    added = 0
+    try:
+        with interruptible():
+            render(path, scratch, spec.render_max)
+        for picture in sorted(scratch.glob("*.png")):
+            target = images / picture.name
+            if not target.exists():
+                images.mkdir(exist_ok=True)
+                os.replace(picture, target)  # the same file system: whole or not at all
+                added += 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return (images if images.is_dir() else None), added
+
+
+def already_complete(
+    spec: RunSpec, claim: Claim, run_dir: Path, caller_model: Any, world: World
+) -> Result:
+    """resume=true on a file that is complete (a requeued job killed after its last row, or
+    while drawing): nothing computed, every dataset left as it is, the missing pictures
+    drawn (by rank 0 under torchrun); exit status 0."""
+    started = time.perf_counter()
+    path = claim.final_path
+    if world.rank != 0:
+        return Result(path, run_dir, 0, "", time.perf_counter() - started)
+    images, added = _draw_missing(spec, path, run_dir)
+    drew = f"; drew {added} missing picture{'s' * (added != 1)}" if spec.render else ""
+    said = (
+        f"resume: {path} is already complete ({claim.resumed.rows} rows): nothing computed, "
+        f"every dataset left as it was{drew}"
+    )
+    log.warning("%s", said)
+    names = class_names(spec.model) or getattr(caller_model, "output_names", lambda: None)()
+    seconds = time.perf_counter() - started
+    text = said + "\n" + summary(path, seconds, names, images, computed=0)
+    log.info("\n%s", text)
+    return Result(path, run_dir, claim.resumed.rows, "", seconds, summary=text, images=images)
+
+
+def finish(run: Prepared, rows_here: int) -> Result:
+    """After the last batch: rank 0 joins the shards, then pictures and summary."""
+    spec, world = run.spec, run.world
+    total = len(run.data)
+    if world.parallel:
+        torch.distributed.barrier()  # every shard is complete before rank 0 reads them
+        if world.rank != 0:
+            seconds = time.perf_counter() - run.started
+            return Result(run.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
+        replace = spec.sink.overwrite or spec.resume  # a resumed run may redo an interrupted merge
+        distributed.merge_shards(run.final_path, world, total, spec.batch_size, run.header, replace)
+    # experiment=induction: the scores per head, from the complete file's patterns.
+    induction_of_run(run.final_path, spec.dataset, run.plan, run.model)
+    images = _draw(spec, run.final_path, run.run_dir, run.plan_text)
+    seconds = time.perf_counter() - run.started
+    computed = rows_here if spec.resume or world.parallel else None
+    # A language model's output columns are its vocabulary: the summary shows the tokens.
+    names = class_names(spec.model) or getattr(run.model, "output_names", lambda: None)()
+    text = summary(run.final_path, seconds, names, images, computed=computed)
+    if spec.profile:
+        text += "\n" + run.timer.report(seconds)
+    log.info("\n%s", text)
+    return Result(
+        run.final_path,
+        run.run_dir,
+        total,
+        run.plan_text,
+        seconds,
+        summary=text,
+        images=images,
+        profile=dict(run.timer.seconds),
+    )

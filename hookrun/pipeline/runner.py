@@ -1,0 +1,62 @@
+"""One run, in three stages: prepare → stream → finish (the CLI and `hookrun.run` both
+end here). Under torchrun every rank runs its share of the batches and rank 0 joins them."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+
+from hookrun.config.build import RunSpec
+from hookrun.pipeline.device import devices_kept, resolve_device
+from hookrun.pipeline.finish import Result, already_complete, dry_result, finish
+from hookrun.pipeline.prepare import CallerObjects, claim_file, prepare
+from hookrun.pipeline.stream import stream
+from hookrun.runtime.hooks import hooks_kept
+from hookrun.runtime.pattern import attention_kept
+from hookrun.scale import distributed
+from hookrun.scale.distributed import world_from_env
+from hookrun.scale.provenance import reproducible
+from hookrun.signals import signals_caught, stop_if_signalled
+from hookrun.stages.sanity.randomize import weights_kept
+
+__all__ = ["execute"]
+
+log = logging.getLogger("hookrun")
+
+
+def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -> Result:
+    """Run `spec`; captures go to `run_dir`/captures.h5 unless `sink.path` says otherwise.
+    A caller's model leaves exactly as it came (hooks, flags, devices)."""
+    caller = caller or CallerObjects()
+    world = world_from_env()
+    device = resolve_device(spec.device, world)
+    try:
+        if world.parallel:
+            run_dir = distributed.start(world, device, run_dir)
+        # The sanity check randomises weights: a caller's model gets its own back, bit for bit.
+        randomised = caller.model is not None and spec.sanity is not None
+        with (
+            reproducible(spec.seed, spec.deterministic),
+            devices_kept(caller.model),
+            hooks_kept(caller.model),  # under every registration: none stays on the model
+            attention_kept(caller.model),  # at: pattern switches fused attention to eager
+            weights_kept(caller.model) if randomised else nullcontext(),
+            signals_caught(),
+        ):
+            claim = claim_file(spec, run_dir, world)
+            try:
+                if claim.resumed.complete:  # a requeued job that had finished
+                    return already_complete(spec, claim, run_dir, caller.model, world)
+                run = prepare(spec, run_dir, world, device, caller, claim)
+                if spec.dry_run:
+                    return dry_result(run)
+                stop_if_signalled()  # a signal during start-up: stop before any file exists
+                if world.rank == 0:
+                    log.info("\n%s", run.plan_text)
+                rows_here = stream(run)
+                return finish(run, rows_here)
+            finally:
+                claim.release()  # the writer lock, held since the path checks
+    finally:
+        distributed.stop()

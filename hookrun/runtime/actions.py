@@ -1,0 +1,288 @@
+"""What a hook does to the tensor at its site: capture it or change it.
+
+Each action is a small class with typed arguments. The same action works at a forward site
+(it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
+tensor that continues the computation; a capture returns its input unchanged.
+
+A new action is one class here, registered with `@_action(name)`; its `Args`
+dataclass is what `args:` accepts, and `check()` what it refuses before any work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hookrun.errors import HookrunError
+from hookrun.memory import check_fits
+from hookrun.registry import Registry
+from hookrun.runtime.positions import Positions, parse_heads, parse_positions
+from hookrun.typed import check_finite, parse_typed
+
+__all__ = [
+    "SiteContext",
+    "Action",
+    "Capture",
+    "Scale",
+    "Add",
+    "Clamp",
+    "Zero",
+    "Noise",
+    "ACTIONS",
+    "build_action",
+]
+
+
+class SiteContext(Protocol):
+    """What an action may use at the moment it runs."""
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """Store `tensor` as this site's capture for the current batch."""
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A random generator seeded for this hook and batch (same seed → same numbers)."""
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The dataset index (N,) of each row of the current batch."""
+
+
+class Action:
+    """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type]
+    captures: ClassVar[bool] = False
+    # Puts stored rows in per sample (patch): needs a site with one row per sample.
+    reads_rows: ClassVar[bool] = False
+    # `args.positions` on token data (runtime/positions.py): where along the tokens it acts.
+    positions: Positions | None = None
+    # `args.heads` at a pattern site (runtime/pattern.py): the heads it acts on (None: all).
+    heads: tuple[int, ...] | None = None
+    # `args.dtype` of a capture: the float its tensors are stored in (None: sink.dtype).
+    dtype: str | None = None
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+
+    @classmethod
+    def check(cls, args: Any, key: str) -> None:
+        """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
+
+    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+        """Check against the model, before any work: called once per site the probe saw
+        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1."""
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sources(self) -> dict[str, str]:
+        """Files the action reads ({file, sha256}), recorded in the run's provenance."""
+        return {}
+
+    def describe(self) -> str:
+        """`clamp{min=0.0}`: how the plan prints this action."""
+        items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
+        if self.positions is not None:
+            items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
+        if self.heads is not None:
+            items = ", ".join(filter(None, (items, f"heads={list(self.heads)}")))
+        if self.dtype is not None:
+            items = ", ".join(filter(None, (items, f"dtype={self.dtype}")))
+        return f"{self.name}{{{items}}}" if items else self.name
+
+
+@dataclass
+class NoArgs:
+    pass
+
+
+@dataclass
+class CaptureArgs:
+    # Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size.
+    pool: str | None = None
+    size: int = 1
+
+
+@dataclass
+class ScaleArgs:
+    factor: float = 1.0
+
+
+@dataclass
+class AddArgs:
+    value: float = 0.0
+
+
+@dataclass
+class ClampArgs:
+    min: float | None = None
+    max: float | None = None
+
+
+@dataclass
+class NoiseArgs:
+    std: float = 1.0
+
+
+ACTIONS: Registry[type[Action]] = Registry("an action")
+
+
+def _action(name: str):
+    """Register an Action class under its config word."""
+
+    def add(cls: type[Action]) -> type[Action]:
+        cls.name = name
+        return ACTIONS.register(name)(cls)
+
+    return add
+
+
+@_action("capture")
+class Capture(Action):
+    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it);
+    with `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
+    `size` per spatial axis — what extraction jobs that want pooled features store."""
+
+    Args, captures = CaptureArgs, True
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        ctx.record(self._pooled(tensor) if self.args.pool else tensor)
+        return tensor
+
+    def _pooled(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = tensor.detach()
+            if value.dim() == 4:
+                pool = F.adaptive_avg_pool2d if self.args.pool == "avg" else F.adaptive_max_pool2d
+            else:
+                pool = F.adaptive_avg_pool1d if self.args.pool == "avg" else F.adaptive_max_pool1d
+            return pool(value, self.args.size)
+
+    def stored_shape(self, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
+        """The per-sample shape stored for a tensor of per-sample `shape`."""
+        if not self.args.pool:
+            return shape
+        if len(shape) not in (2, 3):
+            raise HookrunError(
+                f"{key}.args.pool: {key.split('.')[-1]} captures a tensor of per-sample shape "
+                f"{list(shape)}; pooling needs feature maps (C, H, W) or sequences (C, L)"
+            )
+        pooled = (shape[0], *([self.args.size] * (len(shape) - 1)))
+        what = f"one pooled row {list(pooled)}"
+        check_fits(f"{key}.args.size", self.args.size, 4 * math.prod(pooled), what)
+        return pooled
+
+    @classmethod
+    def check(cls, args: CaptureArgs, key: str) -> None:
+        if args.pool is None:
+            return
+        if args.pool not in ("avg", "max"):
+            raise HookrunError(f"{key}.args.pool: {args.pool!r}; valid: avg, max, null")
+        if args.size < 1:
+            raise HookrunError(f"{key}.args.size: {args.size} is out of range; valid: >= 1")
+
+
+@_action("scale")
+class Scale(Action):
+    """Multiply by `factor` (the seeds' `2 * grad`)."""
+
+    Args = ScaleArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor * self.args.factor
+
+
+@_action("add")
+class Add(Action):
+    """Add `value` to every element (the seeds' `grad + 2`)."""
+
+    Args = AddArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor + self.args.value
+
+
+@_action("clamp")
+class Clamp(Action):
+    """Clamp into [min, max]; `clamp {min: 0}` at a ReLU's grad_input is Guided Backprop."""
+
+    Args = ClampArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return tensor.clamp(min=self.args.min, max=self.args.max)
+
+    @classmethod
+    def check(cls, args: ClampArgs, key: str) -> None:
+        if args.min is None and args.max is None:
+            raise HookrunError(f"{key}.args: clamp needs min, max or both")
+        if args.min is not None and args.max is not None and args.min > args.max:
+            raise HookrunError(f"{key}.args: clamp min {args.min} is above max {args.max}")
+
+
+@_action("zero")
+class Zero(Action):
+    """Replace with zeros (ablation of an activation, or cutting a gradient path)."""
+
+    Args = NoArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        return torch.zeros_like(tensor)
+
+
+@_action("noise")
+class Noise(Action):
+    """Add Gaussian noise of `std`, drawn from the run's seeded generator."""
+
+    Args = NoiseArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        gen = ctx.generator(tensor.device)
+        noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype)
+        return tensor + self.args.std * noise
+
+    @classmethod
+    def check(cls, args: NoiseArgs, key: str) -> None:
+        if args.std < 0:
+            raise HookrunError(f"{key}.args.std: {args.std} is negative; valid: std >= 0")
+
+
+def build_action(name: str, args: dict[str, Any], key: str) -> Action:
+    """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
+    cls = ACTIONS.get(name, f"{key}.action")
+    args = dict(args)
+    positions = parse_positions(args.pop("positions", None), f"{key}.args.positions")
+    if positions is not None and cls.reads_rows:
+        raise HookrunError(
+            f"{key}.args.positions: {positions.describe()} with action {name}, which puts "
+            "whole stored rows back; valid: no positions (patch the whole tensor)"
+        )
+    heads = parse_heads(args.pop("heads", None), f"{key}.args.heads")
+    dtype = _parse_dtype(args.pop("dtype", None), cls, f"{key}.args.dtype")
+    parsed = parse_typed(args, cls.Args, f"{key}.args")
+    check_finite(f"{key}.args", parsed)
+    cls.check(parsed, key)
+    action = cls(parsed)
+    action.positions, action.heads, action.dtype = positions, heads, dtype
+    return action
+
+
+# The floats a capture can be stored in (io/encoding.py: bfloat16 as its 16 raw bits).
+CAPTURE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _parse_dtype(value: Any, cls: type[Action], key: str) -> str | None:
+    """A capture's `args.dtype`, refused on an action that stores nothing."""
+    if value is None:
+        return None
+    if not cls.captures:
+        raise HookrunError(
+            f"{key}: {value!r} with action {cls.name}, which stores nothing; valid: action capture"
+        )
+    if value not in CAPTURE_DTYPES:
+        raise HookrunError(f"{key}: {value!r}; valid: {', '.join(CAPTURE_DTYPES)}")
+    return str(value)

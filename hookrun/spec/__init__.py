@@ -1,1 +1,0 @@
-"""The run spec: the config schema and every check that can run before the first batch."""

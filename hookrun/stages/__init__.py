@@ -1,0 +1,9 @@
+"""The stages: every capability of a run beyond capturing, each in its folder and registered
+when imported here."""
+
+from hookrun.stages import derive as derive
+from hookrun.stages import evaluate as evaluate
+from hookrun.stages import induction as induction
+from hookrun.stages import lens as lens
+from hookrun.stages import patching as patching
+from hookrun.stages import sanity as sanity

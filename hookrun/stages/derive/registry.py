@@ -1,0 +1,214 @@
+"""The derived-methods registry: results computed per batch from captured tensors, stored
+raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
+
+A new method is one class registered with `@register_method(name)` in its own module under
+hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
+`derive.<name>:` accepts) and `check`, the captures it `requires`, an optional `prepare` on
+the model before the first batch, and `compute` on one batch of records. A method that needs
+passes of its own over the input (integrated gradients, SmoothGrad) sets `runs_passes` and
+implements `passes` on a `BatchContext` instead; the run's hooks stand aside meanwhile. A
+method that writes several results from the captures and the batch (the logit lens: the
+read marker of token data) sets `reads_batch` and implements `compute_batch`; captures only
+its prepared state can name (every block of the model) come from `requires_prepared`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.registry import Registry
+from hookrun.typed import Frozen
+
+__all__ = [
+    "METHODS",
+    "Method",
+    "LayerArgs",
+    "BatchContext",
+    "register_method",
+    "Derivation",
+    "plan_derivations",
+    "derive",
+]
+
+
+@dataclass
+class LayerArgs(Frozen):
+    # The module whose captures the method reads (the experiments pass model.cam_layer).
+    layer: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """One batch as a method with passes of its own sees it (the run's hooks stand aside)."""
+
+    model: nn.Module  # eval mode, parameters frozen
+    inputs: torch.Tensor  # (N, ...) on the run's device, as the data loader gave it
+    targets: torch.Tensor  # (N,) int64 on the device: the class each sample is explained for
+    # (output, targets) → (N,): each sample's score whose gradient is explained (the target
+    # logit, or the sum of the outputs for target.kind=sum).
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # name → a generator seeded by (run seed, name, the batch's first row).
+    generator: Callable[[str], torch.Generator]
+    # What the gradient methods explain, when not `inputs`: a language model's input
+    # embeddings (N, T, D), whose rows `forward` runs (token ids have no gradient).
+    points: torch.Tensor | None = None
+    # (points, sample) → the model's output for rows of points, row i being a copy or a
+    # perturbation of batch row sample[i] (a language model reads that row's mask and read
+    # marker); None: model(points).
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def explained(self) -> torch.Tensor:
+        """The input the gradient methods explain (N, ...): the batch, or its embeddings."""
+        return self.inputs if self.points is None else self.points
+
+    def run(self, points: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        """The model on `points`, row i standing for batch row sample[i]."""
+        return self.model(points) if self.forward is None else self.forward(points, sample)
+
+
+class Method:
+    """Base class: `name` is the config word under `derive:`, `Args` its arguments."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type] = LayerArgs
+    # Target kinds the method needs a class for (CAM reads the target's weights).
+    needs_class: ClassVar[bool] = False
+    # True: the method runs its own forward/backward passes (`passes`), not `compute`.
+    runs_passes: ClassVar[bool] = False
+    # True: `compute_batch` (the records and the batch → every result by path), not `compute`.
+    reads_batch: ClassVar[bool] = False
+    # True: the method means something on token data (a language model's input is token ids:
+    # other gradient methods on the input are refused there, pipeline/tokencheck.py).
+    tokens_ok: ClassVar[bool] = False
+    # True: the method explains the model's input (BatchContext.explained): on token data it
+    # is prepared on, and stores results shaped like, the input embeddings (T, D).
+    explains_input: ClassVar[bool] = False
+    # The experiment whose hooks capture what the method reads (named when they are missing).
+    example: ClassVar[str] = "grad_cam"
+
+    @classmethod
+    def check(cls, args: Any, key: str) -> None:
+        """Refuse bad `args` (HookrunError naming `key.<x>`); called before any work."""
+
+    def requires(self, args: Any) -> list[str]:
+        """The capture datasets this method reads."""
+        raise NotImplementedError
+
+    def requires_prepared(self, args: Any, state: Any) -> list[str]:
+        """The capture datasets the prepared state says the method reads (none by default)."""
+        return []
+
+    def prepare(self, args: Any, model: nn.Module, sample: torch.Tensor) -> Any:
+        """State computed once from the model before the first batch (None by default)."""
+        return None
+
+    def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_batch(
+        self, args: Any, state: Any, records: Mapping[str, torch.Tensor], batch: BatchContext
+    ) -> dict[str, torch.Tensor]:
+        """A `reads_batch` method's results for one batch, keyed by HDF5 path (host tensors)."""
+        raise NotImplementedError
+
+    def passes(self, args: Any, state: Any, batch: BatchContext) -> dict[str, torch.Tensor]:
+        """A `runs_passes` method's results for one batch, keyed by HDF5 path (host tensors)."""
+        raise NotImplementedError
+
+    def stored_shapes(
+        self, args: Any, state: Any, key: str, sample: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each dataset the method writes, `key` being its main one and
+        `sample` the model input's shape (the dry run's size estimate); by default one
+        result shaped like the input."""
+        return {key: sample}
+
+
+METHODS: Registry[Method] = Registry("a method")
+
+
+def register_method(name: str):
+    """Class decorator: register a Method under its `derive:` name."""
+    return METHODS.register_class(name)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """One derived result of a run: its method, arguments and prepared state."""
+
+    method: Method
+    args: Any
+    state: Any = None
+    # The shape of what an `explains_input` method explains per sample, where it is not the
+    # model input's (a language model's embeddings, (T, D)).
+    explained: tuple[int, ...] | None = None
+
+    @property
+    def key(self) -> str:
+        # Methods that attribute the model input store at /derived/<method>/input.
+        return layout.derived_key(self.method.name, getattr(self.args, "layer", None) or "input")
+
+    def stored_shapes(self, sample: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each dataset this derivation writes (`sample`: the input's)."""
+        shape = self.explained if self.explained is not None else sample
+        return self.method.stored_shapes(self.args, self.state, self.key, shape)
+
+
+def plan_derivations(
+    requests: Mapping[str, Any],
+    capture_keys: set[str],
+    model: nn.Module,
+    sample: torch.Tensor,
+    explained: torch.Tensor | None = None,
+) -> list[Derivation]:
+    """Each requested method (name → parsed Args) against the captures the plan makes; its
+    state prepared on the model, on `explained` (one sample of what the gradient methods
+    explain, when it is not `sample`: a language model's embeddings) for those methods."""
+    out = []
+    for name, args in requests.items():
+        method = METHODS.get(name, f"derive.{name}")
+        _check_captures(method, method.requires(args), capture_keys)
+        other = explained is not None and method.explains_input
+        state = method.prepare(args, model, explained if other else sample)
+        _check_captures(method, method.requires_prepared(args, state), capture_keys)
+        shape = tuple(explained.shape) if other else None
+        out.append(Derivation(method, args, state, shape))
+    return out
+
+
+def _check_captures(method: Method, needed: list[str], capture_keys: set[str]) -> None:
+    missing = [k for k in needed if k not in capture_keys]
+    if missing:
+        raise HookrunError(
+            f"derive.{method.name}: needs the captures {', '.join('/' + k for k in missing)}; "
+            f"add hooks that capture them (see conf/experiment/{method.example}.yaml)"
+        )
+
+
+def derive(
+    derivations: list[Derivation],
+    records: Mapping[str, torch.Tensor],
+    batch: BatchContext | None = None,
+) -> dict:
+    """The derived tensors for one batch of records, keyed by their HDF5 paths; `batch` is
+    what methods with passes of their own need."""
+    out = {}
+    for d in derivations:
+        if d.method.runs_passes:
+            if batch is None:
+                raise RuntimeError(f"{d.method.name} runs passes of its own: needs the batch")
+            out.update(d.method.passes(d.args, d.state, batch))
+        elif d.method.reads_batch:
+            if batch is None:
+                raise RuntimeError(f"{d.method.name} reads the batch: needs it")
+            out.update(d.method.compute_batch(d.args, d.state, records, batch))
+        else:
+            out[d.key] = d.method.compute(d.args, d.state, records)
+    return out

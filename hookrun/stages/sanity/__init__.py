@@ -1,0 +1,1 @@
+"""The sanity check by model randomisation (experiment=sanity_check)."""
