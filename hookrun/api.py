@@ -21,9 +21,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
+import hookrun.stages  # noqa: F401  (registers every stage before a config is built)
 from hookrun.config.build import RunSpec, build_spec, release_model_keys
-from hookrun.config.schema import ModelConfig, conf_dir, register_configs
+from hookrun.config.schema import conf_dir, register_configs
 from hookrun.errors import HookrunError
+from hookrun.models.config import ModelConfig
 from hookrun.pipeline.finish import Result
 from hookrun.pipeline.prepare import CallerObjects
 from hookrun.pipeline.runner import execute

@@ -19,14 +19,13 @@ from hookrun.io.dimensions import check_dimensions
 from hookrun.io.layout import (
     MODEL_OUTPUT,
     SAMPLES_INDEX,
-    SANITY,
     dataset_names,
     open_readonly,
     read_state,
     rows_for,
 )
 from hookrun.io.storage import cut_short, missing_rows, unreadable_rows
-from hookrun.io.walk import read_verdicts
+from hookrun.stage import stages
 
 __all__ = ["verify", "main"]
 
@@ -45,9 +44,8 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
     damage += [
         f"/{name}: missing (every hookrun file has it)" for name in _REQUIRED if name not in names
     ]
-    if state.status == "complete":  # a complete file's sanity check has its verdicts
-        missing = [m for m, verdict in read_verdicts(f).items() if verdict is None]
-        damage += [f"/{SANITY}/{m}: no verdict (attributes passed, score)" for m in missing]
+    for stage in stages():  # what a stage says of its part (a sanity check's verdicts)
+        damage += stage.damage(f, state.status == "complete")
     for name in names:
         ds = f[name]
         rows = ds.shape[0] if ds.shape else 0

@@ -16,11 +16,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
-from hookrun.config.build import HookSpec, build_spec
+from hookrun.config.build import build_spec
 from hookrun.config.schema import register_configs
 from hookrun.io.layout import is_dimension, open_readonly
 from hookrun.pipeline.finish import Result
 from hookrun.pipeline.runner import execute
+from hookrun.runtime.hookspec import HookSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TESTS = Path(__file__).resolve().parent

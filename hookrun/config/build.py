@@ -11,45 +11,33 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from hookrun.config.experiments import attribution_experiments, method_nodes
-from hookrun.config.schema import (
-    DeviceConfig,
-    HookConfig,
-    ModelConfig,
-    RunConfig,
-    SelectConfig,
-    SinkConfig,
-    Site,
-    TargetConfig,
-    TargetKind,
-)
+from hookrun.config.schema import RunConfig
 from hookrun.data.kinds import DATASETS
 from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
+from hookrun.models.config import ModelConfig
 from hookrun.models.sources import check_model, parse_model
-from hookrun.runtime.actions import Action, build_action
-from hookrun.stages.derive.registry import METHODS
-from hookrun.stages.evaluate.config import SanityConfig, parse_evaluate, parse_sanity
-from hookrun.stages.patching.config import PatchingConfig, parse_patching
+from hookrun.runtime.hookspec import HookConfig, HookSpec
+from hookrun.runtime.targets import TargetConfig, TargetKind
+from hookrun.stage import ParseContext, stages
 from hookrun.typed import check_range, freeze, parse_typed
 
 __all__ = [
-    "HookSpec",
-    "SanityMethod",
-    "SanitySpec",
     "RunSpec",
     "build_spec",
+    "parse_hooks",
     "MODEL_KEYS",
     "release_model_keys",
-    "check_sizes",
+    "check_batch",
 ]
 
 log = logging.getLogger("hookrun")
@@ -58,90 +46,47 @@ _LOGGERS = (None, "tensorboard")
 
 
 @dataclass(frozen=True)
-class HookSpec:
-    """One entry of `hooks:`, with its action built and checked."""
-
-    name: str
-    select: SelectConfig
-    at: Site
-    action: Action
-    backward: str = "main"
-
-    @classmethod
-    def from_config(cls, name: str, cfg: HookConfig) -> HookSpec:
-        """The spec of hook `name`; its action and args checked (errors name hooks.<name>)."""
-        key = f"hooks.{name}"
-        action = build_action(cfg.action, cfg.args, key)
-        if cfg.backward != "main" and not cfg.at.is_grad:
-            raise HookrunError(
-                f"{key}.backward: {cfg.backward!r} on a forward site ({cfg.at.value}); "
-                "only grad_input and grad_output hooks belong to a backward pass"
-            )
-        return cls(name, cfg.select, cfg.at, action, cfg.backward)
-
-
-@dataclass(frozen=True)
-class SanityMethod:
-    """One method of the sanity check: its experiment's hooks and derived results."""
-
-    name: str  # the experiment (conf/experiment/<name>.yaml)
-    hooks: tuple[HookSpec, ...]
-    derive: Any  # method name → parsed Args, read-only, in file order
-
-    @property
-    def derived(self) -> str | None:
-        """The derived method whose result is the map; None: the input gradient is."""
-        return list(self.derive)[-1] if self.derive else None
-
-
-@dataclass(frozen=True)
-class SanitySpec:
-    """`sanity:` parsed: its keys and each checked method's hooks and derived results."""
-
-    config: SanityConfig
-    methods: tuple[SanityMethod, ...]
-
-
-@dataclass(frozen=True)
 class RunSpec:
-    """Everything a run needs to know, typed and read-only (see conf/config.yaml for each
-    key's meaning)."""
+    """Everything a run needs to know, typed and read-only, built once (build_spec) and never
+    changed after: a resolved `auto` layer gives a new spec (dataclasses.replace).
 
+    `config` is the composed config as its typed schema (config/schema.py: every key and
+    what it means, frozen); the nodes that are free-form there come parsed: `model`, the
+    `dataset` kind's config, the `hooks` (their actions built and checked) and each stage's
+    node (`stages`: node → the stage's parsed config, None where the stage is off; also
+    read as `spec.<node>`). Every other key reads through to the config: `spec.batch_size`
+    is `spec.config.batch_size`."""
+
+    config: RunConfig
     model: ModelConfig
     dataset: Any  # the registered dataset kind's config dataclass
     hooks: tuple[HookSpec, ...]
-    derive: Any  # method name → its parsed Args, read-only mapping in file order
-    target: TargetConfig
-    sink: SinkConfig
-    device: DeviceConfig
-    seed: int
-    deterministic: bool
-    batch_size: int
-    limit: int | None
-    num_workers: int
-    dry_run: bool
-    resume: bool
-    weights_path: tuple[str, ...]
-    progress: bool
-    profile: bool
-    render: bool
-    render_max: int
-    logger: str | None
+    stages: Mapping[str, Any]
     experiment: str | None
     # The resolved config as YAML: the file's `config` attribute, compared on resume.
     config_yaml: str
-    evaluate: Any = None  # EvaluateSpec (hookrun/stages/evaluate/config.py), or None
-    sanity: SanitySpec | None = None
-    patching: PatchingConfig | None = None  # hookrun/stages/patching/config.py (read-only)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("config", "stages"):  # pickling: not set yet
+            raise AttributeError(name)
+        if name in self.stages:  # a stage's node, parsed
+            return self.stages[name]
+        return getattr(self.config, name)
 
     @property
     def needs_backward(self) -> bool:
         return any(h.at.is_grad for h in self.hooks)
 
+    def stage(self, node: str) -> Any:
+        """The parsed config of the stage reading `node`; None when it is off."""
+        return self.stages.get(node)
 
-def _hooks(raw: dict[str, Any], target: TargetConfig) -> tuple[HookSpec, ...]:
+
+def parse_hooks(raw: Any, target: TargetConfig, prefix: str = "hooks") -> tuple[HookSpec, ...]:
+    """The HookSpecs of a `hooks:` node (an experiment's, for the sanity check), checked
+    against the target; errors name `<prefix>.<name>`."""
     hooks = [
-        HookSpec.from_config(name, parse_typed(node, HookConfig, f"hooks.{name}"))
+        HookSpec.from_config(name, parse_typed(node, HookConfig, f"{prefix}.{name}"))
         for name, node in (raw or {}).items()
     ]
     if target.kind == TargetKind.index and target.index is None:
@@ -153,66 +98,9 @@ def _hooks(raw: dict[str, Any], target: TargetConfig) -> tuple[HookSpec, ...]:
                 f"target.kind: 'none' runs no backward pass, but hooks {grad} act at a gradient "
                 "site; valid: predicted, label, index, sum"
             )
+    for hook in hooks:
+        freeze(hook.select)
     return tuple(hooks)
-
-
-def _derive(raw: dict[str, Any], target: TargetConfig, prefix: str = "derive") -> dict[str, Any]:
-    out = {}
-    for name, node in (raw or {}).items():
-        key = f"{prefix}.{name}"
-        method = METHODS.get(name, key)
-        args = parse_typed(node, method.Args, key)
-        if hasattr(args, "layer") and not args.layer:
-            raise HookrunError(
-                f"{key}.layer: {node!r} names no layer; set model.cam_layer=NAME (the model "
-                f"presets set it) or {key}.layer"
-            )
-        method.check(args, key)
-        if method.runs_passes and target.kind == TargetKind.none:
-            raise HookrunError(
-                f"target.kind: 'none' gives {name} nothing to explain; valid: predicted, label, "
-                "index, sum"
-            )
-        if method.needs_class and target.kind in (TargetKind.sum, TargetKind.none):
-            raise HookrunError(
-                f"target.kind: {target.kind.value!r} has no class for {name}; valid: predicted, "
-                "label, index"
-            )
-        out[name] = args
-    return out
-
-
-def _sanity(raw: Any, cfg: DictConfig, target: TargetConfig) -> SanitySpec | None:
-    """Each checked method's hooks and derived results, from its experiment file with
-    `sanity.derive.<method>` over its arguments."""
-    config = parse_sanity(raw, attribution_experiments())
-    if config is None:
-        return None
-    overrides, methods = dict(config.derive), []
-    for name in config.methods:
-        hooks_raw, derive_raw = method_nodes(name, cfg)
-        for method in derive_raw:
-            if method in overrides:
-                derive_raw[method] = {**(derive_raw[method] or {}), **(overrides[method] or {})}
-        hooks = _hooks(hooks_raw, target)
-        for hook in hooks:
-            freeze(hook.select)
-        derive = _derive(derive_raw, target, prefix="sanity.derive")
-        methods.append(SanityMethod(name, hooks, freeze(derive)))
-    for method in overrides:  # the preset's arguments for a method left out do nothing
-        METHODS.get(method, f"sanity.derive.{method}")
-    return SanitySpec(config, tuple(methods))
-
-
-def _check_class(target: TargetConfig, evaluate: Any, sanity: SanitySpec | None) -> None:
-    """Evaluation scores the target class's probability and the sanity check explains one
-    class: both need a class per sample."""
-    users = [k for k, v in (("evaluate", evaluate), ("sanity", sanity)) if v]
-    if users and target.kind in (TargetKind.sum, TargetKind.none):
-        raise HookrunError(
-            f"target.kind: {target.kind.value!r} has no class for {users[0]} (it scores the "
-            "target class); valid: predicted, label, index"
-        )
 
 
 def _dataset(raw: Any) -> Any:
@@ -241,22 +129,16 @@ def _run_checks(run: RunConfig) -> None:
         raise HookrunError("sink.overwrite: true with resume=true would lose the rows to resume")
 
 
-def check_sizes(
-    batch_size: int, limit: int | None, derive: Any, shape: tuple[int, ...], length: int | None
-) -> None:
-    """Refuse a batch, or a derived method's extra pass, that cannot fit in memory: `shape`
-    is one sample's (float32), `length` the dataset's rows when known. Called with the
-    config alone where the dataset kind says its shape, else with the caller's first sample."""
+def check_batch(
+    batch_size: int, limit: int | None, shape: tuple[int, ...], length: int | None
+) -> int:
+    """Refuse a batch that cannot fit in memory: `shape` is one sample's (float32),
+    `length` the dataset's rows when known. Called with the config alone where the dataset
+    kind says its shape, else with the caller's first sample. The rows of a batch."""
     rows = min(n for n in (batch_size, limit, length) if n)
     sample = 4 * math.prod(shape)
     check_fits("batch_size", batch_size, rows * sample, f"one batch of {rows} x {list(shape)}")
-    for name, args in derive.items():
-        given = getattr(args, "internal_batch_size", None)
-        if given:  # rows per extra pass; null sizes them to 32 MiB of input values
-            each = getattr(args, "steps", None) or getattr(args, "samples", 1)
-            extra = min(given, rows * each)
-            what = f"one extra pass of {extra} x {list(shape)}"
-            check_fits(f"derive.{name}.internal_batch_size", given, extra * sample, what)
+    return rows
 
 
 _CAM_LAYER = "${model.cam_layer}"
@@ -348,50 +230,23 @@ def build_spec(cfg: DictConfig, experiment: str | None = None) -> RunSpec:
     check_model(model)
     dataset = _dataset(run.dataset)
     _run_checks(run)
-    hooks = _hooks(run.hooks, run.target)
-    derive = _derive(run.derive, run.target)
+    hooks = parse_hooks(run.hooks, run.target)
     if hasattr(dataset, "sample_shape"):  # a kind whose config gives its samples' shape
-        size = getattr(dataset, "size", None)
-        check_sizes(run.batch_size, run.limit, derive, dataset.sample_shape(), size)
-    evaluate = parse_evaluate(run.evaluate)
-    sanity = _sanity(run.sanity, cfg, run.target)
-    _check_class(run.target, evaluate, sanity)
-    spec = RunSpec(
+        check_batch(
+            run.batch_size, run.limit, dataset.sample_shape(), getattr(dataset, "size", None)
+        )
+    ctx = ParseContext(cfg, run.target, dataset, run.batch_size, run.limit)
+    parsed = {
+        stage.node: stage.parse(getattr(run, stage.node), ctx) for stage in stages() if stage.node
+    }
+    for value in (run, model, dataset):
+        freeze(value)
+    return RunSpec(
+        config=run,
         model=model,
         dataset=dataset,
         hooks=hooks,
-        derive=derive,
-        target=run.target,
-        sink=run.sink,
-        device=run.device,
-        seed=run.seed,
-        deterministic=run.deterministic,
-        batch_size=run.batch_size,
-        limit=run.limit,
-        num_workers=run.num_workers,
-        dry_run=run.dry_run,
-        resume=run.resume,
-        weights_path=tuple(run.weights_path),
-        progress=run.progress,
-        profile=run.profile,
-        render=run.render,
-        render_max=run.render_max,
-        logger=run.logger,
+        stages=MappingProxyType({k: freeze(v) for k, v in parsed.items()}),
         experiment=experiment,
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        evaluate=evaluate,
-        sanity=sanity,
-        patching=parse_patching(run.patching),
     )
-    for value in (model, dataset, run.target, run.sink, run.device):
-        freeze(value)
-    for hook in hooks:
-        freeze(hook.select)
-    object.__setattr__(spec, "derive", freeze(derive))
-    if evaluate is not None:
-        freeze(evaluate.config)
-        for _, args in evaluate.metrics:
-            freeze(args)
-    if sanity is not None:
-        freeze(sanity.config)
-    return spec

@@ -18,7 +18,7 @@ import dataclasses
 import errno
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,12 @@ from hookrun.io.layout import (
     write_header,
 )
 from hookrun.io.storage import chunk_shape
-from hookrun.io.walk import write_summaries
 
-__all__ = ["FileOptions", "CapturesFile"]
+__all__ = ["FileOptions", "CapturesFile", "Summaries"]
+
+# What a file says of all its rows (file, rows, the shard files a join reads, or None),
+# written before it is marked complete.
+Summaries = Callable[[h5py.File, int, "list[h5py.File] | None"], None]
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class FileOptions:
     attrs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
     dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # What the file says of all its rows, written before it is marked complete (the
+    # stages': hookrun/stage.py `complete`): (file, rows, shards or None).
+    summaries: Summaries | None = None
 
     def dtype_of(self, key: str) -> str:
         """The float the dataset at `key` is stored in."""
@@ -289,7 +295,8 @@ class CapturesFile:
             self._begin()
         try:
             if error is None:
-                write_summaries(self.file, self.rows)  # of every row, then the mark
+                if self.options.summaries is not None:  # of every row, then the mark
+                    self.options.summaries(self.file, self.rows, None)
                 mark_status(self.file, "complete")
             else:
                 status = "interrupted" if interrupted else "failed"

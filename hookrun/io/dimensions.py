@@ -30,35 +30,22 @@ import h5py
 import numpy as np
 
 from hookrun.io.layout import (
-    AUC_SUFFIX,
     CAPTURES,
-    EVALUATE,
-    INDUCTION_ROWS,
-    INDUCTION_SCORE,
-    LOGIT_LENS,
     MODEL_OUTPUT,
     NOT_A_VARIABLE,
-    PATCHING,
-    PATCHING_CLEAN,
-    PATCHING_CORRUPTED,
     SAMPLE,
     SAMPLES,
     SAMPLES_INDEX,
     SAMPLES_MASK,
     SAMPLES_TOKENS,
-    SANITY,
-    SCORE_SUFFIX,
     dataset_names,
-    derived_key,
     folded,
-    gap_key,
-    patching_key,
     pattern_key,
     per_batch,
-    sanity_key,
 )
 
 __all__ = [
+    "name_axes",
     "BATCH",
     "FOLD",
     "AXES",
@@ -75,7 +62,8 @@ __all__ = [
 # dataset indices); rows once per batch are BATCH; k rows per sample folded add FOLD. AXES
 # names the other axes by path (the first fnmatch pattern that matches; `*` crosses `/`):
 # `{layout}` is what the probe found of a capture (LAYOUT_AXES), `{input}` the model input's
-# axes; an axis nothing names is `dim_<k>`.
+# axes; an axis nothing names is `dim_<k>`. The stages add the names of their datasets
+# (name_axes) when they register.
 BATCH = "batch"
 FOLD = "fold"
 AXES: dict[str, str] = {
@@ -85,28 +73,19 @@ AXES: dict[str, str] = {
     f"{SAMPLES}/*": "sample",
     MODEL_OUTPUT: "sample class",
     pattern_key("*"): "sample head query key",
-    INDUCTION_SCORE: "layer head",
-    INDUCTION_ROWS: "sample layer head",
     f"{CAPTURES}/*": "sample {layout}",
-    gap_key("*", "*"): "sample",
-    derived_key(LOGIT_LENS, "top_*"): "sample layer position k",
-    derived_key(LOGIT_LENS, "target_prob"): "sample layer",
-    derived_key("*", "input"): "sample {input}",
-    derived_key("guided_grad_cam", "*"): "sample {input}",
-    derived_key("*", "*"): "sample y x",
-    # Evaluation: a curve's columns are the fractions perturbed (its `fractions` attribute);
-    # the sanity check's are the randomisation steps (0: the trained model).
-    f"{EVALUATE}/*{AUC_SUFFIX}": "sample",
-    f"{EVALUATE}/*{SCORE_SUFFIX}": "sample",
-    f"{EVALUATE}/*": "sample fraction",
-    sanity_key("*", "maps"): "sample step y x",
-    f"{SANITY}/*": "sample step",
-    # Patching: a grid per site kind (and its raw logit differences), the runs' differences.
-    patching_key(PATCHING_CLEAN): "sample",
-    patching_key(PATCHING_CORRUPTED): "sample",
-    patching_key("heads*"): "sample layer head position",
-    f"{PATCHING}/*": "sample layer position",
 }
+
+
+def name_axes(rules: Mapping[str, str]) -> None:
+    """Add a stage's names (pattern → words, in its order) ahead of those already known:
+    a stage's datasets are named by its own rules (hookrun/stage.py registers them)."""
+    known = dict(AXES)
+    AXES.clear()
+    AXES.update(rules)
+    AXES.update({k: v for k, v in known.items() if k not in rules})
+
+
 LAYOUT_AXES = {
     "nchw": ("channel", "y", "x"),
     "nhwc": ("y", "x", "channel"),

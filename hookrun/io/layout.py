@@ -1,8 +1,9 @@
-"""The captures.h5 layout — the one module that spells its paths and attributes (the
-README's "captures.h5" table is the user's copy): /captures/<layer>/<site>, /samples/*,
-/model/output, /derived/<method>/<layer>, /evaluate/<metric>/<attribution>,
-/sanity/<method>/<similarity>, and /sample, the `sample` dimension's coordinate. Every axis
-is a named dimension (AXES below; io/dimensions.py attaches the scales).
+"""The captures.h5 layout — the one module that spells its core paths and reads and writes
+attributes (the README's "captures.h5" table is the user's copy): /captures/<layer>/<site>,
+/samples/*, /model/output, /derived/<method>/<layer>, and /sample, the `sample` dimension's
+coordinate. A stage's own group (/evaluate, /sanity, /patching, /induction) is named in the
+stage's keys module and read and written through the helpers here (`attr`, `set_attrs`).
+Every axis is a named dimension (io/dimensions.py attaches the scales).
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
 failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from hookrun.io import storage
 from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
@@ -34,21 +34,16 @@ __all__ = [
     "mark_bfloat16", "is_bfloat16", "marks_bfloat16",
     "without_bfloat16_mark", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
     "Provenance", "FileState", "PER_BATCH", "FOLDED", "per_batch", "folded", "rows_for",
-    "rows_note", "copy_attrs", "capture_key", "derived_key", "LOGIT_LENS", "gap_key",
+    "rows_note", "copy_attrs", "capture_key", "derived_key", "gap_key",
     "GAP_SUFFIX", "chunk_shape", "open_readonly", "read_state", "read_provenance",
     "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
-    "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension", "EVALUATE",
-    "SANITY", "FRACTIONS", "AUC_SUFFIX", "SCORE_SUFFIX", "VERDICT_SIMILARITY", "evaluate_key",
-    "sanity_key", "PATCHING", "patching_key", "read_patching", "UNSCORABLE", "mark_unscorable",
-    "read_unscorable", "sanity_attrs", "read_sanity",
-    "read_fractions", "verdict_of", "mark_verdict", "write_attrs", "copy_group_attrs",
-    "pattern_key", "INDUCTION_SCORE", "INDUCTION_ROWS", "LAYERS_ATTR", "induction_layers",
-    "SUMMARIES"
+    "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension",
+    "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
+    "attr", "has_attrs", "set_attrs",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
 CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
-LOGIT_LENS = "logit_lens"  # stages/lens/lens.py: derived/logit_lens/{top_ids,top_probs,target_prob}
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"
@@ -95,18 +90,6 @@ def pattern_key(module: str, call: int = 0) -> str:
     return f"{CAPTURES}/{module}/{PATTERN}" + (f".call{call}" if call else "")
 
 
-# experiment=induction (hookrun/stages/induction/scores.py): the induction score per head (layers,
-# heads) with the layer names in its attribute LAYERS_ATTR, and each row's (N, layers, heads).
-INDUCTION_SCORE, INDUCTION_ROWS, LAYERS_ATTR = "induction/score", "induction/rows", "layers"
-# Datasets of a whole run with no sample axis (written once the file is complete).
-SUMMARIES = (INDUCTION_SCORE,)
-
-
-def induction_layers(f: h5py.File) -> list[str]:
-    """The layer names of /induction/score's rows."""
-    return [str(x) for x in f[INDUCTION_SCORE].attrs.get(LAYERS_ATTR, [])]
-
-
 def derived_key(method: str, layer: str) -> str:
     """The HDF5 path of one derived result."""
     return f"{DERIVED}/{method}/{layer}"
@@ -137,10 +120,20 @@ def folded(ds: h5py.Dataset) -> int:
     return int(ds.attrs.get(FOLDED, 0))
 
 
+# Datasets of a whole run, with no sample axis, written once the file is complete (a
+# stage's summary over every row, e.g. the induction score per head): path → registered.
+WHOLE_RUN: set[str] = set()
+
+
+def whole_run(*paths: str) -> None:
+    """Register datasets a stage writes once for the whole run (no sample axis)."""
+    WHOLE_RUN.update(paths)
+
+
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
     """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
-    (a whole-run summary, SUMMARIES, holds the rows it has: it has no sample axis)."""
-    if ds.name.lstrip("/") in SUMMARIES:
+    (a whole-run dataset, WHOLE_RUN, holds the rows it has: it has no sample axis)."""
+    if ds.name.lstrip("/") in WHOLE_RUN:
         return ds.shape[0]
     size = per_batch(ds)
     return -(-completed // size) if size else completed
@@ -317,69 +310,6 @@ def is_dimension(ds: h5py.Dataset) -> bool:
     return NOT_A_VARIABLE in str(ds.attrs.get("NAME", ""))  # bytes or str, as written
 
 
-# /evaluate/<dataset>/<attribution path>, e.g. the path derived/grad_cam/features.18.
-EVALUATE, SANITY = "evaluate", "sanity"
-FRACTIONS = "fractions"  # curves' attribute: the fraction of pixels perturbed per column
-AUC_SUFFIX, SCORE_SUFFIX = ".auc", ".score"
-# The similarity a sanity verdict is read from (Adebayo et al.: rank correlation of |map|).
-VERDICT_SIMILARITY = "spearman_abs"
-
-
-def evaluate_key(dataset: str, attribution: str, suffix: str = "") -> str:
-    """`/evaluate/<dataset>/<attribution path><suffix>` (suffix: '', AUC_SUFFIX, SCORE_SUFFIX)."""
-    return f"{EVALUATE}/{dataset}/{attribution.strip('/')}{suffix}"
-
-
-def sanity_key(method: str, similarity: str) -> str:
-    """`/sanity/<method>/<similarity>` (N, steps + 1); similarity `maps`: (N, steps + 1, h, w)."""
-    return f"{SANITY}/{method}/{similarity}"
-
-
-# /patching/<kind> (N, layers, positions), <kind>_logit_diff; clean, corrupted (N,): grid.py
-PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
-LOGIT_DIFF_SUFFIX = "_logit_diff"
-# The /patching group's attribute: dataset indices of the rows whose clean − corrupted logit
-# difference is 0 (every cell of their grid NaN), written when the file is complete.
-UNSCORABLE = "unscorable"
-
-
-def patching_key(name: str, suffix: str = "") -> str:
-    return f"{PATCHING}/{name}{suffix}"
-
-
-def mark_unscorable(f: h5py.File, indices: np.ndarray) -> None:
-    f[PATCHING].attrs[UNSCORABLE] = np.asarray(indices, dtype=np.int64)
-
-
-def read_unscorable(f: h5py.File) -> np.ndarray | None:
-    """The dataset indices of the rows patching could not score (None: no such record)."""
-    group = f.get(PATCHING)
-    if group is None or UNSCORABLE not in group.attrs:
-        return None
-    return np.asarray(group.attrs[UNSCORABLE], dtype=np.int64)
-
-
-def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:
-    """A patching grid's module per layer (attribute `layers`) and its `positions`."""
-    return [str(x) for x in ds.attrs["layers"]], np.asarray(ds.attrs["positions"])
-
-
-def sanity_attrs(layers: list[str], threshold: float) -> dict[str, dict[str, Any]]:
-    """The /sanity group's attributes: the randomised modules in order, and the threshold."""
-    return {SANITY: {"layers": np.array(layers, dtype=h5py.string_dtype()), "threshold": threshold}}
-
-
-def read_sanity(f: h5py.File) -> tuple[list[str], float]:
-    """The /sanity group's randomised layers (in order) and its threshold."""
-    attrs = f[SANITY].attrs
-    return [str(x) for x in attrs.get("layers", [])], float(attrs.get("threshold", np.nan))
-
-
-def read_fractions(ds: h5py.Dataset) -> np.ndarray:
-    """The fraction of pixels perturbed at each column of an evaluation curve."""
-    return np.asarray(ds.attrs[FRACTIONS])
-
-
 def write_attrs(f: h5py.File, attrs: Mapping[str, Mapping[str, Any]]) -> None:
     """Attributes (path → {name: value}) onto `f`'s datasets and groups, before SWMR."""
     for path, values in attrs.items():
@@ -394,13 +324,16 @@ def copy_group_attrs(src: h5py.File, dst: h5py.File) -> None:
     )
 
 
-def verdict_of(f: h5py.File, method: str) -> tuple[bool, float] | None:
-    """A method's sanity verdict (passed, score), or None where it has none yet."""
-    attrs = f[SANITY][method].attrs
-    whole = {"passed", "score"} <= set(attrs)  # half a verdict is damage (verify says so)
-    return (bool(attrs["passed"]), float(attrs["score"])) if whole else None
+def attr(obj: h5py.Dataset | h5py.Group, name: str, default: Any = None) -> Any:
+    """One attribute of a dataset or group (`default` where it has none)."""
+    return obj.attrs.get(name, default)
 
 
-def mark_verdict(f: h5py.File, method: str, score: float, passed: bool) -> None:
-    """A method's sanity verdict onto its /sanity group (before a file is complete)."""
-    f[SANITY][method].attrs.update({"score": score, "passed": passed})
+def has_attrs(obj: h5py.Dataset | h5py.Group, *names: str) -> bool:
+    """Whether a dataset or group has every one of the attributes `names`."""
+    return all(name in obj.attrs for name in names)
+
+
+def set_attrs(obj: h5py.Dataset | h5py.Group, values: Mapping[str, Any]) -> None:
+    """Attributes onto a dataset or group (before SWMR, or when a file is closed)."""
+    obj.attrs.update(values)

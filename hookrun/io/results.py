@@ -6,6 +6,7 @@ requirement for reading it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -157,10 +158,11 @@ def summary(
     images: Path | None,
     show: int = 8,
     computed: int | None = None,
+    more: Callable[[h5py.File, int], list[str]] | None = None,
 ) -> str:
     """The end-of-run text: where things are, rows, top-1 classes, time and throughput.
     `computed`: the rows this process computed (a resumed run found the others done), which
-    is what the throughput counts."""
+    is what the throughput counts; `more(file, rows)`: the lines the stages add."""
     with Results(path) as res:
         rows = res.completed
         lines = [
@@ -186,11 +188,8 @@ def summary(
         never_ran = layout.read_state(res.file).never_ran
         if never_ran:
             lines.append(f"selected but never ran (nothing stored there): {never_ran}")
-        for name, ds in _gaps_of(res.file).items():
-            lines.append(_worst_gap(name, ds[:rows], res[layout.SAMPLES_INDEX][:rows]))
         lines += _vanished(res.file, min(rows, show))
-        lines += _evaluated(res.file, rows)
-        lines += _unscorable(res.file, rows)
+        lines += more(res.file, rows) if more is not None else []
     done_here = rows if computed is None else computed
     rate = done_here / seconds if seconds > 0 else float("inf")
     note = "" if done_here == rows else f" ({done_here} rows computed here, {rows} in the file)"
@@ -215,66 +214,3 @@ def _vanished(f: h5py.File, rows: int) -> list[str]:
         and ds.dtype.kind == "f"
         and not np.any(ds[:rows])
     ]
-
-
-def _evaluated(f: h5py.File, rows: int) -> list[str]:
-    """One line per evaluated attribution (the means over samples of its per-sample
-    numbers: AUCs, ROAD score) and one per sanity-checked method (its verdict)."""
-    means: dict[str, list[str]] = {}
-    for metric, datasets in walk.group_of(f, layout.EVALUATE).items():
-        for name, ds in datasets.items():
-            if ds.ndim == 1 and rows:
-                for suffix in (layout.AUC_SUFFIX, layout.SCORE_SUFFIX):
-                    if name.endswith(suffix):
-                        value = float(np.mean(ds[:rows].astype(np.float64)))
-                        what = f"{metric}{' AUC' if suffix == layout.AUC_SUFFIX else ''}"
-                        means.setdefault(name.removesuffix(suffix), []).append(
-                            f"{what} {value:.3f}"
-                        )
-    lines = [f"evaluate {a}: {', '.join(v)} (mean of {rows})" for a, v in means.items()]
-    for method, verdict in walk.read_verdicts(f).items():
-        if verdict is not None:
-            word, sign = ("PASSES", "<") if verdict[0] else ("FAILS", ">=")
-            lines.append(
-                f"sanity {method}: {word} (mean median spearman_abs {verdict[1]:.2f} {sign} "
-                f"{layout.read_sanity(f)[1]:.2f})"
-            )
-    return lines
-
-
-def _unscorable(f: h5py.File, rows: int) -> list[str]:
-    """A warning naming the rows patching could not score (clean = corrupted)."""
-    found = layout.read_unscorable(f)
-    if found is None or not len(found):
-        return []
-    shown = ", ".join(map(str, found[:_SHOWN_ROWS].tolist()))
-    more = f" and {len(found) - _SHOWN_ROWS} more" if len(found) > _SHOWN_ROWS else ""
-    return [
-        f"warning: patching could not score {len(found)} of {rows} rows (clean − corrupted "
-        f"logit difference 0: every cell of their grid is NaN): samples {shown}{more} "
-        f"(/{layout.PATCHING} attribute {layout.UNSCORABLE})"
-    ]
-
-
-_SHOWN_ROWS = 10
-
-
-def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
-    """`integrated_gradients/input: worst completeness gap ... (sample #i)`."""
-    if not len(gap):
-        return f"{name}: no rows"
-    worst = int(np.abs(gap).argmax())
-    return (
-        f"{name}: worst completeness gap {float(gap[worst]):+.3g} (sample {int(index[worst])}; "
-        "sum of attributions minus f(x) - f(baseline); more steps make it smaller)"
-    )
-
-
-def _gaps_of(f: h5py.File) -> dict[str, h5py.Dataset]:
-    """Every completeness gap a file holds: `<method>/<layer>` → its (N,) dataset."""
-    found = [(m, k, ds) for m, group in walk.derived_of(f).items() for k, ds in group.items()]
-    return {
-        f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}": decoded(ds)
-        for m, k, ds in found
-        if k.endswith(layout.GAP_SUFFIX)
-    }

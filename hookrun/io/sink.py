@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hookrun.errors import HookrunError, Interrupted, RunFault
-from hookrun.io.appender import CapturesFile, FileOptions
+from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import AxisFacts
 from hookrun.io.encoding import host_array
 from hookrun.io.layout import Provenance
@@ -54,19 +54,22 @@ class SinkOptions:
     attrs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Captures stored in another float than `dtype` (a hook's args.dtype): path → dtype.
     dtypes: Mapping[str, str] = field(default_factory=dict)
+    # What the file says of all its rows before it is marked complete (io/appender.py).
+    summaries: Summaries | None = None
 
     @property
     def file_options(self) -> FileOptions:
         return FileOptions(
-            self.dtype,
-            self.compression,
-            self.expected_rows,
-            self.checksum,
-            dict(self.folds),
-            self.batch_size,
-            self.axes,
-            dict(self.attrs),
-            dict(self.dtypes),
+            dtype=self.dtype,
+            compression=self.compression,
+            expected_rows=self.expected_rows,
+            checksum=self.checksum,
+            folds=dict(self.folds),
+            batch_size=self.batch_size,
+            axes=self.axes,
+            attrs=dict(self.attrs),
+            dtypes=dict(self.dtypes),
+            summaries=self.summaries,
         )
 
 

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 
 from hookrun.io import storage
-from hookrun.io.appender import CapturesFile, FileOptions
+from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import attach, read_names
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import (
@@ -29,7 +29,6 @@ from hookrun.io.layout import (
     rows_note,
     write_header,
 )
-from hookrun.io.walk import write_summaries
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
@@ -112,9 +111,11 @@ def join_shards(
     samples: int,
     header: Provenance | Mapping[str, Any],
     replace: bool = False,
+    summaries: Summaries | None = None,
 ) -> None:
     """Write `path` as virtual datasets over complete shard files, in the given order; an
-    existing `path` only with `replace`. Raises ValueError naming an incomplete shard."""
+    existing `path` only with `replace`; `summaries` writes what the file says of all its
+    rows, over every shard's. Raises ValueError naming an incomplete shard."""
     opened = [h5py.File(s, "r") for s in shards]
     try:
         for shard, f in zip(shards, opened, strict=True):
@@ -142,7 +143,8 @@ def join_shards(
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
             attach(out, read_names(opened[0]), _checksummed(opened[0]))
             copy_group_attrs(opened[0], out)
-            write_summaries(out, samples, opened)  # over every shard's rows
+            if summaries is not None:
+                summaries(out, samples, opened)  # over every shard's rows
             mark_complete(out, samples)
     finally:
         for f in opened:

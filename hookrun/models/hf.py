@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from hookrun.config.schema import ModelConfig
 from hookrun.errors import HookrunError, nearest
 from hookrun.memory import check_fits
+from hookrun.models.config import ModelConfig
 from hookrun.models.language import LanguageModel
 
 __all__ = [

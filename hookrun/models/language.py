@@ -20,7 +20,7 @@ from torch.nn.modules import module as module_hooks
 
 from hookrun.errors import HookrunError
 
-__all__ = ["LanguageModel", "OUTPUT_KINDS", "check_tokenizer", "explained_sample"]
+__all__ = ["LanguageModel", "OUTPUT_KINDS", "check_tokenizer"]
 
 # What forward returns for each `model.class`:
 #   causal_lm, masked_lm: the logits at the read position (N, V);
@@ -204,12 +204,3 @@ class _TokenNames(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self.size))]
         return f"token {i} {self.tokenizer.decode([i])!r}"
-
-
-def explained_sample(model: nn.Module, sample: torch.Tensor) -> torch.Tensor:
-    """What the gradient methods explain for one `sample` of the model's input: the sample
-    itself, or for a language model's token sample (3, T) its input embeddings (T, D)."""
-    if not isinstance(model, LanguageModel) or sample.is_floating_point():
-        return sample
-    with torch.no_grad():
-        return model.embed(sample[None].to(next(model.parameters()).device))[0].cpu()

@@ -16,9 +16,9 @@ import torch
 import torchvision
 from torch import nn
 
-from hookrun.config.schema import ModelConfig
 from hookrun.errors import HookrunError, nearest
 from hookrun.models import hf
+from hookrun.models.config import ModelConfig
 from hookrun.models.seeds import SEED_MODELS
 from hookrun.models.weights import load_weights
 from hookrun.registry import Registry

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -23,19 +24,21 @@ from torch import nn
 
 from hookrun.config.build import RunSpec
 from hookrun.errors import HookrunError
+from hookrun.models.adapter import adapt
+from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.hooks import run_mode
+from hookrun.runtime.hookspec import says_auto, with_layer
 from hookrun.runtime.layouts import (
     Layout,
     channels_first_hint,
     decide_grid,
-    prefix_tokens_of,
     to_channels_first,
 )
+from hookrun.stage import stages
 from hookrun.typed import freeze
 
-__all__ = ["AUTO", "pick_cam_layer", "resolve_cam_layer"]
+__all__ = ["pick_cam_layer", "resolve_cam_layer"]
 
-AUTO = "auto"
 log = logging.getLogger("hookrun")
 
 
@@ -43,10 +46,9 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
     """(name, grid, output) of every module with a spatial tensor output, in finishing order,
     with each output's gradient from the top logit (held in a dict filled by backward)."""
     image = (int(sample.shape[-2]), int(sample.shape[-1]))
-    prefix = prefix_tokens_of(model)
+    prefix = adapt(model).prefix_tokens()
     found: list[tuple[str, Any, torch.Tensor]] = []
     pools: list[int] = []  # where adaptive poolings happened, as positions in `found`
-    handles = []
 
     def keep(name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -75,18 +77,12 @@ def _candidates(model: nn.Module, sample: torch.Tensor) -> list[tuple[str, Any, 
 
         return hook
 
-    for name, module in model.named_modules():
-        if name:
-            handles.append(module.register_forward_hook(keep(name)))
-    try:
-        with run_mode(model), torch.enable_grad():
-            x = sample.unsqueeze(0).detach().requires_grad_(True)
-            out = model(x)
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.reshape(-1).max().backward()
-    finally:
-        for handle in handles:
-            handle.remove()
+    names = [name for name, _ in model.named_modules() if name]
+    with hooked(output_hooks(model, names, keep)), run_mode(model), torch.enable_grad():
+        x = sample.unsqueeze(0).detach().requires_grad_(True)
+        out = model(x)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.reshape(-1).max().backward()
     # The head begins at the first adaptive pooling after which no map has more than one
     # cell (a squeeze-excitation block's pooling is followed by more maps).
     for at in pools:
@@ -117,46 +113,19 @@ def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:
     )
 
 
-def _with_layer(hooks: tuple, derive: Any, layer: str) -> tuple[tuple, Any]:
-    """`hooks` and `derive` with every `auto` CAM layer replaced by `layer`."""
-    hooks = tuple(
-        dataclasses.replace(h, select=freeze(dataclasses.replace(h.select, name=layer)))
-        if h.select.name == AUTO
-        else h
-        for h in hooks
-    )
-    derive = {
-        name: freeze(dataclasses.replace(args, layer=layer))
-        if getattr(args, "layer", None) == AUTO
-        else args
-        for name, args in derive.items()
-    }
-    return hooks, freeze(derive)
-
-
-def _says_auto(hooks: tuple, derive: Any) -> bool:
-    return any(h.select.name == AUTO for h in hooks) or any(
-        getattr(a, "layer", None) == AUTO for a in derive.values()
-    )
-
-
 def resolve_cam_layer(spec: RunSpec, model: nn.Module, sample: torch.Tensor) -> RunSpec:
-    """`spec` with every `auto` CAM layer (hook selectors, derive layers, and those of the
-    sanity check's methods) replaced by the picked module; the same spec when nothing says
-    auto."""
-    methods = spec.sanity.methods if spec.sanity else ()
-    if not any(_says_auto(x.hooks, x.derive) for x in (spec, *methods)):
+    """`spec` with every `auto` layer (hook selectors, and each stage's: a derived method's
+    layer, the sanity check's methods') replaced by the picked module, as a new spec; the
+    same spec when nothing says auto."""
+    active = [(s, spec.stage(s.node)) for s in stages() if s.node and spec.stage(s.node)]
+    if not (says_auto(spec.hooks) or any(s.says_auto(config) for s, config in active)):
         return spec
     layer = pick_cam_layer(model, sample)
     log.info("model.cam_layer=auto: the probe picked %r (set model.cam_layer to choose)", layer)
-    hooks, derive = _with_layer(spec.hooks, spec.derive, layer)
-    model_cfg = freeze(dataclasses.replace(spec.model, cam_layer=layer))
-    new = dataclasses.replace(spec, hooks=hooks, model=model_cfg)
-    object.__setattr__(new, "derive", derive)
-    if spec.sanity:
-        resolved = []
-        for method in methods:
-            method_hooks, method_derive = _with_layer(method.hooks, method.derive, layer)
-            resolved.append(dataclasses.replace(method, hooks=method_hooks, derive=method_derive))
-        object.__setattr__(new, "sanity", dataclasses.replace(spec.sanity, methods=tuple(resolved)))
-    return new
+    resolved = {s.node: freeze(s.resolve_layer(config, layer)) for s, config in active}
+    return dataclasses.replace(
+        spec,
+        hooks=with_layer(spec.hooks, layer),
+        model=freeze(dataclasses.replace(spec.model, cam_layer=layer)),
+        stages=MappingProxyType({**spec.stages, **resolved}),
+    )

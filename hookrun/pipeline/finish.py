@@ -1,5 +1,6 @@
-"""Stage 3 of a run — finish: join torchrun shards, draw the pictures from the finished
-file, and summarise (file, pictures, top-1 classes, throughput)."""
+"""Step 3 of a run — finish: join torchrun shards, each stage's whole-run work on the
+complete file, the pictures drawn from it, and the summary (file, pictures, top-1 classes,
+each stage's lines, throughput)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import torch
 
 from hookrun.config.build import RunSpec
 from hookrun.io.results import Results, summary
+from hookrun.models.adapter import adapt
 from hookrun.models.sources import class_names
-from hookrun.pipeline.prepare import Claim, Prepared
+from hookrun.pipeline.claim import Claim
+from hookrun.pipeline.prepare import Prepared
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.signals import interruptible
-from hookrun.stages.induction.scores import induction_of_run
+from hookrun.stage import completed, summarised
 
 __all__ = ["Result", "finish", "dry_result"]
 
@@ -117,9 +120,9 @@ def already_complete(
         f"every dataset left as it was{drew}"
     )
     log.warning("%s", said)
-    names = class_names(spec.model) or getattr(caller_model, "output_names", lambda: None)()
+    names = class_names(spec.model) or adapt(caller_model).output_names()
     seconds = time.perf_counter() - started
-    text = said + "\n" + summary(path, seconds, names, images, computed=0)
+    text = said + "\n" + summary(path, seconds, names, images, computed=0, more=summarised)
     log.info("\n%s", text)
     return Result(path, run_dir, claim.resumed.rows, "", seconds, summary=text, images=images)
 
@@ -128,26 +131,34 @@ def finish(run: Prepared, rows_here: int) -> Result:
     """After the last batch: rank 0 joins the shards, then pictures and summary."""
     spec, world = run.spec, run.world
     total = len(run.data)
+    path = run.claim.final_path
     if world.parallel:
         torch.distributed.barrier()  # every shard is complete before rank 0 reads them
         if world.rank != 0:
             seconds = time.perf_counter() - run.started
-            return Result(run.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
-        replace = spec.sink.overwrite or spec.resume  # a resumed run may redo an interrupted merge
-        distributed.merge_shards(run.final_path, world, total, spec.batch_size, run.header, replace)
-    # experiment=induction: the scores per head, from the complete file's patterns.
-    induction_of_run(run.final_path, spec.dataset, run.plan, run.model)
-    images = _draw(spec, run.final_path, run.run_dir, run.plan_text)
+            return Result(run.claim.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
+        distributed.merge_shards(
+            path,
+            world,
+            total,
+            spec.batch_size,
+            run.header,
+            replace=spec.sink.overwrite or spec.resume,  # a resume may redo a merge cut short
+            summaries=completed,
+        )
+    for plan in run.stages.values():  # whole-run work on the complete file
+        plan.finish(path)
+    images = _draw(spec, path, run.run_dir, run.plan_text)
     seconds = time.perf_counter() - run.started
     computed = rows_here if spec.resume or world.parallel else None
     # A language model's output columns are its vocabulary: the summary shows the tokens.
-    names = class_names(spec.model) or getattr(run.model, "output_names", lambda: None)()
-    text = summary(run.final_path, seconds, names, images, computed=computed)
+    names = class_names(spec.model) or adapt(run.model).output_names()
+    text = summary(path, seconds, names, images, computed=computed, more=summarised)
     if spec.profile:
         text += "\n" + run.timer.report(seconds)
     log.info("\n%s", text)
     return Result(
-        run.final_path,
+        path,
         run.run_dir,
         total,
         run.plan_text,

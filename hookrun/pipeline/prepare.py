@@ -1,13 +1,13 @@
-"""Stage 1 of a run — prepare: sink path and resume checks, data, model, plan, probe pass.
+"""Step 1 of a run — prepare: the data, the model, the hooks' plan and its probe, and each
+stage's plan; the file's header, layout and the dry-run text.
 
 Everything that can be wrong with the input is found here, before the first batch and
-before the captures file is created.
+before the captures file is created (pipeline/claim.py claimed its path before).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hookrun.config.build import RunSpec, check_sizes
-from hookrun.config.schema import TargetKind
+from hookrun.config.build import RunSpec, check_batch
 from hookrun.data.loader import (
     SourceFiles,
     build_dataset,
@@ -31,33 +30,28 @@ from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import AxisFacts
 from hookrun.io.layout import SAMPLES_PATH, Provenance
-from hookrun.io.lock import WriterLock
-from hookrun.io.resume import Resumed, check_paths, check_sources, resume_point
-from hookrun.io.sink import check_sink_path
+from hookrun.io.resume import check_paths, check_sources
 from hookrun.io.stored import stored_record
+from hookrun.models.adapter import adapt
 from hookrun.models.hf import load_tokenizer
-from hookrun.models.language import LanguageModel, explained_sample
 from hookrun.models.sources import build_model, model_label
 from hookrun.pipeline.camlayer import resolve_cam_layer
-from hookrun.pipeline.plan_text import FileShape, describe_plan, describe_results
+from hookrun.pipeline.claim import Claim
+from hookrun.pipeline.plan_text import FileShape, describe_plan
 from hookrun.pipeline.tokencheck import check_token_model, check_token_run
-from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.layouts import axis_facts
-from hookrun.runtime.plan import HookPlan, check_reached, compile_plan
+from hookrun.runtime.plan import CallShapes, HookPlan, check_reached, compile_plan
 from hookrun.runtime.probe import probe_shapes
-from hookrun.runtime.targets import check_target
+from hookrun.runtime.step import RowFacts
+from hookrun.runtime.targets import TargetKind, check_target
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.scale.provenance import provenance
 from hookrun.signals import interruptible
-from hookrun.stages.derive.registry import Derivation, plan_derivations
-from hookrun.stages.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
-from hookrun.stages.evaluate.registry import Stored
-from hookrun.stages.patching.grid import PatchingGrid, plan_patching
-from hookrun.stages.sanity.check import SanityCheck, prepare_sanity
+from hookrun.stage import Plan, Setup, stages
 from hookrun.timing import StageTimer
 
-__all__ = ["CallerObjects", "Claim", "claim_file", "Prepared", "prepare", "STORE_DTYPES"]
+__all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
 
 log = logging.getLogger("hookrun")
 
@@ -74,7 +68,8 @@ class CallerObjects:
 
 @dataclass
 class Prepared:
-    """A run ready to stream: everything checked, the model built and probed."""
+    """A run ready to stream: everything checked, the model built and probed, every stage
+    planned."""
 
     spec: RunSpec
     run_dir: Path
@@ -84,107 +79,35 @@ class Prepared:
     data: Dataset  # every row of the run (after `limit`)
     files: SourceFiles | None  # every row's source file, for file datasets
     plan: HookPlan
-    derivations: list[Derivation]
+    stages: dict[str, Plan]  # stage name → its plan, in the order they run
     plan_text: str
-    final_path: Path  # the captures.h5 users read
-    sink_path: Path  # the file this process writes (a shard under torchrun)
-    done: int  # rows already complete (resume)
+    claim: Claim  # the file: its paths, the writer lock, where a resume starts
     header: Provenance
     timer: StageTimer
     started: float
+    facts: RowFacts = field(default_factory=RowFacts)  # what each row's records say
     # Captures not stored one row per sample: path → rows per sample (0: one row per batch).
     folds: dict[str, int] = field(default_factory=dict)
     # Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype.
     dtypes: dict[str, str] = field(default_factory=dict)
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
-    evaluation: Evaluation | None = None  # evaluate: metrics × attributions, per batch
-    sanity: SanityCheck | None = None  # the sanity check, per batch
-    patching: PatchingGrid | None = None  # activation patching (hookrun/patching/), per batch
-    # Attributes of the datasets and groups the run creates (evaluation's), by path.
+    # Attributes of the datasets and groups the stages create, by path.
     attrs: dict[str, dict] = field(default_factory=dict)
 
-
-@dataclass
-class Claim:
-    """The file a run writes, claimed before anything else: its paths, the writer lock (held
-    to the end of the run), and where a resumed run starts."""
-
-    final_path: Path  # the captures.h5 users read
-    sink_path: Path  # the file this process writes (a shard under torchrun)
-    lock: WriterLock | None = None
-    resumed: Resumed = field(default_factory=Resumed)
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+    @property
+    def store_dtype(self) -> torch.dtype:
+        return STORE_DTYPES[self.spec.sink.dtype.value]
 
 
-def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
-    """The run's file, locked and checked: a path that exists (unless resumed or
-    overwritten) or cannot be written is refused, a resumed file's rows are counted."""
-    if spec.sink.path and spec.sink.path.endswith(("/", os.sep)):
-        raise HookrunError(
-            f"sink.path: {spec.sink.path} ends with '/', which names a folder; valid: a file "
-            f"path, e.g. {spec.sink.path}captures.h5"
-        )
-    final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
-    if final_path.is_symlink() and final_path.exists():
-        # Through a link the file it names is the one written and locked: two names of one
-        # file must not give two writers, and the link itself stays a link.
-        final_path = Path(os.path.realpath(final_path))
-    sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
-    # The lock first: the checks below then cannot race another run on the same file.
-    claim = Claim(final_path, sink_path, None if spec.dry_run else WriterLock(sink_path))
-    try:
-        with interruptible():  # a resume's damage check reads the whole file
-            claim.resumed = _check_paths(spec, final_path, sink_path, world)
-    except BaseException:
-        claim.release()
-        raise
-    return claim
+@dataclass(frozen=True)
+class _Probed:
+    """The hooks compiled against the model and probed on one sample."""
 
-
-def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> Resumed:
-    """Where a resumed run starts, after refusing paths that exist or cannot be written."""
-    if spec.resume and world.parallel and final_path.exists():
-        joined = resume_point(final_path, spec.config_yaml)
-        if joined.complete:  # every shard was complete and joined: nothing to compute
-            return joined
-    if spec.resume and sink_path.exists():
-        found = resume_point(sink_path, spec.config_yaml)
-        # Under torchrun a shard may have finished before another rank was killed: its rows
-        # are done, and the join still to come.
-        return replace(found, complete=False) if world.parallel else found
-    if spec.resume:
-        sizes = distributed.shard_world_sizes(final_path) - {world.size}
-        if sizes:
-            raise HookrunError(
-                f"resume refused: the number of processes changed ({min(sizes)} → "
-                f"{world.size}) since {final_path} was started; resume with the same "
-                "torchrun --nproc_per_node, or start a new run"
-            )
-        resume_point(sink_path, spec.config_yaml)  # says it starts the missing file
-    if not spec.dry_run:
-        check_sink_path(sink_path, spec.sink.overwrite)
-        if world.parallel and world.rank == 0:
-            check_sink_path(final_path, spec.sink.overwrite)  # the file the shards will join in
-    return Resumed()
-
-
-def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:
-    """The tokenizer token data is read with (no weights loaded yet): the language model's —
-    the caller's LanguageModel's own, or model=hf's — else None (image data)."""
-    if caller_model is None:
-        return load_tokenizer(spec.model) if spec.model.source == "hf" else None
-    if isinstance(caller_model, LanguageModel):
-        return caller_model.tokenizer
-    if type(caller_model).__module__.startswith("transformers."):
-        raise HookrunError(
-            f"model: a {type(caller_model).__name__} (a transformers model) needs its "
-            "tokenizer; valid: hookrun.models.language.LanguageModel(model, tokenizer), or "
-            "model=hf model.path=DIR of its save_pretrained folder"
-        )
-    return None
+    spec: RunSpec  # with an `auto` layer resolved
+    plan: HookPlan
+    shapes: dict[str, list[CallShapes]]
+    output: tuple[int, ...]  # the model's output per sample
+    never_ran: str  # 'hook: a, b; ...' of the matches that never ran
 
 
 def prepare(
@@ -198,27 +121,83 @@ def prepare(
     """Check, build and probe everything a run needs; HookrunError before any work."""
     # Nothing is written before the first batch: a signal stops any of this at once.
     with interruptible():
-        return _prepare(spec, run_dir, world, device, caller, claim)
+        started = time.perf_counter()
+        data = _data(spec, caller)  # first: its checks are cheap, the weights may be large
+        model, weights_file = _model(spec, caller, device)
+        tokens = token_rows(data)
+        if tokens is not None:
+            check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
+        check_token_model(spec, model, data, tokens)
+        sample = data[0][0].to(device)
+        probed = _probe(spec, model, sample)
+        spec, plan = probed.spec, probed.plan
+        check_token_run(spec, plan, probed.shapes, data, tokens)
+        check_target(spec.target, probed.output, has_labels(data))
+        for hook, site, leaf in plan.sites(probed.shapes):  # a patch: its source file
+            hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data))
+        captures = plan.capture_shapes(probed.shapes)
+        setup = Setup(
+            spec=spec,
+            model=model,
+            data=data,
+            tokens=tokens,
+            sample=sample,
+            plan=plan,
+            shapes=probed.shapes,
+            captures=captures,
+            store_dtype=STORE_DTYPES[spec.sink.dtype.value],
+            device=device,
+        )
+        planned = _plan_stages(setup)
+        sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
+        header = replace(
+            provenance(spec, weights_file, device, world.size, sources),
+            data_files_sha256=files_fingerprint(data),
+            never_ran=probed.never_ran,
+        )
+        if spec.resume:
+            check_sources(claim.sink_path, header)
+        files = _files(claim, data)
+        folds = plan.folds(probed.shapes)
+        shaped = {k: v for p in planned.values() for k, v in p.shaped().items()}
+        run = Prepared(
+            spec=spec,
+            run_dir=run_dir,
+            world=world,
+            device=device,
+            model=model,
+            data=data,
+            files=files,
+            plan=plan,
+            stages=planned,
+            plan_text="",
+            claim=claim,
+            header=header,
+            timer=StageTimer(spec.profile, device),
+            started=started,
+            facts=_row_facts(spec, data, files),
+            folds=folds,
+            dtypes=_capture_dtypes(plan, probed.shapes),
+            axes=axis_facts(captures | shaped, folds, model, sample),
+            attrs=_stage_attrs(planned),
+        )
+        run.plan_text = _plan_text(run, probed, setup.made)
+        return run
 
 
-def _prepare(
-    spec: RunSpec,
-    run_dir: Path,
-    world: World,
-    device: torch.device,
-    caller: CallerObjects,
-    claim: Claim,
-) -> Prepared:
-    final_path, sink_path, done = claim.final_path, claim.sink_path, claim.resumed.rows
-    started = time.perf_counter()
-    # The data first: its checks are cheap, the weights may be large.
-    if caller.dataset is not None:
-        data = wrap_dataset(caller.dataset, spec.limit)
-        # The caller's samples exist already; the batches and extra passes of them must fit.
-        shape = tuple(data[0][0].shape)
-        check_sizes(spec.batch_size, spec.limit, spec.derive, shape, len(data))
-    else:
-        data = build_dataset(spec.dataset, spec.seed, spec.limit, _tokenizer(spec, caller.model))
+def _data(spec: RunSpec, caller: CallerObjects) -> Dataset:
+    """The run's rows: the caller's dataset, or the config's, after `limit`."""
+    if caller.dataset is None:
+        return build_dataset(spec.dataset, spec.seed, spec.limit, _tokenizer(spec, caller.model))
+    data = wrap_dataset(caller.dataset, spec.limit)
+    # The caller's samples exist already; a batch of them must fit.
+    check_batch(spec.batch_size, spec.limit, tuple(data[0][0].shape), len(data))
+    return data
+
+
+def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[nn.Module, Any]:
+    """The model on the run's device and the weights file it was loaded from (None: random
+    init, or the caller's module)."""
     if caller.model is not None:
         model, weights_file = caller.model, None
     else:
@@ -228,16 +207,33 @@ def _prepare(
             log.warning(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
-    model.to(device)
-    tokens = token_rows(data)
-    if tokens is not None:
-        check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
-        check_token_model(spec, model, data, tokens)  # before the probe's forward pass
-    sample = data[0][0].to(device)
-    try:  # the first forward passes of the user's model: a failure there is bad input
+    return model.to(device), weights_file
+
+
+def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:
+    """The tokenizer token data is read with (no weights loaded yet): the language model's —
+    the caller's LanguageModel's own, or model=hf's — else None (image data)."""
+    if caller_model is None:
+        return load_tokenizer(spec.model) if spec.model.source == "hf" else None
+    tokenizer = adapt(caller_model).tokenizer
+    if tokenizer is not None or adapt(caller_model).language is not None:
+        return tokenizer
+    if type(caller_model).__module__.startswith("transformers."):
+        raise HookrunError(
+            f"model: a {type(caller_model).__name__} (a transformers model) needs its "
+            "tokenizer; valid: hookrun.models.language.LanguageModel(model, tokenizer), or "
+            "model=hf model.path=DIR of its save_pretrained folder"
+        )
+    return None
+
+
+def _probe(spec: RunSpec, model: nn.Module, sample: torch.Tensor) -> _Probed:
+    """The hooks compiled and probed on one sample (an `auto` layer picked first); a failure
+    of the user's model there is bad input, in one line."""
+    try:
         spec = resolve_cam_layer(spec, model, sample)
         plan = compile_plan(spec.hooks, model)
-        shapes, output_shape, plan = probe_shapes(model, plan, sample)
+        shapes, output, plan = probe_shapes(model, plan, sample)
     except HookrunError:
         raise
     except Exception as err:
@@ -246,109 +242,94 @@ def _prepare(
             f"model: {model_label(spec.model)} failed its probe forward pass on sample 0 "
             f"of shape {list(sample.shape)} ({type(err).__name__}: {first})"
         ) from None
-    check_token_run(spec, plan, shapes, data, tokens)
-    patching = plan_patching(spec.patching, model, tokens, len(data))
     plan, idle = check_reached(plan, shapes)
     never_ran = "; ".join(f"{hook}: {', '.join(layers)}" for hook, layers in idle.items())
     if never_ran:
         log.warning("selected modules that never run (nothing captured there): %s", never_ran)
-    check_target(spec.target, output_shape, has_labels(data))
-    for hook, site, leaf in plan.sites(shapes):  # e.g. patch: its source file against the site
-        hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data))
-    sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
-    with run_mode(model):
-        explained = explained_sample(model, sample)
-        derivations = plan_derivations(
-            spec.derive, set(plan.capture_shapes(shapes)), model, sample, explained
-        )
-    itemsize = STORE_DTYPES[spec.sink.dtype.value].itemsize
-    kind = spec.target.kind.value
-    header = replace(
-        provenance(spec, weights_file, device, world.size, sources),
-        data_files_sha256=files_fingerprint(data),
-        never_ran=never_ran,
-    )
-    if spec.resume:
-        check_sources(sink_path, header)
-    files = source_files(data)
-    if files is not None and done and stored_record(sink_path, SAMPLES_PATH)[1] is None:
-        # Started by a hookrun before /samples/path: continued as it began, so its rows
-        # keep one layout (a dataset added half-way would have no rows for the first part).
-        log.warning("resume: %s was started without /samples/path; continuing without", sink_path)
-        files = None
-    if files is not None and done:
-        check_paths(sink_path, files.by_index)
-    path_bytes = files.width if files is not None else 0
-    derived = {k: v for d in derivations for k, v in d.stored_shapes(tuple(sample.shape)).items()}
-    store_dtype = STORE_DTYPES[spec.sink.dtype.value]
-    made = attribution_shapes(derived, plan.capture_shapes(shapes))
-    evaluation = plan_evaluation(spec.evaluate, made, tuple(sample.shape), store_dtype)
-    sanity = prepare_sanity(spec.sanity, model, sample, spec.seed, store_dtype)
-    evaluated: dict[str, Stored] = {
-        **(evaluation.stored() if evaluation else {}),
-        **(sanity.stored() if sanity else {}),
-    }
-    patched = patching.stored() if patching else {}
-    derived.update({k: v.shape for k, v in (evaluated | patched).items()})
-    new_attrs = {k: dict(v.attrs) for k, v in (evaluated | patched).items() if v.attrs}
-    new_attrs |= sanity.attrs() if sanity else {}
-    new_attrs |= patching.attrs() if patching else {}
-    shards = tuple(
-        len(distributed.batch_shard(len(data), spec.batch_size, replace(world, rank=rank)))
-        for rank in range(world.size)
-    )
-    dtypes = {
+    return _Probed(spec, plan, shapes, output, never_ran)
+
+
+def _plan_stages(setup: Setup) -> dict[str, Plan]:
+    """Each stage's plan for the run, in order: a stage sees what those before it store."""
+    planned: dict[str, Plan] = {}
+    for stage in stages():
+        config = setup.spec.stage(stage.node) if stage.node else None
+        if stage.node and config is None:
+            continue  # its node is empty: off
+        plan = stage.plan(config, setup)
+        if plan is not None:
+            planned[stage.name] = plan
+            setup.made.update({k: v.shape for k, v in plan.stored().items()})
+    return planned
+
+
+def _stage_attrs(planned: dict[str, Plan]) -> dict[str, dict]:
+    """The attributes of the datasets and groups the stages create, by path."""
+    out: dict[str, dict] = {}
+    for plan in planned.values():
+        out |= {k: dict(v.attrs) for k, v in plan.stored().items() if v.attrs}
+        out |= {k: dict(v) for k, v in plan.attrs().items()}
+    return out
+
+
+def _capture_dtypes(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, str]:
+    """Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype."""
+    return {
         key: hook.action.dtype
         for hook, key, _ in plan.sites(shapes)
         if hook.action.captures and hook.action.dtype
     }
-    file = FileShape(
-        len(data),
-        spec.batch_size,
-        itemsize,
-        output_shape,
-        path_bytes,
-        has_labels(data),
-        derived,
-        shards if world.parallel else (),
-        {key: STORE_DTYPES[dtype].itemsize for key, dtype in dtypes.items()},
-        spec.target.kind == TargetKind.logit_diff,
-    )
-    plan_text = describe_plan(plan, shapes, kind, file)
-    if evaluated:
-        plan_text += "\n" + describe_results({k: v.shape for k, v in evaluated.items()}, itemsize)
-    if sanity is not None:
-        plan_text += f"\nSanity check ({sanity.config.mode}) randomises: {', '.join(sanity.layers)}"
-    if patching is not None:
-        plan_text += "\n" + patching.describe(itemsize)
-    return Prepared(
-        spec=spec,
-        run_dir=run_dir,
-        world=world,
-        device=device,
-        model=model,
-        data=data,
+
+
+def _files(claim: Claim, data: Dataset) -> SourceFiles | None:
+    """Every row's source file (/samples/path), checked against a resumed file's."""
+    files = source_files(data)
+    done, path = claim.resumed.rows, claim.sink_path
+    if files is not None and done and stored_record(path, SAMPLES_PATH)[1] is None:
+        # Started by a hookrun before /samples/path: continued as it began, so its rows
+        # keep one layout (a dataset added half-way would have no rows for the first part).
+        log.warning("resume: %s was started without /samples/path; continuing without", path)
+        return None
+    if files is not None and done:
+        check_paths(path, files.by_index)
+    return files
+
+
+def _row_facts(spec: RunSpec, data: Dataset, files: SourceFiles | None) -> RowFacts:
+    """What the records of each row say beside its tensors."""
+    tokens = token_rows(data)
+    # logit_diff: every row of the run has one (pipeline/tokencheck.py)
+    logit_diff = spec.target.kind == TargetKind.logit_diff
+    return RowFacts(
+        labelled=has_labels(data),
         files=files,
-        plan=plan,
-        derivations=derivations,
-        plan_text=plan_text,
-        final_path=final_path,
-        sink_path=sink_path,
-        done=done,
-        header=header,
-        timer=StageTimer(spec.profile, device),
-        started=started,
-        folds=plan.folds(shapes),
-        dtypes=dtypes,
-        axes=axis_facts(
-            # a gradient method's results on token data: the embeddings' (T, D) per sample
-            plan.capture_shapes(shapes) | {d.key: d.explained for d in derivations if d.explained},
-            plan.folds(shapes),
-            model,
-            sample,
-        ),
-        evaluation=evaluation,
-        sanity=sanity,
-        patching=patching,
-        attrs=new_attrs,
+        tokens=tokens is not None,
+        padded=bool(getattr(tokens, "padded", False)),
+        against=tokens.counterfactual_answers() if logit_diff else None,
     )
+
+
+def _plan_text(run: Prepared, probed: _Probed, made: dict[str, tuple[int, ...]]) -> str:
+    """The dry-run text: the plan with its shapes, the file's estimated size, and each
+    stage's lines."""
+    spec, world = run.spec, run.world
+    itemsize = run.store_dtype.itemsize
+    shards = tuple(
+        len(distributed.batch_shard(len(run.data), spec.batch_size, replace(world, rank=rank)))
+        for rank in range(world.size)
+    )
+    file = FileShape(
+        samples=len(run.data),
+        batch_size=spec.batch_size,
+        itemsize=itemsize,
+        output=probed.output,
+        path_bytes=run.files.width if run.files is not None else 0,
+        labelled=has_labels(run.data),
+        derived=made,
+        shards=shards if world.parallel else (),
+        itemsizes={key: STORE_DTYPES[dtype].itemsize for key, dtype in run.dtypes.items()},
+        counter_target=spec.target.kind == TargetKind.logit_diff,
+    )
+    lines = [describe_plan(run.plan, probed.shapes, spec.target.kind.value, file)]
+    lines += [text for plan in run.stages.values() if (text := plan.describe(itemsize))]
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""One run, in three stages: prepare → stream → finish (the CLI and `hookrun.run` both
-end here). Under torchrun every rank runs its share of the batches and rank 0 joins them."""
+"""One run, in three steps: claim the file, prepare → stream → finish (the CLI and
+`hookrun.run` both end here). Under torchrun every rank runs its share of the batches and
+rank 0 joins them."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from hookrun.config.build import RunSpec
+from hookrun.models.adapter import adapt
+from hookrun.pipeline.claim import claim_file
 from hookrun.pipeline.device import devices_kept, resolve_device
 from hookrun.pipeline.finish import Result, already_complete, dry_result, finish
-from hookrun.pipeline.prepare import CallerObjects, claim_file, prepare
+from hookrun.pipeline.prepare import CallerObjects, prepare
 from hookrun.pipeline.stream import stream
-from hookrun.runtime.hooks import hooks_kept
-from hookrun.runtime.pattern import attention_kept
+from hookrun.runtime.hooks import hooks_kept, weights_kept
 from hookrun.scale import distributed
 from hookrun.scale.distributed import world_from_env
 from hookrun.scale.provenance import reproducible
 from hookrun.signals import signals_caught, stop_if_signalled
-from hookrun.stages.sanity.randomize import weights_kept
+from hookrun.stage import stages
 
 __all__ = ["execute"]
 
@@ -34,13 +36,16 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
     try:
         if world.parallel:
             run_dir = distributed.start(world, device, run_dir)
-        # The sanity check randomises weights: a caller's model gets its own back, bit for bit.
-        randomised = caller.model is not None and spec.sanity is not None
+        # A stage that changes weights (the sanity check randomises them): a caller's model
+        # gets its own back, bit for bit.
+        randomised = caller.model is not None and any(
+            s.changes_weights and spec.stage(s.node) is not None for s in stages() if s.node
+        )
         with (
             reproducible(spec.seed, spec.deterministic),
             devices_kept(caller.model),
             hooks_kept(caller.model),  # under every registration: none stays on the model
-            attention_kept(caller.model),  # at: pattern switches fused attention to eager
+            adapt(caller.model).attention_kept(),  # at: pattern may switch attention to eager
             weights_kept(caller.model) if randomised else nullcontext(),
             signals_caught(),
         ):

@@ -1,17 +1,16 @@
 """What a run on token data (a language model) may and may not ask for, checked before any work.
 
 The model's input is token ids, so nothing differentiates it: what needs the input's
-gradient (evaluate, sanity, an input gradient hook, the CAM family under derive) is refused
-with where a gradient does exist (the embeddings' output); derived methods that declare
-`tokens_ok` pass (the logit lens; integrated gradients and SmoothGrad, which explain the
-input embeddings). `args.positions` needs token data and a (tokens, ...) site; listed
-positions must lie inside every row's real tokens. `target.kind` next_token reads text rows'
+gradient (an input gradient hook; a stage whose work does, Stage.needs_input_gradient) is
+refused with where a gradient does exist (the embeddings' output). `args.positions` needs
+token data and a (tokens, ...) site; listed positions must lie inside every row's real
+tokens. `target.kind` next_token reads text rows'
 next token, answer a prompt's answer, logit_diff its answer and counterfactual answer.
 
 `check_token_model` runs before the model's first forward pass (the probe, which would fail
-first on what it refuses): the gradient refusals, and rows longer than the model's learned
-positions (named by the key that makes them long). `check_token_run` runs after the probe:
-targets, hook positions, and a run scoring induction heads with rows of one repeat.
+first on what it refuses): the stages' gradient refusals, and rows longer than the model's
+learned positions (named by the key that makes them long). `check_token_run` runs after the
+probe: targets and hook positions.
 """
 
 from __future__ import annotations
@@ -22,14 +21,15 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from hookrun.config.build import RunSpec
-from hookrun.config.schema import Site, TargetKind
 from hookrun.data.repeated import KIND
 from hookrun.errors import HookrunError
+from hookrun.models.adapter import adapt
 from hookrun.runtime.plan import CallShapes, HookPlan
 from hookrun.runtime.positions import check_lengths, check_positions
 from hookrun.runtime.selectors import INPUT_LAYER
-from hookrun.stages.derive.registry import METHODS
-from hookrun.stages.induction.scores import check_induction
+from hookrun.runtime.sites import Site
+from hookrun.runtime.targets import TargetKind
+from hookrun.stage import stages
 
 __all__ = ["check_token_model", "check_token_run"]
 
@@ -81,17 +81,6 @@ def _check_targets(spec: RunSpec, tokens: Any, rows: int) -> None:
                 )
 
 
-def _check_gradients(spec: RunSpec) -> None:
-    """What needs the input's gradient, refused with where a gradient does exist."""
-    gradients = [name for name in spec.derive if not METHODS.get(name, "derive").tokens_ok]
-    if gradients:
-        raise HookrunError(f"derive: {', '.join(gradients)}: {_GRADIENT_HINT}")
-    if spec.evaluate is not None:
-        raise HookrunError(f"evaluate: {_GRADIENT_HINT}")
-    if spec.sanity is not None:
-        raise HookrunError(f"sanity: {_GRADIENT_HINT}")
-
-
 def _too_long(spec: RunSpec, tokens: Any, width: int, most: int) -> tuple[str, str]:
     """(what makes the rows `width` tokens long, as key and value; what it may be with a
     model of `most` positions) for the run's token data."""
@@ -116,7 +105,7 @@ def _check_positions(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> N
     """Rows longer than the model's learned positions (GPT-2's n_positions, BERT's
     max_position_embeddings) are refused, naming the key that makes them that long; a model
     without a hard limit (rotary positions) passes."""
-    limit = model.max_positions() if hasattr(model, "max_positions") else None
+    limit = adapt(model).max_positions()
     width = int(data[0][0].shape[-1])
     if limit is None or width <= limit[0]:
         return
@@ -129,11 +118,15 @@ def _check_positions(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> N
 
 def check_token_model(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> None:
     """What can be refused on token data once the model is built, before its first forward
-    pass (the probe): what needs the input's gradient, and rows longer than the model's
-    positions."""
+    pass (the probe): a stage whose work needs the input's gradient, and rows longer than
+    the model's positions."""
     if tokens is None:
         return
-    _check_gradients(spec)
+    for stage in stages():
+        config = spec.stage(stage.node) if stage.node else None
+        key = stage.needs_input_gradient(config) if config is not None else None
+        if key:
+            raise HookrunError(f"{key}: {_GRADIENT_HINT}")
     _check_positions(spec, model, data, tokens)
 
 
@@ -156,8 +149,6 @@ def check_token_run(
                     "token data (dataset=text, prompts, hf_disk, repeated_tokens)"
                 )
         return
-    _check_gradients(spec)
-    check_induction(spec.dataset, plan)
     length, shortest = int(data[0][0].shape[-1]), None
     for hook, _, leaf in plan.sites(shapes):
         key = f"hooks.{hook.name}"

@@ -9,7 +9,10 @@ What is drawn follows what the file holds, for the first `max_samples` rows:
   as a heat map; (C, H, W) results (Guided Grad-CAM) like gradients;
 - other (C, H, W) `output` captures (feature maps): one make_grid per layer and sample
   (normalize=True, scale_each=True, nrow=ceil(sqrt(C)));
-- evaluation (/evaluate, /sanity): curves, perturbed images, the sanity grid (evaluation.py);
+- token runs: residual norms, token attributions (tokens.py), attention patterns
+  (attention.py);
+- what a stage stores (the evaluation's curves, the sanity grid, the patching grids, ...):
+  drawn by the stage itself (hookrun/stage.py, `Stage.draw`);
 and one contact sheet per run with a row per sample.
 """
 
@@ -29,10 +32,6 @@ from PIL import Image
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
 from hookrun.render.attention import render_attention
-from hookrun.render.evaluation import render_evaluation
-from hookrun.render.induction import render_induction
-from hookrun.render.lens import render_lens
-from hookrun.render.patching import render_patching
 from hookrun.render.pictures import (
     display_image,
     feature_grid,
@@ -42,6 +41,7 @@ from hookrun.render.pictures import (
     to_uint8,
 )
 from hookrun.render.tokens import render_token_attributions, render_tokens
+from hookrun.stage import drawn_by_stages, stages
 
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -129,7 +129,7 @@ def render(
             f"{m}/{layer}": ds
             for m, group in walk.derived_of(f).items()
             for layer, ds in group.items()
-            if m != layout.LOGIT_LENS  # tables, not maps: drawn by render_lens
+            if not drawn_by_stages(layout.derived_key(m, layer))  # tables, not maps
             and not (layout.SAMPLES_TOKENS in f and layer == "input")  # render_tokens draws
         }
         features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
@@ -178,13 +178,11 @@ def render(
                     target, lambda part, p=pixels: Image.fromarray(p).save(part, format="PNG")
                 )
                 pictures.append(_Picture(kind, row, target, pixels))
-        evaluated = render_evaluation(f, out_dir, rows, config)
-        evaluated += render_tokens(f, out_dir, rows, config)
+        evaluated = render_tokens(f, out_dir, rows, config)
         evaluated += render_token_attributions(f, out_dir, rows, config)
-        evaluated += render_lens(f, out_dir, rows, config)
-        evaluated += render_patching(f, out_dir, config)
         evaluated += render_attention(f, out_dir, rows, config)
-        evaluated += render_induction(f, out_dir)
+        for stage in stages():
+            evaluated += stage.draw(f, out_dir, rows, config)
     if not pictures:  # nothing drawable: no input, gradient, map or feature maps
         return evaluated
     sheet = _contact_sheet(pictures, labels, out_dir / "contact_sheet.png", experiment)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from hookrun.errors import HookrunError, nearest
+from hookrun.runtime.handles import ModuleHook, hooked
 
 __all__ = [
     "FUNCTIONS",
@@ -161,7 +162,6 @@ class CallSites(TorchFunctionMode):
 def watch_calls(model: nn.Module, mode: CallSites) -> Iterator[None]:
     """Keep `mode.stack` in step with the running modules, and make `mode` active during
     every forward pass of `model` (entered in the root's pre-hook, left in its hook)."""
-    handles = []
     active: list[CallSites] = []
 
     def enter(name: str, leaf: bool):
@@ -184,14 +184,14 @@ def watch_calls(model: nn.Module, mode: CallSites) -> Iterator[None]:
 
         return hook
 
+    hooks = []
+    for name, module in model.named_modules():
+        hooks.append(ModuleHook(module, enter(name, _builtin_leaf(module)), before=True))
+        hooks.append(ModuleHook(module, leave(name)))
     try:
-        for name, module in model.named_modules():
-            handles.append(module.register_forward_pre_hook(enter(name, _builtin_leaf(module))))
-            handles.append(module.register_forward_hook(leave(name)))
-        yield
+        with hooked(hooks):
+            yield
     finally:
         while active:  # a forward that raised never reached the root's forward hook
             active.pop().__exit__(None, None, None)
         mode.stack.clear()
-        for handle in handles:
-            handle.remove()

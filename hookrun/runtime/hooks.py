@@ -26,20 +26,21 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils.hooks import RemovableHandle
 
-from hookrun.config.schema import Site
 from hookrun.io.layout import INPUT_GRAD, capture_key
+from hookrun.models.adapter import adapt
 from hookrun.runtime.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
+from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.runtime.leaves import leaves, rebuild
 from hookrun.runtime.plan import HookPlan, PlannedHook
 from hookrun.runtime.positions import act_at
 from hookrun.runtime.selectors import INPUT_LAYER
+from hookrun.runtime.sites import Site
 from hookrun.runtime.transfer import HostCopier
 from hookrun.signals import deferred
 from hookrun.timing import StageTimer
 
-__all__ = ["Recorder", "attach", "hooks_kept", "prepare_input", "run_mode"]
+__all__ = ["Recorder", "attach", "hooks_kept", "prepare_input", "run_mode", "weights_kept"]
 
 
 class Recorder:
@@ -258,34 +259,28 @@ def _call_site(plan: HookPlan, recorder: Recorder):
 def attach(plan: HookPlan, model: nn.Module, recorder: Recorder) -> Iterator[None]:
     """Register the plan's hooks on `model` (and, only when the plan has function or
     weight-used sites, the function mode); every handle is removed on exit, error or not."""
-    handles: list[RemovableHandle] = []
     modules = dict(model.named_modules())
-    try:
-        with ExitStack() as stack:
-            embeddings = getattr(model, "input_embeddings", None)  # a LanguageModel
-            if plan.needs_backward and callable(embeddings):
-                # Token ids have no gradient: the graph starts at the embeddings' output
-                # (first, so the plan's own hooks there see a tensor that has one).
-                module = embeddings()
-                handles.append(module.register_forward_hook(_graph_start, prepend=True))
-            if plan.needs_calls:
-                words = resolve_words(list(plan.words), "select.function")
-                weights = weights_of(model, list(plan.weighted))
-                mode = CallSites(words, weights, _call_site(plan, recorder))
-                stack.enter_context(watch_calls(model, mode))
-            for layer in plan.layers:
-                if layer not in modules:
-                    continue  # a function call site, hooked through the mode
-                module = modules[layer]
-                handles.append(module.register_forward_pre_hook(_pre_hook(layer, plan, recorder)))
-                if plan.at(layer, Site.output) or plan.at(layer, Site.grad_output):
-                    handles.append(module.register_forward_hook(_post_hook(layer, plan, recorder)))
-            yield
-    finally:
-        with deferred():  # a signal now waits until every hook is off
-            for handle in handles:
-                handle.remove()
-            handles.clear()
+    hooks: list[ModuleHook] = []
+    start = adapt(model).graph_start() if plan.needs_backward else None
+    if start is not None:
+        # Token ids have no gradient: the graph starts at the embeddings' output (first, so
+        # the plan's own hooks there see a tensor that has one).
+        hooks.append(ModuleHook(start, _graph_start, prepend=True))
+    for layer in plan.layers:
+        if layer not in modules:
+            continue  # a function call site, hooked through the mode
+        module = modules[layer]
+        hooks.append(ModuleHook(module, _pre_hook(layer, plan, recorder), before=True))
+        if plan.at(layer, Site.output) or plan.at(layer, Site.grad_output):
+            hooks.append(ModuleHook(module, _post_hook(layer, plan, recorder)))
+    with ExitStack() as stack:
+        if plan.needs_calls:
+            words = resolve_words(list(plan.words), "select.function")
+            weights = weights_of(model, list(plan.weighted))
+            mode = CallSites(words, weights, _call_site(plan, recorder))
+            stack.enter_context(watch_calls(model, mode))
+        stack.enter_context(hooked(hooks))
+        yield
 
 
 # The hook tables of a module (torch keeps a hook in one, and flags about it in the others,
@@ -351,10 +346,9 @@ def run_mode(model: nn.Module) -> Iterator[None]:
     is put back on exit exactly as it was."""
     training = {name: m.training for name, m in model.named_modules()}
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
-    # A LanguageModel's wrapped root is not one of its modules (its children are), but
+    # A language model's wrapped root is not one of its modules (its children are), but
     # eval() reaches it: its flag is kept beside theirs.
-    wrapped = getattr(model, "hf", None)
-    wrapped_training = wrapped.training if isinstance(wrapped, nn.Module) else None
+    roots = {root: root.training for root in adapt(model).roots()}
     try:
         model.eval()
         for p in model.parameters():
@@ -364,7 +358,19 @@ def run_mode(model: nn.Module) -> Iterator[None]:
         with deferred():
             for name, m in model.named_modules():
                 m.training = training[name]
-            if wrapped_training is not None:
-                wrapped.training = wrapped_training
+            for root, flag in roots.items():
+                root.training = flag
             for name, p in model.named_parameters():
                 p.requires_grad_(grads[name])
+
+
+@contextmanager
+def weights_kept(model: nn.Module) -> Iterator[None]:
+    """The model's parameters and buffers exactly as they came in when the block ends, by
+    any exit (a copy of the state dict, loaded back)."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        with deferred(), torch.no_grad():  # a signal waits until the weights are back
+            model.load_state_dict(saved)

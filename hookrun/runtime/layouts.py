@@ -22,6 +22,7 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import LAYOUT_AXES, AxisFacts
+from hookrun.models.adapter import adapt
 from hookrun.runtime.selectors import INPUT_LAYER
 
 __all__ = [
@@ -29,7 +30,6 @@ __all__ = [
     "Grid",
     "decide_grid",
     "to_channels_first",
-    "prefix_tokens_of",
     "channels_first_hint",
     "axis_facts",
 ]
@@ -66,20 +66,6 @@ def to_channels_first(
         h, w = size if size else (math.isqrt(grid.shape[1]),) * 2
         return grid.reshape(grid.shape[0], h, w, grid.shape[2]).permute(0, 3, 1, 2)
     raise ValueError(f"layout {layout.value!r} is decided by decide_grid, not converted")
-
-
-def prefix_tokens_of(model: nn.Module) -> int | None:
-    """The prefix tokens a transformer declares: timm's `num_prefix_tokens`, else the token
-    parameters (torchvision's `class_token`, `cls_token`, `dist_token`, `reg_token`)."""
-    declared = getattr(model, "num_prefix_tokens", None)
-    if isinstance(declared, int):
-        return declared
-    count = 0
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("class_token", "cls_token", "dist_token", "reg_token") and p.dim() == 3:
-            count += p.shape[1]
-    return count or None
 
 
 def _fits(h: int, w: int, image: tuple[int, int]) -> bool:
@@ -205,7 +191,7 @@ def axis_facts(
         given: tuple[str, ...] = ("token",) if sample.dim() == 1 else _TOKEN_INPUT
     else:
         given = _axes(tuple(sample.shape), image, 0, True)
-    prefix, modules = prefix_tokens_of(model), dict(model.named_modules())
+    prefix, modules = adapt(model).prefix_tokens(), dict(model.named_modules())
     tensors = {}
     for key, shape in captures.items():
         layer = key.split("/", 1)[1].rsplit("/", 1)[0]  # layout.capture_key's <layer>

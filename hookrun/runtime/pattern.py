@@ -9,61 +9,22 @@ of the forward uses (head ablation). Its captures.h5 path is `/captures/<module>
 (io/layout.py `pattern_key`).
 
 Fused attention (sdpa, flash) never forms the probabilities: a run with pattern sites
-switches the model to eager attention and says so in the plan (`use_eager`), or refuses when
-the model cannot switch. A module whose forward calls no softmax is not an attention module:
-refused naming the model's attention modules (`bind_pattern`).
+switches the model to eager attention and says so in the plan (models/adapter.py
+`use_eager`), or refuses when the model cannot switch. A module whose forward calls no
+softmax is not an attention module: refused naming the model's attention modules
+(`bind_pattern`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
-
-from torch import nn
+from collections.abc import Iterable
 
 from hookrun.errors import HookrunError
 
-__all__ = ["WORD", "use_eager", "attention_kept", "attention_modules", "bind_pattern"]
+__all__ = ["WORD", "attention_modules", "bind_pattern"]
 
 # The function word a pattern site compiles to.
 WORD = "softmax"
-
-
-def use_eager(model: nn.Module) -> str:
-    """Switch a Hugging Face model (or hookrun's LanguageModel around one) that runs fused
-    attention to eager attention; the plan's line saying so ('' when nothing changed)."""
-    hf = getattr(model, "hf", model)
-    config = getattr(hf, "config", None)
-    running = getattr(config, "_attn_implementation", None)
-    if running in (None, "eager"):
-        return ""
-    switch = getattr(hf, "set_attn_implementation", None)
-    if switch is not None:
-        with suppress(ValueError, RuntimeError, NotImplementedError):
-            switch("eager")
-    if getattr(config, "_attn_implementation", None) != "eager":
-        raise HookrunError(
-            f"at: pattern: the model runs {running} attention, which never forms the attention "
-            f"probabilities, and {type(hf).__name__} cannot switch to eager attention; valid: "
-            "load the model with attn_implementation='eager'"
-        )
-    return (
-        f"Attention: the model ran {running} attention, which never forms the probabilities; "
-        "switched to eager attention for this run (at: pattern)"
-    )
-
-
-@contextmanager
-def attention_kept(model: nn.Module | None) -> Iterator[None]:
-    """A caller's model leaves with the attention implementation it came with."""
-    hf = getattr(model, "hf", model)
-    running = getattr(getattr(hf, "config", None), "_attn_implementation", None)
-    try:
-        yield
-    finally:
-        now = getattr(getattr(hf, "config", None), "_attn_implementation", None)
-        if running is not None and now != running and hasattr(hf, "set_attn_implementation"):
-            hf.set_attn_implementation(running)
 
 
 def attention_modules(calls: Iterable[str]) -> list[str]:

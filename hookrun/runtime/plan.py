@@ -12,15 +12,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hookrun.config.build import HookSpec
-from hookrun.config.schema import Site
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
+from hookrun.models.adapter import adapt
 from hookrun.runtime.actions import Action
 from hookrun.runtime.functions import resolve_words
-from hookrun.runtime.pattern import WORD, bind_pattern, use_eager
+from hookrun.runtime.hookspec import HookSpec
+from hookrun.runtime.pattern import WORD, bind_pattern
 from hookrun.runtime.positions import positions_shape
 from hookrun.runtime.selectors import INPUT_LAYER, select_layers
+from hookrun.runtime.sites import Site
 
 __all__ = [
     "PlannedHook",
@@ -195,7 +196,7 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
         if spec.at == Site.pattern:
             plan.hooks.append(_pattern_hook(spec, model))
             _claim(captured, spec, plan.hooks[-1].within or ())
-            note = use_eager(model)
+            note = adapt(model).use_eager()
             plan.notes += (note,) if note else ()
             continue
         if functions:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from hookrun.runtime.functions import CallSites, resolve_words, watch_calls, weights_of
+from hookrun.runtime.handles import hooked, input_hooks, output_hooks
 from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.leaves import leaves, model_logits
 from hookrun.runtime.plan import CallShapes, HookPlan, Leaf, bind_calls
@@ -124,8 +124,6 @@ def _observe_modules(
     """Every call of `layers` in one forward of `batch`: (inputs, outputs) seen; the output."""
     seen: dict[str, list[tuple]] = defaultdict(list)
     pending: dict[str, list[tuple]] = defaultdict(list)
-    modules = dict(model.named_modules())
-    handles: list[RemovableHandle] = []
 
     def pre(layer: str):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -139,15 +137,9 @@ def _observe_modules(
 
         return hook
 
-    try:
-        for layer in layers:
-            handles.append(modules[layer].register_forward_pre_hook(pre(layer)))
-            handles.append(modules[layer].register_forward_hook(post(layer)))
-        with run_mode(model), torch.no_grad():
-            output = model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    hooks = input_hooks(model, layers, pre) + output_hooks(model, layers, post)
+    with hooked(hooks), run_mode(model), torch.no_grad():
+        output = model(batch)
     return dict(seen), output
 
 

@@ -10,14 +10,33 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from hookrun.config.schema import SelectConfig
 from hookrun.errors import HookrunError, nearest
-from hookrun.typed import import_class
+from hookrun.typed import Frozen, import_class
 
-__all__ = ["INPUT_LAYER", "select_layers", "resolve_type"]
+__all__ = ["INPUT_LAYER", "SelectConfig", "select_layers", "resolve_type"]
+
+
+@dataclass
+class SelectConfig(Frozen):
+    # Globs over qualified module names (`*` crosses dots, never matches the root);
+    # `input` names the model-input pseudo-layer.
+    name: Any = None
+    # Regular expressions, full match.
+    regex: Any = None
+    # Class names: short torch.nn names (ReLU) or dotted import paths.
+    type: Any = None
+    # Globs to drop from what the other keys matched.
+    exclude: Any = None
+    # Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/engine/
+    # functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex,
+    # only calls made inside the modules those match.
+    function: Any = None
+
 
 INPUT_LAYER = "input"
 

@@ -10,20 +10,49 @@ logit difference is the score.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 
-from hookrun.config.schema import TargetConfig, TargetKind
 from hookrun.errors import HookrunError
+from hookrun.typed import Frozen
 
 __all__ = [
+    "TargetKind",
+    "TargetConfig",
     "NO_TARGET",
     "check_target",
     "choose_targets",
     "target_scores",
     "backward_seed",
 ]
+
+
+class TargetKind(str, Enum):
+    """What the backward pass starts from."""
+
+    predicted = "predicted"
+    label = "label"
+    index = "index"
+    sum = "sum"
+    none = "none"
+    # Language models (token data): the actual next token of a text row at its read
+    # position (dataset.read), or the first token of a prompt's answer — the row's label.
+    next_token = "next_token"
+    answer = "answer"
+    # logit(answer) − logit(counterfactual_answer) of a prompt (dataset=prompts rows with both):
+    # /samples/target holds the answer, /samples/counterfactual_target the other token.
+    logit_diff = "logit_diff"
+
+
+@dataclass
+class TargetConfig(Frozen):
+    kind: TargetKind = TargetKind.predicted
+    # The class to start from when kind=index.
+    index: int | None = None
+
 
 # Kinds whose target is each row's label: a class, or a language model's token (the token
 # data puts a text row's next token or a prompt's answer token there).

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hookrun.errors import HookrunError
+from hookrun.io.appender import Summaries
 from hookrun.io.layout import Provenance
 from hookrun.io.stored import join_shards
 
@@ -99,10 +100,13 @@ def merge_shards(
     samples: int,
     batch_size: int,
     header: Provenance | Mapping[str, Any],
+    *,
     replace: bool,
+    summaries: Summaries | None = None,
 ) -> None:
     """Rank 0: write `path` as virtual datasets over every rank's shard, in index order;
-    an existing `path` only with `replace`."""
+    an existing `path` only with `replace`; `summaries`: what the file says of all its rows
+    (io/appender.py), over every shard's."""
     shards = []
     for rank in range(world.size):
         rank_world = World(rank, world.size)
@@ -113,6 +117,6 @@ def merge_shards(
             raise HookrunError(f"merge: the shard {shard} of rank {rank} is missing")
         shards.append(shard)
     try:
-        join_shards(path, shards, samples, header, replace)
+        join_shards(path, shards, samples, header, replace, summaries)
     except ValueError as err:
         raise HookrunError(f"merge: {err}") from None

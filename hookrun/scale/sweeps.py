@@ -4,7 +4,7 @@ A job that fails in a multirun records its traceback in its own log and a `faile
 the sweep carries on; when every job is done, `sweep_summary.csv` in the sweep directory has
 one row per job (overrides, status, rows, file, and one column per evaluation metric and
 attribution: the mean over samples its file holds), the jobs that evaluated their
-attributions are ranked (scale/ranking.py), and the sweep exits non-zero if any failed.
+attributions are ranked (stages/evaluate/ranking.py), and the sweep exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from hookrun.scale.ranking import job_means, write_ranking
+from hookrun.stages.evaluate.ranking import job_means, write_ranking
 
 __all__ = ["JOB_FILE", "write_job_summary", "SweepSummary"]
 

@@ -11,12 +11,14 @@ import h5py
 import numpy as np
 import torch
 
-from hookrun.config.build import HookSpec
-from hookrun.config.schema import HookConfig, SelectConfig, Site, TargetConfig
 from hookrun.io.sink import HDF5Sink, SinkOptions
 from hookrun.pipeline.stream import BatchStep, RowFacts
 from hookrun.runtime.hooks import Recorder, attach, run_mode
+from hookrun.runtime.hookspec import HookConfig, HookSpec
 from hookrun.runtime.plan import compile_plan
+from hookrun.runtime.selectors import SelectConfig
+from hookrun.runtime.sites import Site
+from hookrun.runtime.targets import TargetConfig
 from hookrun.runtime.transfer import HostCopier
 from hookrun.stages.derive.registry import derive
 

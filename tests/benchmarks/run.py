@@ -36,9 +36,9 @@ from loops import (  # this folder: run as a script, it is first on sys.path
     hooks_of,
 )
 
-from hookrun.config.schema import TargetKind
 from hookrun.io import appender
 from hookrun.io.sink import HDF5Sink, SinkOptions
+from hookrun.runtime.targets import TargetKind
 from hookrun.stages.derive.cam import CamArgs
 from hookrun.stages.derive.registry import METHODS, Derivation
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
-from hookrun.config.build import build_spec
 from hookrun.choices import choices_table
+from hookrun.config.build import build_spec
 from hookrun.data.kinds import DATASETS
 from hookrun.errors import HookrunError
 from hookrun.models.sources import MODEL_SOURCES

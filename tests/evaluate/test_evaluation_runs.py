@@ -16,7 +16,7 @@ from conftest import compose_config, hookrun_cli, killed_after, read, run_config
 from hookrun.config.build import build_spec
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
-from hookrun.scale.ranking import job_means
+from hookrun.stages.evaluate.ranking import job_means
 from hookrun.verify import verify
 
 SMALL = [

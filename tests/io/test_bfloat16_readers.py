@@ -14,7 +14,7 @@ from conftest import hook, read, resnet18_file, run_config
 from PIL import Image
 
 import hookrun
-from hookrun.scale.ranking import job_means
+from hookrun.stages.evaluate.ranking import job_means
 
 DIGITS = ["model=digits_cnn", "dataset=digits", "limit=3", "render=false"]
 

@@ -13,7 +13,7 @@ from conftest import hook
 from PIL import Image
 from torchvision import transforms
 
-from hookrun.config.schema import ModelConfig
+from hookrun.models.config import ModelConfig
 from hookrun.models.seeds import SeedConvNet, SeedMLP
 from hookrun.models.sources import build_model
 

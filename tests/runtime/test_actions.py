@@ -7,11 +7,13 @@ import torch
 from conftest import specs
 from torch import nn
 
-from hookrun.config.schema import HookConfig, SelectConfig, Site
 from hookrun.errors import HookrunError
 from hookrun.runtime.actions import build_action
 from hookrun.runtime.hooks import Recorder, attach
+from hookrun.runtime.hookspec import HookConfig
 from hookrun.runtime.plan import compile_plan
+from hookrun.runtime.selectors import SelectConfig
+from hookrun.runtime.sites import Site
 
 
 class _Ctx:

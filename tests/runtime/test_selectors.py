@@ -6,9 +6,8 @@ import pytest
 import torchvision
 from torch import nn
 
-from hookrun.config.schema import SelectConfig
 from hookrun.errors import HookrunError
-from hookrun.runtime.selectors import select_layers
+from hookrun.runtime.selectors import SelectConfig, select_layers
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,13 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
+from hookrun.models.adapter import adapt
+from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.layouts import (
     Grid,
     Layout,
     channels_first_hint,
     decide_grid,
-    prefix_tokens_of,
     to_channels_first,
 )
 from hookrun.stages.derive.registry import LayerArgs, Method, register_method
@@ -50,12 +51,8 @@ def _probe(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, tor
     def keep(module: nn.Module, inputs: tuple, output: Any) -> None:
         seen.setdefault("a", output)  # the first call's output
 
-    handle = dict(model.named_modules())[layer].register_forward_hook(keep)
-    try:
-        with torch.no_grad():
-            logits = model(sample.unsqueeze(0))
-    finally:
-        handle.remove()
+    with hooked(output_hooks(model, [layer], lambda name: keep)), torch.no_grad():
+        logits = model(sample.unsqueeze(0))
     return seen.get("a"), logits
 
 
@@ -73,7 +70,7 @@ def layer_grid(
         )
     if args.prefix_tokens is not None and args.prefix_tokens < 0:
         raise HookrunError(f"{key}.prefix_tokens: {args.prefix_tokens} is negative; valid: >= 0")
-    prefix = args.prefix_tokens if args.prefix_tokens is not None else prefix_tokens_of(model)
+    prefix = args.prefix_tokens if args.prefix_tokens is not None else adapt(model).prefix_tokens()
     image = (int(sample.shape[-2]), int(sample.shape[-1]))
     shape = tuple(activation.shape[1:])
     conv = channels_first_hint(dict(model.named_modules())[str(args.layer)], shape[0])

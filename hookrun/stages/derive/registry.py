@@ -14,7 +14,7 @@ its prepared state can name (every block of the model) come from `requires_prepa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,13 +24,13 @@ from torch import nn
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.registry import Registry
+from hookrun.runtime.step import BatchContext
 from hookrun.typed import Frozen
 
 __all__ = [
     "METHODS",
     "Method",
     "LayerArgs",
-    "BatchContext",
     "register_method",
     "Derivation",
     "plan_derivations",
@@ -42,35 +42,6 @@ __all__ = [
 class LayerArgs(Frozen):
     # The module whose captures the method reads (the experiments pass model.cam_layer).
     layer: str | None = None
-
-
-@dataclass(frozen=True)
-class BatchContext:
-    """One batch as a method with passes of its own sees it (the run's hooks stand aside)."""
-
-    model: nn.Module  # eval mode, parameters frozen
-    inputs: torch.Tensor  # (N, ...) on the run's device, as the data loader gave it
-    targets: torch.Tensor  # (N,) int64 on the device: the class each sample is explained for
-    # (output, targets) → (N,): each sample's score whose gradient is explained (the target
-    # logit, or the sum of the outputs for target.kind=sum).
-    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # name → a generator seeded by (run seed, name, the batch's first row).
-    generator: Callable[[str], torch.Generator]
-    # What the gradient methods explain, when not `inputs`: a language model's input
-    # embeddings (N, T, D), whose rows `forward` runs (token ids have no gradient).
-    points: torch.Tensor | None = None
-    # (points, sample) → the model's output for rows of points, row i being a copy or a
-    # perturbation of batch row sample[i] (a language model reads that row's mask and read
-    # marker); None: model(points).
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    def explained(self) -> torch.Tensor:
-        """The input the gradient methods explain (N, ...): the batch, or its embeddings."""
-        return self.inputs if self.points is None else self.points
-
-    def run(self, points: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
-        """The model on `points`, row i standing for batch row sample[i]."""
-        return self.model(points) if self.forward is None else self.forward(points, sample)
 
 
 class Method:

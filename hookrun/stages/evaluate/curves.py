@@ -19,7 +19,7 @@ import torch
 from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
-from hookrun.io import layout
+from hookrun.stages.evaluate.keys import AUC_SUFFIX, FRACTIONS, evaluate_key
 from hookrun.stages.evaluate.registry import (
     EvalBatch,
     Metric,
@@ -62,7 +62,7 @@ def baseline_image(baseline: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Curve(Metric):
-    summary_suffix = layout.AUC_SUFFIX
+    summary_suffix = AUC_SUFFIX
     removes = True  # deletion: the most relevant pixels go; insertion: they come back
 
     @classmethod
@@ -84,7 +84,7 @@ class _Curve(Metric):
             )
 
     def summary_key(self, attribution: str) -> str:
-        return layout.evaluate_key(self.name, attribution, layout.AUC_SUFFIX)
+        return evaluate_key(self.name, attribution, AUC_SUFFIX)
 
     def stored(
         self, args: DeletionArgs, attribution: str, image: tuple[int, int]
@@ -92,9 +92,7 @@ class _Curve(Metric):
         pixels = image[0] * image[1]
         fractions = [c / pixels for c in pixel_counts(args.steps, pixels)]
         return {
-            layout.evaluate_key(self.name, attribution): Stored(
-                (args.steps + 1,), {layout.FRACTIONS: fractions}
-            ),
+            evaluate_key(self.name, attribution): Stored((args.steps + 1,), {FRACTIONS: fractions}),
             self.summary_key(attribution): Stored((), {}),
         }
 
@@ -119,7 +117,7 @@ class _Curve(Metric):
         fractions = counts.cpu().double() / (h * w)
         auc = torch.trapezoid(curve.double(), fractions, dim=1)
         return {
-            layout.evaluate_key(self.name, attribution): curve,
+            evaluate_key(self.name, attribution): curve,
             self.summary_key(attribution): auc.float(),
         }
 

@@ -14,9 +14,10 @@ import torch
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
+from hookrun.stage import Stored
 from hookrun.stages.derive.gradients import rows_per_pass
 from hookrun.stages.evaluate.config import EvaluateSpec
-from hookrun.stages.evaluate.registry import METRICS, EvalBatch, Stored
+from hookrun.stages.evaluate.registry import METRICS, EvalBatch
 from hookrun.stages.evaluate.relevance import check_attribution, pixel_relevance
 
 __all__ = ["Evaluation", "plan_evaluation", "attribution_shapes"]

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from hookrun.registry import Registry
+from hookrun.stage import Stored
 from hookrun.typed import Frozen
 
 __all__ = [
@@ -33,14 +34,6 @@ __all__ = [
 @dataclass
 class NoArgs(Frozen):
     """A metric without arguments of its own."""
-
-
-@dataclass(frozen=True)
-class Stored:
-    """One dataset a metric writes per attribution: its per-sample shape and attributes."""
-
-    shape: tuple[int, ...]
-    attrs: Mapping[str, Any]
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hookrun.errors import HookrunError
-from hookrun.io import layout
 from hookrun.stages.evaluate.impute import noisy_linear_imputation
+from hookrun.stages.evaluate.keys import FRACTIONS, SCORE_SUFFIX, evaluate_key
 from hookrun.stages.evaluate.registry import (
     EvalBatch,
     Metric,
@@ -70,7 +70,7 @@ class _Draws:
 @register_metric("road")
 class Road(Metric):
     Args = RoadArgs
-    summary_suffix = layout.SCORE_SUFFIX
+    summary_suffix = SCORE_SUFFIX
 
     @classmethod
     def check(cls, args: RoadArgs, key: str) -> None:
@@ -97,15 +97,13 @@ class Road(Metric):
             )
 
     def summary_key(self, attribution: str) -> str:
-        return layout.evaluate_key(self.name, attribution, layout.SCORE_SUFFIX)
+        return evaluate_key(self.name, attribution, SCORE_SUFFIX)
 
     def stored(self, args: RoadArgs, attribution: str, image: tuple[int, int]) -> dict[str, Stored]:
         pixels = image[0] * image[1]
         fractions = [c / pixels for c in removed_counts(list(args.fractions), pixels)]
         out = {
-            layout.evaluate_key(name, attribution): Stored(
-                (len(args.fractions),), {layout.FRACTIONS: fractions}
-            )
+            evaluate_key(name, attribution): Stored((len(args.fractions),), {FRACTIONS: fractions})
             for name, _ in DIRECTIONS
         }
         out[self.summary_key(attribution)] = Stored((), {})
@@ -125,8 +123,8 @@ class Road(Metric):
         morf, lerf = probs[0].T.contiguous(), probs[1].T.contiguous()
         score = (lerf.double().mean(1) - morf.double().mean(1)) / 2
         return {
-            layout.evaluate_key("road_morf", attribution): morf,
-            layout.evaluate_key("road_lerf", attribution): lerf,
+            evaluate_key("road_morf", attribution): morf,
+            evaluate_key("road_lerf", attribution): lerf,
             self.summary_key(attribution): score.float(),
         }
 

@@ -6,7 +6,7 @@ token at position p in the second or a later repeat has an earlier copy at p - L
 induction head attends from p to the token right after that copy, p - L + 1. A head's score
 on a row is its attention pattern A[p, p - L + 1] averaged over every such p (b + L ≤ p < T);
 its score is the mean over rows. Written once the run's file is complete
-(`write_induction`, called by pipeline/finish.py): `/induction/rows` (N, layers, heads) and
+(`write_induction`, stage.py's finish): `/induction/rows` (N, layers, heads) and
 `/induction/score` (layers, heads) with the layer names in its attribute `layers`.
 """
 
@@ -14,26 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
-from torch import nn
 
-from hookrun.config.schema import Site
-from hookrun.data.repeated import KIND
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.dimensions import attach
 from hookrun.io.encoding import read_floats
+from hookrun.stages.induction.keys import INDUCTION_ROWS, INDUCTION_SCORE, LAYERS_ATTR
 
-__all__ = [
-    "induction_rows",
-    "write_induction",
-    "pattern_layers",
-    "induction_of_run",
-    "check_induction",
-]
+__all__ = ["induction_rows", "write_induction", "pattern_layers"]
 
 _CHUNK = 256  # rows read at a time
 _ROWS_AXES = ("sample", "layer", "head")  # /induction/rows; /induction/score the last two
@@ -62,7 +53,7 @@ def write_induction(path: Path, modules: Sequence[str], length: int, start: int)
     patterns of `modules` it holds (in that order); nothing when it holds none."""
     with h5py.File(path, "r+") as f:
         layers = pattern_layers(f, modules)
-        if not layers or layout.INDUCTION_SCORE in f:  # none, or written already (resume)
+        if not layers or INDUCTION_SCORE in f:  # none, or written already (resume)
             return
         first = f[layout.pattern_key(layers[0])]
         rows = np.zeros((first.shape[0], len(layers), first.shape[1]), np.float32)
@@ -72,36 +63,7 @@ def write_induction(path: Path, modules: Sequence[str], length: int, start: int)
                 chunk = read_floats(ds, slice(lo, lo + _CHUNK)).astype(np.float64)
                 rows[lo : lo + len(chunk), i] = induction_rows(chunk, length, start)
         score = rows.astype(np.float64).mean(axis=0).astype(np.float32)
-        for key, data in ((layout.INDUCTION_ROWS, rows), (layout.INDUCTION_SCORE, score)):
+        for key, data in ((INDUCTION_ROWS, rows), (INDUCTION_SCORE, score)):
             f.create_dataset(key, data=data, fletcher32=True, chunks=data.shape)
-        attach(f, {layout.INDUCTION_ROWS: _ROWS_AXES, layout.INDUCTION_SCORE: _ROWS_AXES[1:]})
-        layout.write_attrs(f, {layout.INDUCTION_SCORE: {layout.LAYERS_ATTR: list(layers)}})
-
-
-def _scores(dataset: Any, plan: Any) -> bool:
-    """Whether a run scores induction heads: `dataset=repeated_tokens` and attention
-    patterns captured."""
-    if getattr(dataset, "kind", None) != KIND:
-        return False
-    return any(h.site == Site.pattern and h.action.captures for h in plan.hooks)
-
-
-def check_induction(dataset: Any, plan: Any) -> None:
-    """Before any work: a run that scores induction heads needs a later repeat in its rows
-    (the score reads attention from it to the earlier copy)."""
-    if _scores(dataset, plan) and dataset.repeats < 2:
-        raise HookrunError(
-            f"dataset.repeats: {dataset.repeats} writes each row's {dataset.length} tokens "
-            "once, but the induction score of the captured attention patterns reads a later "
-            "repeat's attention to the earlier copy; valid: 2 or more"
-        )
-
-
-def induction_of_run(path: Path, dataset: Any, plan: Any, model: nn.Module) -> bool:
-    """After a run over `dataset=repeated_tokens` that captured attention patterns: its
-    induction scores into the file at `path` (True); other runs: nothing (False)."""
-    if not _scores(dataset, plan):
-        return False
-    modules = [name for name, _ in model.named_modules()]
-    write_induction(path, modules, int(dataset.length), int(bool(dataset.prepend_bos)))
-    return True
+        attach(f, {INDUCTION_ROWS: _ROWS_AXES, INDUCTION_SCORE: _ROWS_AXES[1:]})
+        layout.write_attrs(f, {INDUCTION_SCORE: {LAYERS_ATTR: list(layers)}})

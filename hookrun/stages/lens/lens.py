@@ -29,14 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookrun.data.batch import READ
 from hookrun.errors import HookrunError, nearest
 from hookrun.io import layout
+from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.leaves import leaves
 from hookrun.runtime.targets import NO_TARGET
 from hookrun.stages.derive.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
 __all__ = [
+    "LOGIT_LENS",
     "TOP_IDS",
     "TOP_PROBS",
     "TARGET_PROB",
@@ -48,9 +51,10 @@ __all__ = [
     "project",
 ]
 
-KEY = f"derive.{layout.LOGIT_LENS}"
+LOGIT_LENS = "logit_lens"  # the method: /derived/logit_lens/{top_ids,top_probs,target_prob}
+KEY = f"derive.{LOGIT_LENS}"
 TOP_IDS, TOP_PROBS, TARGET_PROB = (
-    layout.derived_key(layout.LOGIT_LENS, n) for n in ("top_ids", "top_probs", "target_prob")
+    layout.derived_key(LOGIT_LENS, n) for n in ("top_ids", "top_probs", "target_prob")
 )
 NO_NORM = "none"  # `norm: none`: the model has no final norm before its unembedding
 # By module name: the blocks (an nn.ModuleList), the final norm (None: there is none) and the
@@ -234,23 +238,16 @@ def _names(args: LensArgs, model: nn.Module) -> tuple[str, str | None, str]:
 def _probe(model: nn.Module, blocks: list[str], sample: torch.Tensor) -> tuple[list, Any]:
     """Each block's output (first call) and the model's output, on one sample."""
     seen: dict[str, Any] = {}
-    modules = dict(model.named_modules())
-    handles = [
-        modules[name].register_forward_hook(
-            lambda m, a, o, name=name: seen.setdefault(name, o)  # type: ignore[misc]
-        )
-        for name in blocks
-    ]
-    try:
-        with torch.no_grad():
-            output = model(sample.unsqueeze(0))
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def keep(name: str):
+        return lambda m, a, o: seen.setdefault(name, o)
+
+    with hooked(output_hooks(model, blocks, keep)), torch.no_grad():
+        output = model(sample.unsqueeze(0))
     return [seen.get(name) for name in blocks], output
 
 
-@register_method(layout.LOGIT_LENS)
+@register_method(LOGIT_LENS)
 class LogitLens(Method):
     Args = LensArgs
     reads_batch = True
@@ -290,7 +287,7 @@ class LogitLens(Method):
                 )
             keys.append(layout.capture_key(name, "output", leaf=found[0][0]))
         state = LensState(tuple(blocks), tuple(keys), norm, unembed, 0)
-        read = int(sample[2].argmax())
+        read = int(sample[READ].argmax())  # the token row's read marker (data/batch.py)
         last = leaves(outputs[-1])[0][1]
         own = logits if isinstance(logits, torch.Tensor) else leaves(logits)[0][1]
         own = own.reshape(-1).float()
@@ -326,7 +323,7 @@ class LogitLens(Method):
         batch: BatchContext,
     ) -> dict[str, torch.Tensor]:
         ids, probs, target = [], [], []
-        read = batch.inputs[:, 2].argmax(dim=1)
+        read = batch.batch.read
         wanted = records[layout.SAMPLES_TARGET].to(torch.int64).to(read.device)
         rows = torch.arange(len(read), device=read.device)
         with torch.no_grad():

@@ -31,12 +31,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookrun.data.batch import Batch
 from hookrun.errors import HookrunError
-from hookrun.io import layout
 from hookrun.memory import format_bytes
-from hookrun.stages.evaluate.registry import Stored
+from hookrun.models.adapter import adapt
+from hookrun.stage import Stored
 from hookrun.stages.patching.clean import StoredClean, open_clean
 from hookrun.stages.patching.config import PatchingConfig, chosen_layers
+from hookrun.stages.patching.keys import (
+    LOGIT_DIFF_SUFFIX,
+    PATCHING,
+    PATCHING_CLEAN,
+    PATCHING_CORRUPTED,
+    patching_key,
+)
 from hookrun.stages.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
 
 __all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
@@ -92,8 +100,8 @@ class PatchingGrid:
     def stored(self) -> dict[str, Stored]:
         """Every dataset patching writes: per-sample shape and attributes."""
         out = {
-            layout.patching_key(layout.PATCHING_CLEAN): Stored((), {}),
-            layout.patching_key(layout.PATCHING_CORRUPTED): Stored((), {}),
+            patching_key(PATCHING_CLEAN): Stored((), {}),
+            patching_key(PATCHING_CORRUPTED): Stored((), {}),
         }
         for kind, names in self.modules.items():
             attrs = {
@@ -103,8 +111,8 @@ class PatchingGrid:
             grid = (self.layers, len(self.positions))
             if kind == HEADS:
                 grid, attrs["heads"] = (self.layers, self.heads, len(self.positions)), self.heads
-            out[layout.patching_key(kind)] = Stored(grid, attrs)
-            out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = Stored(grid, attrs)
+            out[patching_key(kind)] = Stored(grid, attrs)
+            out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = Stored(grid, attrs)
         return out
 
     def attrs(self) -> dict[str, dict[str, Any]]:
@@ -112,7 +120,7 @@ class PatchingGrid:
         said = {"clean": "prompt", "corrupted": "counterfactual"}
         if self.clean is not None:
             said |= {"clean_file": str(self.clean.path), "clean_sha256": self.clean.sha256}
-        return {layout.PATCHING: said}
+        return {PATCHING: said}
 
     def describe(self, itemsize: int) -> str:
         """The dry-run lines: the grid, how the patched passes are chunked, and the datasets
@@ -144,18 +152,16 @@ class PatchingGrid:
             lines.append(f"    {str(list(stored.shape)):<20} {size:>11}/sample  /{key}")
         return "\n".join(lines)
 
-    def batch(
-        self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
-    ) -> dict[str, np.ndarray]:
-        """The batch's records: `inputs` (N, 3, T) the clean rows on the device, `labels`
-        their answers, `index` their dataset indices."""
-        device = inputs.device
-        hf = model.hf  # a LanguageModel (plan_patching): its cache and logits are used
+    def batch(self, model: nn.Module, batch: Batch) -> dict[str, np.ndarray]:
+        """The batch's records: `batch` the clean rows on the device, labelled with their
+        answers."""
+        index, device = batch.index, batch.inputs.device
+        hf = adapt(model).language.hf  # its cache and logits are used (plan_patching)
         rows = Rows(
             self.counterfactual[index.cpu()].to(device),
-            inputs[:, 1],
-            inputs[:, 2].argmax(dim=1),
-            labels.to(device),
+            batch.mask,
+            batch.read,
+            batch.labels.to(device),
             self.wrong[index.cpu()].to(device),
         )
         with torch.inference_mode():
@@ -164,7 +170,7 @@ class PatchingGrid:
                 every = torch.arange(len(index), device=device)
                 clean = Pass(seen, rows.diff(logits, every))
             else:
-                clean = record(hf, self.modules, replace(rows, ids=inputs[:, 0]), False)
+                clean = record(hf, self.modules, replace(rows, ids=batch.tokens), False)
             corrupted = record(hf, self.modules, rows, True)
             sites = Sites(
                 self.modules,
@@ -183,7 +189,7 @@ class PatchingGrid:
                 "counterfactual there)",
                 ", ".join(map(str, unscorable)),
             )
-        return self._records(grids, clean.diff, corrupted.diff, inputs[:, 1].sum(1))
+        return self._records(grids, clean.diff, corrupted.diff, batch.mask.sum(1))
 
     def _records(
         self, grids: dict, clean: torch.Tensor, corrupted: torch.Tensor, lengths: torch.Tensor
@@ -191,8 +197,8 @@ class PatchingGrid:
         """The stored arrays: the raw logit differences and the scores, NaN past each row's
         tokens and where clean = corrupted."""
         out = {
-            layout.patching_key(layout.PATCHING_CLEAN): clean,
-            layout.patching_key(layout.PATCHING_CORRUPTED): corrupted,
+            patching_key(PATCHING_CLEAN): clean,
+            patching_key(PATCHING_CORRUPTED): corrupted,
         }
         positions = torch.tensor(self.positions, device=lengths.device)
         past_row = positions[None, :] >= lengths[:, None]  # (N, P): no token there
@@ -203,8 +209,8 @@ class PatchingGrid:
             patched[past_row.view(len(lengths), *per_row[2:], -1).expand_as(patched)] = torch.nan
             score = (patched - corrupted.view(per_row)) / gap.view(per_row)
             score[(gap == 0).view(per_row).expand_as(score)] = torch.nan
-            out[layout.patching_key(kind)] = score
-            out[layout.patching_key(kind, layout.LOGIT_DIFF_SUFFIX)] = patched
+            out[patching_key(kind)] = score
+            out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = patched
         return {k: v.float().cpu().numpy() for k, v in out.items()}
 
 

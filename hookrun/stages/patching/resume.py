@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookrun.runtime.handles import ModuleHook, hooked
+
 __all__ = ["Rows", "Pass", "Sites", "record", "patched_grids", "first_tensor", "HEADS"]
 
 # The site kind whose values are a module's input (the output projection's), split by head.
@@ -106,23 +108,20 @@ def record(hf: nn.Module, modules: dict[str, list[str]], rows: Rows, keep_cache:
     positions and, with `keep_cache`, the cache of keys and values."""
     named = dict(hf.named_modules())
     outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in modules}
-    handles = []
-    try:  # every hook registered inside: none stays on the model, whatever raises
-        for kind, names in modules.items():
-            into = outputs[kind]
-            for name in names:
-                if kind == HEADS:
-                    hook = lambda m, a, into=into: into.append(first_tensor(a).detach())  # noqa: E731
-                    handles.append(named[name].register_forward_pre_hook(hook))
-                else:
-                    hook = lambda m, a, o, into=into: into.append(first_tensor(o).detach())  # noqa: E731
-                    handles.append(named[name].register_forward_hook(hook))
+    hooks = []
+    for kind, names in modules.items():
+        into = outputs[kind]
+        for name in names:
+            if kind == HEADS:  # the output projection's input: the heads side by side
+                keep = lambda m, a, into=into: into.append(first_tensor(a).detach())  # noqa: E731
+                hooks.append(ModuleHook(named[name], keep, before=True))
+            else:
+                keep = lambda m, a, o, into=into: into.append(first_tensor(o).detach())  # noqa: E731
+                hooks.append(ModuleHook(named[name], keep))
+    with hooked(hooks):
         out = hf(
             input_ids=rows.ids, attention_mask=rows.mask, use_cache=keep_cache, return_dict=True
         )
-    finally:
-        for handle in handles:
-            handle.remove()
     every = torch.arange(rows.ids.shape[0], device=rows.ids.device)
     cache = out.get(_cache_key(hf)) if keep_cache else None
     return Pass(outputs, rows.diff(out.logits[every, rows.read], every), cache)
@@ -212,20 +211,19 @@ class _Grid:
         by_site: dict[tuple[str, int], list[int]] = defaultdict(list)
         for i, (_, kind, layer, _, _, _) in enumerate(chunk):
             by_site[(kind, layer)].append(i)
-        handles = []
-        try:  # every hook registered inside: none stays on the model, whatever raises
-            for (kind, layer), mine in by_site.items():
-                at = torch.tensor(mine, device=device)
-                values = self.clean.outputs[kind][layer][which[at], position]
-                module = self.named[self.sites.modules[kind][layer]]
-                if kind == HEADS:
-                    units = torch.tensor([chunk[i][3] for i in mine], device=device)
-                    heads = (units, self.sites.heads)
-                    hook = _replacing_heads(at, position - start, values, heads)
-                    handles.append(module.register_forward_pre_hook(hook))
-                else:
-                    hook = _replacing(at, position - start, values)
-                    handles.append(module.register_forward_hook(hook))
+        hooks = []
+        for (kind, layer), mine in by_site.items():
+            at = torch.tensor(mine, device=device)
+            values = self.clean.outputs[kind][layer][which[at], position]
+            module = self.named[self.sites.modules[kind][layer]]
+            if kind == HEADS:
+                units = torch.tensor([chunk[i][3] for i in mine], device=device)
+                heads = (units, self.sites.heads)
+                replace = _replacing_heads(at, position - start, values, heads)
+                hooks.append(ModuleHook(module, replace, before=True))
+            else:
+                hooks.append(ModuleHook(module, _replacing(at, position - start, values)))
+        with hooked(hooks):
             out = self.hf(
                 input_ids=rows.ids[which, start : self.end],
                 attention_mask=rows.mask[which, : self.end],
@@ -233,9 +231,6 @@ class _Grid:
                 return_dict=True,
                 **extra,
             )
-        finally:
-            for handle in handles:
-                handle.remove()
         every = torch.arange(len(chunk), device=device)
         return rows.diff(out.logits[every, read], which)
 

@@ -20,15 +20,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookrun.config.build import SanityMethod, SanitySpec
 from hookrun.io import layout
 from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.plan import HookPlan, check_reached, compile_plan
 from hookrun.runtime.probe import probe_shapes
+from hookrun.stage import Stored
 from hookrun.stages.derive.registry import Derivation, plan_derivations
-from hookrun.stages.evaluate.config import SIMILARITIES
-from hookrun.stages.evaluate.registry import Stored
 from hookrun.stages.evaluate.relevance import check_attribution
+from hookrun.stages.sanity.config import SIMILARITIES, SanityMethod, SanitySpec
+from hookrun.stages.sanity.keys import sanity_attrs, sanity_key
 from hookrun.stages.sanity.randomize import Randomizer, check_layers, default_layers
 from hookrun.stages.sanity.similarity import similarities, to_map
 
@@ -87,14 +87,14 @@ class SanityCheck:
         out = {}
         for m in self.methods:
             for name in SIMILARITIES:
-                out[layout.sanity_key(m.name, name)] = Stored((columns,), {})
+                out[sanity_key(m.name, name)] = Stored((columns,), {})
             if self.config.keep_maps:
-                out[layout.sanity_key(m.name, "maps")] = Stored((columns, *m.shape), {})
+                out[sanity_key(m.name, "maps")] = Stored((columns, *m.shape), {})
         return out
 
     def attrs(self) -> dict[str, dict]:
         """The /sanity group's attributes."""
-        return layout.sanity_attrs(list(self.layers), self.config.threshold)
+        return sanity_attrs(list(self.layers), self.config.threshold)
 
     def batch(
         self,
@@ -121,9 +121,9 @@ class SanityCheck:
                 for name, values in similarities(stack[:, step], stack[:, 0]).items():
                     columns[name].append(values)
             for name, values in columns.items():
-                out[layout.sanity_key(m.name, name)] = torch.from_numpy(np.stack(values, 1)).float()
+                out[sanity_key(m.name, name)] = torch.from_numpy(np.stack(values, 1)).float()
             if self.config.keep_maps:
-                out[layout.sanity_key(m.name, "maps")] = stack
+                out[sanity_key(m.name, "maps")] = stack
         return out
 
 

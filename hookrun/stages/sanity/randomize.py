@@ -13,7 +13,7 @@ A module is randomised by its own `reset_parameters()` (`_reset_parameters()` fo
 nn.MultiheadAttention) and `reset_running_stats()`, for it and every module inside it, each
 seeded by (run seed, its qualified name): the same weights in every batch, run and process.
 The randomised weights are drawn once; each step copies them in, and the original tensors
-are copied back after every batch and when the run ends (`weights_kept`).
+are copied back after every batch and when the run ends (runtime/hooks.py `weights_kept`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from hookrun.errors import HookrunError, nearest
+from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.signals import deferred
 
-__all__ = ["default_layers", "check_layers", "Randomizer", "weights_kept", "reset_seed"]
+__all__ = ["default_layers", "check_layers", "Randomizer", "reset_seed"]
 
 log = logging.getLogger("hookrun")
 
@@ -46,19 +47,15 @@ def _run_order(model: nn.Module, sample: torch.Tensor) -> tuple[list[str], list[
     order they finish) in one forward pass of `sample`."""
     started: dict[str, None] = {}
     finished: list[str] = []
-    handles = []
+    hooks = []
     for name, module in model.named_modules():
         if not name:
             continue
-        handles.append(module.register_forward_pre_hook(lambda *_, n=name: started.setdefault(n)))
+        hooks.append(ModuleHook(module, lambda *_, n=name: started.setdefault(n), before=True))
         if any(True for _ in module.parameters(recurse=False)):
-            handles.append(module.register_forward_hook(lambda *_, n=name: finished.append(n)))
-    try:
-        with torch.no_grad():
-            model(sample.unsqueeze(0))
-    finally:
-        for handle in handles:
-            handle.remove()
+            hooks.append(ModuleHook(module, lambda *_, n=name: finished.append(n)))
+    with hooked(hooks), torch.no_grad():
+        model(sample.unsqueeze(0))
     return list(started), finished
 
 
@@ -156,16 +153,5 @@ class Randomizer:
         try:
             yield
         finally:
-            self.restore()
-
-
-@contextmanager
-def weights_kept(model: nn.Module) -> Iterator[None]:
-    """The model's parameters and buffers exactly as they came in when the block ends, by
-    any exit (a copy of the state dict, loaded back)."""
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    try:
-        yield
-    finally:
-        with deferred(), torch.no_grad():  # a signal waits until the weights are back
-            model.load_state_dict(saved)
+            with deferred():  # a signal waits until the trained weights are back
+                self.restore()

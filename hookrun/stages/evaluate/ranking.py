@@ -22,7 +22,9 @@ from omegaconf import OmegaConf
 
 from hookrun.io import layout, walk
 from hookrun.stages.evaluate.config import parse_evaluate
+from hookrun.stages.evaluate.keys import EVALUATE
 from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.sanity.verdicts import read_verdicts
 
 __all__ = ["job_means", "write_ranking"]
 
@@ -45,7 +47,7 @@ def job_means(path: Path) -> dict[str, Any]:
     with layout.open_readonly(path) as f:
         state = layout.read_state(f)
         rows = state.completed
-        for metric, datasets in walk.group_of(f, layout.EVALUATE).items():
+        for metric, datasets in walk.group_of(f, EVALUATE).items():
             for name, ds in datasets.items():
                 suffix = METRICS.get(metric, "evaluate").summary_suffix if metric in METRICS else ""
                 if ds.ndim != 1 or not suffix or not name.endswith(suffix):
@@ -54,7 +56,7 @@ def job_means(path: Path) -> dict[str, Any]:
                 values = ds[:rows].astype(np.float64)
                 out["means"][f"{metric}:{attribution}"] = float(np.mean(values))
                 out["attributions"][attribution] = _split(attribution, state.experiment)
-        for method, verdict in walk.read_verdicts(f).items():
+        for method, verdict in read_verdicts(f).items():
             if verdict is not None:
                 out["means"][f"sanity:{method}"] = verdict[1]
         config = OmegaConf.to_container(OmegaConf.create(state.config or "{}"))

@@ -16,6 +16,7 @@ from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts
 from hookrun.stages.patching.config import SITE_KINDS
+from hookrun.stages.patching.keys import PATCHING, patching_key, read_patching
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -43,16 +44,16 @@ def _panel(ax: plt.Axes, grid: np.ndarray, rows: tuple[list[str], list[str]], ti
 
 def render_patching(f: h5py.File, out_dir: Path, config: dict) -> list[Path]:
     """`patching_<site kind>.png` for each grid the file holds; [] without patching."""
-    if layout.PATCHING not in f or layout.SAMPLES_TOKENS not in f:
+    if PATCHING not in f or layout.SAMPLES_TOKENS not in f:
         return []
     drawn: list[Path] = []
     for kind in SITE_KINDS:
-        key = layout.patching_key(kind)
+        key = patching_key(kind)
         if key not in f or not f[layout.SAMPLES_INDEX].shape[0]:
             continue
         ds = f[key]
         scores = read_floats(ds)
-        names, positions = layout.read_patching(ds)
+        names, positions = read_patching(ds)
         labels = _labels(f, positions, config)
         if scores.ndim == 4:  # heads: (N, layers, heads, positions), a row per head
             names = [f"{name} h{h}" for name in names for h in range(scores.shape[2])]

@@ -1,13 +1,10 @@
-"""Pictures of a file's evaluation, drawn from the finished file like every other picture:
+"""The evaluation's pictures, drawn from the finished file like every other picture:
 
 - `<index>_faithfulness_curves.png`: the deletion and insertion curves of one sample, one
   line per attribution;
 - `<index>_perturbed_<attribution>.png`: the first samples as deletion, insertion and ROAD
   (MoRF, imputed without its noise) see them at three fractions, recomputed from the stored
-  photo (/captures/input/output) and attribution;
-- `sanity_grid.png`: Adebayo et al.'s grid for the first sample (rows: methods; columns:
-  the original model, then each randomisation step), from /sanity/<method>/maps;
-- `sanity_similarity.png`: each similarity's median over samples against the step.
+  photo (/captures/input/output) and attribution.
 """
 
 from __future__ import annotations
@@ -21,31 +18,31 @@ import torch
 
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
-from hookrun.render.pictures import display_image, save_whole
+from hookrun.render.pictures import display_image, save_figure
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.curves import baseline_image
 from hookrun.stages.evaluate.impute import impute
+from hookrun.stages.evaluate.keys import EVALUATE, read_fractions
 from hookrun.stages.evaluate.relevance import pixel_ranks, pixel_relevance
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-__all__ = ["render_evaluation"]
+__all__ = ["draw_evaluation"]
 
 # Fractions of pixels the perturbed-image pictures show.
 SHOWN = (0.2, 0.5, 0.8)
 _PERTURBED_SAMPLES = 2
+_DPI = 90
 
 
-def _save(fig: plt.Figure, target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_whole(target, lambda part: fig.savefig(part, dpi=90, format="png"))
-    plt.close(fig)
-    return target
+def draw_evaluation(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
+    """Every evaluation picture of the open file `f`, for its first `rows` samples."""
+    return [*_curves(f, out_dir, rows), *_perturbed(f, out_dir, rows, config)]
 
 
 def _curves(f: h5py.File, out_dir: Path, rows: int) -> list[Path]:
-    groups = {m: walk.group_of(f, layout.EVALUATE).get(m, {}) for m in ("deletion", "insertion")}
+    groups = {m: walk.group_of(f, EVALUATE).get(m, {}) for m in ("deletion", "insertion")}
     curves = {m: {k: d for k, d in g.items() if d.ndim == 2} for m, g in groups.items()}
     if not any(curves.values()):
         return []
@@ -54,14 +51,14 @@ def _curves(f: h5py.File, out_dir: Path, rows: int) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), squeeze=False)
         for ax, (metric, found) in zip(axes[0], curves.items(), strict=True):
             for attribution, ds in found.items():
-                ax.plot(layout.read_fractions(ds), ds[row], label=attribution, marker=".")
+                ax.plot(read_fractions(ds), ds[row], label=attribution, marker=".")
             ax.set(title=metric, xlabel="fraction of pixels", ylabel="p(target)", ylim=(0, 1.02))
             if found:
                 ax.legend(fontsize=7)
         index = int(f[layout.SAMPLES_INDEX][row])
         fig.suptitle(f"sample #{index}: deletion (lower area is better), insertion (higher)")
         fig.tight_layout()
-        out.append(_save(fig, out_dir / f"{index:05d}_faithfulness_curves.png"))
+        out.append(save_figure(fig, out_dir / f"{index:05d}_faithfulness_curves.png", _DPI))
     return out
 
 
@@ -70,7 +67,7 @@ def _perturbed(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pat
     if spec is None or layout.INPUT_PHOTO not in f:
         return []
     args = dict(spec.metrics)
-    attributions = sorted({a for m in args for a in walk.group_of(f, layout.EVALUATE).get(m, {})})
+    attributions = sorted({a for m in args for a in walk.group_of(f, EVALUATE).get(m, {})})
     attributions = [a for a in attributions if a in f]  # the curves, not their .auc
     out = []
     for row in range(min(rows, _PERTURBED_SAMPLES)):
@@ -97,7 +94,7 @@ def _perturbed(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pat
             fig.suptitle(f"#{index}: {attribution}", fontsize=9)
             fig.tight_layout()
             stem = attribution.replace("/", "_")
-            out.append(_save(fig, out_dir / f"{index:05d}_perturbed_{stem}.png"))
+            out.append(save_figure(fig, out_dir / f"{index:05d}_perturbed_{stem}.png", _DPI))
     return out
 
 
@@ -110,63 +107,3 @@ def _shown(metric: str, args, x: torch.Tensor, ranks: torch.Tensor, r: float) ->
     base = baseline_image(args.baseline, x)[0]
     first, later = (x[0], base) if metric == "deletion" else (base, x[0])
     return torch.where(most, later, first).numpy()
-
-
-def _sanity(f: h5py.File, out_dir: Path) -> list[Path]:
-    methods = walk.group_of(f, layout.SANITY)
-    if not methods or layout.read_state(f).completed == 0:
-        return []
-    layers, _ = layout.read_sanity(f)
-    columns = ["original", *layers]
-    out = []
-    with_maps = {m: d["maps"] for m, d in methods.items() if "maps" in d}
-    if with_maps:
-        fig, axes = plt.subplots(
-            len(with_maps),
-            len(columns),
-            figsize=(1.1 * len(columns), 1.25 * len(with_maps)),
-            squeeze=False,
-        )
-        for r, (method, ds) in enumerate(with_maps.items()):
-            for c, ax in enumerate(axes[r]):
-                image = np.abs(ds[0, c].astype(np.float64))
-                span = image.max() - image.min()
-                ax.imshow((image - image.min()) / span if span > 0 else image * 0, cmap="gray")
-                ax.set_xticks([])
-                ax.set_yticks([])
-                if r == 0:
-                    ax.set_title(columns[c], fontsize=7, rotation=45, ha="left")
-                if c == 0:
-                    ax.set_ylabel(method, fontsize=7)
-        fig.suptitle(f"sanity check, sample #{int(f[layout.SAMPLES_INDEX][0])}", fontsize=9)
-        fig.tight_layout()
-        out.append(_save(fig, out_dir / "sanity_grid.png"))
-    out.append(_similarity_curves(f, methods, columns, out_dir))
-    return out
-
-
-def _similarity_curves(f: h5py.File, methods: dict, columns: list[str], out_dir: Path) -> Path:
-    rows = layout.read_state(f).completed
-    names = [n for n in ("spearman_abs", "spearman", "ssim")]
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    verdicts = walk.read_verdicts(f)
-    for ax, name in zip(axes[0], names, strict=True):
-        for method, datasets in methods.items():
-            if name not in datasets:
-                continue
-            values = datasets[name][:rows].astype(np.float64)
-            verdict = verdicts.get(method)
-            label = method + ("" if verdict is None else (" passes" if verdict[0] else " fails"))
-            ax.plot(np.median(values, axis=0), marker=".", label=label)
-        if name == layout.VERDICT_SIMILARITY:
-            ax.axhline(layout.read_sanity(f)[1], color="k", ls="--", lw=0.8)
-        ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=6)
-        ax.set(title=f"{name} (median over samples)", ylim=(-0.2, 1.05))
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _save(fig, out_dir / "sanity_similarity.png")
-
-
-def render_evaluation(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
-    """Every evaluation picture of the open file `f`, for its first `rows` samples."""
-    return [*_curves(f, out_dir, rows), *_perturbed(f, out_dir, rows, config), *_sanity(f, out_dir)]

@@ -15,6 +15,7 @@ from hookrun.io import layout, walk
 from hookrun.io.encoding import decoded
 from hookrun.render.pictures import save_figure
 from hookrun.render.tokens import _token_texts, shown_lengths
+from hookrun.stages.lens.lens import LOGIT_LENS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -24,7 +25,7 @@ __all__ = ["render_lens"]
 _ROWS = 2  # rows drawn, one panel each
 _TOKENS = 24  # positions drawn per row at most (the first ones)
 _CELL = 8  # characters of a decoded token written in a cell at most
-_IDS, _PROBS = (layout.derived_key(layout.LOGIT_LENS, n) for n in ("top_ids", "top_probs"))
+_IDS, _PROBS = (layout.derived_key(LOGIT_LENS, n) for n in ("top_ids", "top_probs"))
 
 
 def _block_names(f: h5py.File, layers: int) -> list[str]:

@@ -9,9 +9,9 @@ import h5py
 import matplotlib
 import numpy as np
 
-from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
+from hookrun.stages.induction.keys import INDUCTION_SCORE, induction_layers
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -21,11 +21,11 @@ __all__ = ["render_induction"]
 
 def render_induction(f: h5py.File, out_dir: Path) -> list[Path]:
     """`induction_scores.png` for a file with /induction/score; [] otherwise."""
-    if layout.INDUCTION_SCORE not in f:
+    if INDUCTION_SCORE not in f:
         return []
-    ds = f[layout.INDUCTION_SCORE]
+    ds = f[INDUCTION_SCORE]
     score = np.asarray(read_floats(ds), dtype=np.float32)
-    layers = layout.induction_layers(f) or [str(i) for i in range(score.shape[0])]
+    layers = induction_layers(f) or [str(i) for i in range(score.shape[0])]
     height, width = score.shape
     fig, ax = plt.subplots(figsize=(2.5 + 0.6 * width, 1.2 + 0.45 * height))
     image = ax.imshow(score, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)

@@ -1,0 +1,285 @@
+"""The stage interface: every capability of a run beyond capturing — derived methods, the
+faithfulness evaluation, the sanity check, the patching grid, induction scores, and what
+comes next — is a `Stage`, registered with `@register_stage` in its own folder under
+hookrun/stages/. The pipeline loops over the registered stages and names none of them.
+
+A stage's life in a run:
+
+1. `parse(raw, ctx)`, at config time (no model, no data): its node of the config (`node`,
+   e.g. `evaluate:`) typed, checked and frozen; None turns the stage off. The config's
+   schema gets one free-form key per stage node (config/schema.py).
+2. `plan(config, setup)`, before any work, once the model is built, the data read and the
+   hooks probed: every check that needs them (HookrunError naming the key); the stage's
+   `Plan` for this run, or None (nothing to do here).
+3. The plan's `stored()` — its datasets: path → `Stored` (per-row shape, attributes) — and
+   `attrs()` (its groups' attributes): the dry run, the file's layout, resume, verify and the
+   torchrun join learn them from there; `describe(itemsize)`: its lines in the dry run.
+4. `batch(work)`, per batch, with the run's hooks standing aside: its records (path →
+   tensor or array), beside the hooked passes' own; `guard(model)` is held around the
+   batches (what the stage changes in the model comes back).
+5. At the end: `Stage.complete(f, rows, shards)` writes what the file says of all its rows
+   before it is marked complete (the sanity verdicts); `Plan.finish(path)` does whole-run
+   work on the complete file (the induction scores); `Stage.summary(f, rows)`,
+   `Stage.draw(f, out_dir, rows, config)` and `Stage.damage(f, complete)` read the file
+   alone, so the summary, `python -m hookrun.render` and `python -m hookrun.verify` work
+   without the run.
+
+Adding a stage is its folder, one line in hookrun/stages/__init__.py, and its conf group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import h5py
+import torch
+from torch import nn
+
+from hookrun.data.batch import Batch
+from hookrun.io.dimensions import name_axes
+from hookrun.registry import Registry
+
+if TYPE_CHECKING:
+    from hookrun.runtime.plan import CallShapes, HookPlan
+    from hookrun.runtime.step import BatchContext, BatchStep, Recorder
+
+__all__ = [
+    "Stored",
+    "ParseContext",
+    "Setup",
+    "Work",
+    "Plan",
+    "Stage",
+    "STAGES",
+    "register_stage",
+    "stages",
+    "stage_nodes",
+    "drawn_by_stages",
+    "summarised",
+    "completed",
+]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One dataset a stage writes: the shape of one row (per sample, or per batch where its
+    rows say so) and the dataset's attributes."""
+
+    shape: tuple[int, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What a stage's node may be checked against at config time (no model, no data)."""
+
+    cfg: Any  # the composed config (a DictConfig): a stage may read other experiments' nodes
+    target: Any  # the parsed target (runtime.targets.TargetConfig)
+    dataset: Any  # the parsed dataset kind's config
+    batch_size: int
+    limit: int | None
+
+
+@dataclass
+class Setup:
+    """What a stage plans against, before any work: the run's spec, the model, its data and
+    the probe of the hooks on one sample; `made` grows as the stages before it plan (what
+    each stored: path → per-row shape)."""
+
+    spec: Any  # the RunSpec (config/build.py, which imports this module to parse stage nodes)
+    model: nn.Module
+    data: Any  # the run's rows (a torch Dataset, after `limit`)
+    tokens: Any  # its token rows (data/tokens.py), or None for other data
+    sample: torch.Tensor  # row 0 on the device, as the probe saw it
+    plan: HookPlan
+    shapes: Mapping[str, list[CallShapes]]  # the probe's calls and leaves
+    captures: Mapping[str, tuple[int, ...]]  # every capture of the hooks: path → row shape
+    store_dtype: torch.dtype
+    device: torch.device
+    made: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Work:
+    """One batch as a stage sees it, after the hooked passes (and the stages before it)."""
+
+    step: BatchStep  # the batch's hooked step: its inputs, targets, model and recorder
+    batch: Batch  # as the data loader gave it (on the host)
+    records: Mapping[str, Any]  # what the hooked passes and the stages before stored
+    seed: int
+    store_dtype: torch.dtype
+
+    @property
+    def model(self) -> nn.Module:
+        return self.step.model
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """The batch on the device, as the data loader gave it (before any hook changed it)."""
+        return self.step.inputs
+
+    @property
+    def on_device(self) -> Batch:
+        """The whole batch on the device (its token parts too), before any hook changed it."""
+        return self.step.batch
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The run's target of each row, on the device: (N,) or (N, 2) for logit_diff."""
+        return self.step.targets.clone().to(self.step.device)
+
+    def context(self) -> BatchContext:
+        """The batch as a method with passes of its own sees it (runtime/step.py)."""
+        return self.step.context()
+
+    def generator(self, name: str, device: torch.device | None = None) -> torch.Generator:
+        """A generator seeded by (run seed, `name`, the batch's first row)."""
+        return self.step.recorder.generator(name, "input", device or torch.device("cpu"))
+
+    def recorder(self, folds: Mapping[str, int]) -> Recorder:
+        """A fresh recorder for hooked passes of the stage's own (the sanity check's)."""
+        from hookrun.runtime.hooks import Recorder
+        from hookrun.runtime.transfer import HostCopier
+        from hookrun.timing import StageTimer
+
+        return Recorder(self.seed, self.store_dtype, HostCopier(), StageTimer(False), dict(folds))
+
+
+class Plan:
+    """One stage's work in one run (what `Stage.plan` returns)."""
+
+    def stored(self) -> Mapping[str, Stored]:
+        """Every dataset this stage writes, by path."""
+        return {}
+
+    def attrs(self) -> Mapping[str, Mapping[str, Any]]:
+        """Attributes of its groups (path → {name: value}), set when they are made."""
+        return {}
+
+    def shaped(self) -> Mapping[str, tuple[int, ...]]:
+        """Datasets whose axes are named by their shape as a capture's are (path → row
+        shape), where the stage's registered names (Stage.axes) cannot say: a method that
+        explains a language model's input embeddings stores (tokens, features)."""
+        return {}
+
+    def describe(self, itemsize: int) -> str:
+        """Its lines in the dry run ('' for none)."""
+        return ""
+
+    def guard(self, model: nn.Module) -> AbstractContextManager:
+        """Held around the batches: what the stage changes in the model comes back (the
+        sanity check's randomised weights)."""
+        return nullcontext()
+
+    def batch(self, work: Work) -> Mapping[str, Any]:
+        """Its records of one batch (host tensors or arrays), keyed by path."""
+        return {}
+
+    def finish(self, path: Path) -> None:
+        """Whole-run work on the complete file at `path` (rank 0, after the torchrun join)."""
+
+
+class Stage:
+    """Base class of a registered stage (see the module docstring for its life in a run)."""
+
+    name: ClassVar[str]
+    # Its node of the config (None: the stage reads none and plans from the run itself).
+    node: ClassVar[str | None] = None
+    # Stages plan and run in this order: a stage reads what the ones before it stored.
+    order: ClassVar[int] = 100
+    # Names of the axes of its datasets (fnmatch pattern → words, io/dimensions.py).
+    axes: ClassVar[Mapping[str, str]] = {}
+    # Datasets it draws itself (fnmatch patterns), which the pictures of every derived map
+    # leave out (a table is no map).
+    draws: ClassVar[tuple[str, ...]] = ()
+    # Whether its work changes the model's weights (and puts them back): a caller's model
+    # is then kept whole around the run, whatever ends it.
+    changes_weights: ClassVar[bool] = False
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        """Its node typed, checked and frozen; None: off (an empty node turns it off)."""
+        return None
+
+    @classmethod
+    def resolve_layer(cls, config: Any, layer: str) -> Any:
+        """Its config with every `auto` layer (model.cam_layer=auto) set to `layer`."""
+        return config
+
+    @classmethod
+    def says_auto(cls, config: Any) -> bool:
+        """Whether its config asks for the auto-picked layer."""
+        return False
+
+    @classmethod
+    def needs_input_gradient(cls, config: Any) -> str | None:
+        """The key whose work needs the gradient of the model's input (None: nothing does):
+        on token data, which has none, it is refused before the model runs."""
+        return None
+
+    @classmethod
+    def plan(cls, config: Any, setup: Setup) -> Plan | None:
+        """Every check that needs the model and data; its Plan, or None."""
+        return None
+
+    @classmethod
+    def complete(cls, f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
+        """Before a file is marked complete: what it says of all its first `rows` rows (or
+        of the `shards` a torchrun join reads)."""
+
+    @classmethod
+    def damage(cls, f: h5py.File, complete: bool) -> list[str]:
+        """What is wrong with its part of a file (python -m hookrun.verify); [] for none."""
+        return []
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        """Its lines in the end-of-run summary, from the file alone."""
+        return []
+
+    @classmethod
+    def draw(cls, f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
+        """Its pictures of the file, into `out_dir`; the files written."""
+        return []
+
+
+STAGES: Registry[type[Stage]] = Registry("a stage")
+
+
+def register_stage(cls: type[Stage]) -> type[Stage]:
+    """Class decorator: register a Stage under its `name`; the names of its datasets' axes
+    join the file's (io/dimensions.py)."""
+    STAGES.register(cls.name)(cls)
+    name_axes(cls.axes)
+    return cls
+
+
+def stages() -> list[type[Stage]]:
+    """Every registered stage, in the order they plan and run."""
+    return sorted((STAGES.get(n, "stage") for n in STAGES.choices()), key=lambda s: s.order)
+
+
+def drawn_by_stages(path: str) -> bool:
+    """Whether a stage draws the dataset at `path` itself."""
+    return any(fnmatchcase(path, pattern) for stage in stages() for pattern in stage.draws)
+
+
+def summarised(f: h5py.File, rows: int) -> list[str]:
+    """Every stage's lines in the end-of-run summary of the open file `f`."""
+    return [line for stage in stages() for line in stage.summary(f, rows)]
+
+
+def completed(f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
+    """What every stage writes of all a file's rows before it is marked complete."""
+    for stage in stages():
+        stage.complete(f, rows, shards)
+
+
+def stage_nodes() -> list[str]:
+    """The config nodes the stages read (each a key of the config's schema)."""
+    return [s.node for s in stages() if s.node]

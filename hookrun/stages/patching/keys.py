@@ -1,0 +1,51 @@
+"""Where the patching grid's datasets are in captures.h5: /patching/<site kind> (N, layers,
+positions; heads: N, layers, heads, positions) with its modules and positions as attributes,
+<kind>_logit_diff, and the runs' logit differences /patching/clean and /patching/corrupted
+(N,); the /patching group's attribute `unscorable`."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+
+from hookrun.io import layout
+
+__all__ = [
+    "PATCHING",
+    "PATCHING_CLEAN",
+    "PATCHING_CORRUPTED",
+    "LOGIT_DIFF_SUFFIX",
+    "UNSCORABLE",
+    "patching_key",
+    "mark_unscorable",
+    "read_unscorable",
+    "read_patching",
+]
+
+PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
+LOGIT_DIFF_SUFFIX = "_logit_diff"
+# The /patching group's attribute: dataset indices of the rows whose clean − corrupted logit
+# difference is 0 (every cell of their grid NaN), written when the file is complete.
+UNSCORABLE = "unscorable"
+
+
+def patching_key(name: str, suffix: str = "") -> str:
+    return f"{PATCHING}/{name}{suffix}"
+
+
+def mark_unscorable(f: h5py.File, indices: np.ndarray) -> None:
+    layout.set_attrs(f[PATCHING], {UNSCORABLE: np.asarray(indices, dtype=np.int64)})
+
+
+def read_unscorable(f: h5py.File) -> np.ndarray | None:
+    """The dataset indices of the rows patching could not score (None: no such record)."""
+    group = f.get(PATCHING)
+    if group is None or not layout.has_attrs(group, UNSCORABLE):
+        return None
+    return np.asarray(layout.attr(group, UNSCORABLE), dtype=np.int64)
+
+
+def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:
+    """A patching grid's module per layer (attribute `layers`) and its `positions`."""
+    layers = layout.attr(ds, "layers")
+    return [str(x) for x in layers], np.asarray(layout.attr(ds, "positions"))

@@ -1,0 +1,100 @@
+"""The activation-patching stage (`patching:`, experiment=lm_patching): the layers ×
+positions grids of each row, batch by batch (grid.py), and the rows that could not be scored
+named once every row is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hookrun.io.encoding import read_floats
+from hookrun.io.layout import SAMPLES_INDEX
+from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stages.patching.config import parse_patching
+from hookrun.stages.patching.grid import PatchingGrid, plan_patching
+from hookrun.stages.patching.keys import (
+    PATCHING,
+    PATCHING_CLEAN,
+    PATCHING_CORRUPTED,
+    UNSCORABLE,
+    mark_unscorable,
+    patching_key,
+    read_unscorable,
+)
+
+__all__ = ["PatchingStage"]
+
+_SHOWN_ROWS = 10
+
+
+class PatchingPlan(Plan):
+    def __init__(self, grid: PatchingGrid) -> None:
+        self.grid = grid
+
+    def stored(self) -> dict[str, Stored]:
+        return self.grid.stored()
+
+    def attrs(self) -> dict[str, dict]:
+        return self.grid.attrs()
+
+    def describe(self, itemsize: int) -> str:
+        return self.grid.describe(itemsize)
+
+    def batch(self, work: Work) -> dict[str, Any]:
+        return self.grid.batch(work.model, work.on_device)
+
+
+@register_stage
+class PatchingStage(Stage):
+    name = node = "patching"
+    order = 40
+    axes = {
+        patching_key(PATCHING_CLEAN): "sample",
+        patching_key(PATCHING_CORRUPTED): "sample",
+        patching_key("heads*"): "sample layer head position",
+        f"{PATCHING}/*": "sample layer position",
+    }
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        return parse_patching(raw)
+
+    @classmethod
+    def plan(cls, config: Any, setup: Setup) -> Plan | None:
+        return PatchingPlan(plan_patching(config, setup.model, setup.tokens, len(setup.data)))
+
+    @classmethod
+    def complete(cls, f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
+        """The dataset indices of the rows whose clean − corrupted logit difference is 0."""
+        keys = (patching_key(PATCHING_CLEAN), patching_key(PATCHING_CORRUPTED), SAMPLES_INDEX)
+        if not all(key in f for key in keys):
+            return
+        parts = [[read_floats(s[key]) for key in keys] for s in shards or []]
+        clean, corrupted, index = (
+            [np.concatenate(p) for p in zip(*parts, strict=True)]
+            if parts
+            else [read_floats(f[key], slice(0, rows)) for key in keys]
+        )
+        mark_unscorable(f, index[clean == corrupted])
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        """A warning naming the rows patching could not score (clean = corrupted)."""
+        found = read_unscorable(f)
+        if found is None or not len(found):
+            return []
+        shown = ", ".join(map(str, found[:_SHOWN_ROWS].tolist()))
+        more = f" and {len(found) - _SHOWN_ROWS} more" if len(found) > _SHOWN_ROWS else ""
+        return [
+            f"warning: patching could not score {len(found)} of {rows} rows (clean − corrupted "
+            f"logit difference 0: every cell of their grid is NaN): samples {shown}{more} "
+            f"(/{PATCHING} attribute {UNSCORABLE})"
+        ]
+
+    @classmethod
+    def draw(cls, f: h5py.File, out_dir: Any, rows: int, config: dict) -> list:
+        from hookrun.stages.patching.draw import render_patching  # matplotlib: when drawing
+
+        return render_patching(f, out_dir, config)
