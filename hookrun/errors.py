@@ -44,6 +44,22 @@ def nearest(word: str, choices: Iterable[str], n: int = 5) -> list[str]:
     return close
 
 
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` with the choice closest to `word`, or '' when none is close:
+    the one spelling of the hint every refusal of an unknown name ends with."""
+    hint = nearest(str(word), choices, n=1)
+    return f" (did you mean '{hint[0]}'?)" if hint else ""
+
+
+def unknown_key(key: str, name: object, valid: Iterable[str]) -> HookrunError:
+    """The refusal of a key a node does not have: `<key>.<name>: unknown key (did you mean
+    ...?); valid keys: ...`."""
+    valid = list(valid)
+    return HookrunError(
+        f"{key}.{name}: unknown key{did_you_mean(name, valid)}; valid keys: {', '.join(valid)}"
+    )
+
+
 def one_line(err: HookrunError) -> str:
     """The message of `err` as one line.
 

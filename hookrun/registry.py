@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, did_you_mean
 
 __all__ = ["Registry"]
 
@@ -51,8 +51,7 @@ class Registry(Generic[T]):
     def get(self, name: object, key: str) -> T:
         """The entry called `name`; HookrunError naming `key`, the value and the choices."""
         if not isinstance(name, str) or name not in self._entries:
-            hint = nearest(str(name), self._entries, n=1)
-            did = f" (did you mean '{hint[0]}'?)" if hint else ""
+            did = did_you_mean(name, self._entries)
             raise HookrunError(
                 f"{key}: {name!r} is not {self.what}; valid: {', '.join(self.choices())}{did}"
             )

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, unknown_key
 
 __all__ = ["Frozen", "freeze", "parse_typed", "check_range", "check_finite", "import_class"]
 
@@ -61,9 +61,7 @@ def parse_typed(node: Any, schema: type, key: str) -> Any:
     valid = _keys_of(schema)
     for name in raw:
         if name not in valid:
-            hint = nearest(str(name), valid, n=1)
-            did = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise HookrunError(f"{key}.{name}: unknown key{did}; valid keys: {', '.join(valid)}")
+            raise unknown_key(key, name, valid)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
         return OmegaConf.to_object(merged)

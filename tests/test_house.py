@@ -1,7 +1,10 @@
-"""The house rules, checked on every test run: one module owns the captures.h5 layout, no
-import cycle, and nothing in the repository points outside it. (Limits of 400 lines a module
-and 6 parameters a function were dropped: they were met by moving code to stay under them
-and by tuples bundling parameters; size is a signal, not a rule.)"""
+"""The house rules, checked on every test run: one module owns the captures.h5 layout; no
+import cycle between modules, nor between subpackages (a top-level module counting as one
+of its own); the hook runtime and the pipeline name no stage; every hook goes through the
+runtime's one registration (runtime/handles.py); nothing in the repository points outside
+it. (Limits of 400 lines a module and 6 parameters a function were dropped: they were met by
+moving code to stay under them and by tuples bundling parameters; size is a signal, not a
+rule.)"""
 
 from __future__ import annotations
 
@@ -46,6 +49,84 @@ def test_no_import_cycles():
 
     for name in graph:
         visit(name, [])
+
+
+def _unit(module: str) -> str:
+    """The subpackage (or top-level module) a hookrun module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _imports(path: Path) -> list[str]:
+    """Every hookrun module `path` imports, also inside functions, but not under
+    TYPE_CHECKING (annotations only)."""
+    tree = ast.parse(path.read_text())
+    hidden = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in node.body
+        for n in ast.walk(inner)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return [n for n in found if n.startswith("hookrun.")]
+
+
+def test_no_import_cycle_between_subpackages():
+    units = {p.name.removesuffix(".py") for p in (ROOT / "hookrun").iterdir()}
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        mine = _unit(_name(path))
+        for imported in _imports(path):
+            other = _unit(imported)
+            if other != mine and other in units:
+                graph.setdefault(mine, set()).add(other)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    assert [unit for unit in sorted(graph) if unit in reach(unit)] == []
+
+
+def test_the_runtime_and_the_pipeline_name_no_stage():
+    """A new capability is a stage in its own folder: the hook runtime and the run's
+    orchestration import no stage and spell no stage's name (derive, evaluate, sanity,
+    patching, induction, logit_lens)."""
+    from hookrun.stage import stages
+
+    names = {stage.name for stage in stages()} | {s.node for s in stages() if s.node}
+    assert names >= {"derive", "evaluate", "sanity", "patching", "induction", "logit_lens"}
+    word = re.compile(r"\b(" + "|".join(sorted(names)) + r")\b", re.IGNORECASE)
+    found = []
+    for package in ("runtime", "pipeline"):
+        for path in sorted((ROOT / "hookrun" / package).rglob("*.py")):
+            text = path.read_text()
+            stage_modules = [m for m in _imports(path) if m.split(".")[:2] == ["hookrun", "stages"]]
+            found += [f"{path.name}: imports {m}" for m in stage_modules]
+            found += [f"{path.name}: {m.group(0)!r}" for m in word.finditer(text)]
+    assert found == []
+
+
+def test_every_hook_is_registered_by_the_runtime():
+    """One place puts hooks on modules (and takes every one off): runtime/handles.py."""
+    calls = re.compile(r"\.register_forward(_pre)?_hook\b|\.register_full_backward")
+    found = [
+        path.relative_to(ROOT).as_posix() for path in MODULES if calls.search(path.read_text())
+    ]
+    assert found == ["hookrun/runtime/handles.py"]
 
 
 def test_nothing_points_outside_the_repository():

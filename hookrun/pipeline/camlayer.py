@@ -114,9 +114,9 @@ def pick_cam_layer(model: nn.Module, sample: torch.Tensor) -> str:
 
 
 def resolve_cam_layer(spec: RunSpec, model: nn.Module, sample: torch.Tensor) -> RunSpec:
-    """`spec` with every `auto` layer (hook selectors, and each stage's: a derived method's
-    layer, the sanity check's methods') replaced by the picked module, as a new spec; the
-    same spec when nothing says auto."""
+    """`spec` with every `auto` layer (hook selectors, and each stage's that says so,
+    Stage.says_auto) replaced by the picked module, as a new spec; the same spec when
+    nothing says auto."""
     active = [(s, spec.stage(s.node)) for s in stages() if s.node and spec.stage(s.node)]
     if not (says_auto(spec.hooks) or any(s.says_auto(config) for s, config in active)):
         return spec

@@ -1,6 +1,7 @@
 """The dry run's text: each hook with the modules it reached, their shapes and bytes, and the
 size of the file the run would write — counted as the writer allocates it (whole chunks,
-io/storage.py), derived results included, so the estimate is what the disk will hold."""
+io/storage.py), what the stages store included, so the estimate is what the disk will
+hold."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hookrun.io.storage import allocated_bytes
 from hookrun.memory import format_bytes
 from hookrun.runtime.plan import CallShapes, HookPlan
 
-__all__ = ["FileShape", "describe_plan", "describe_results", "format_bytes"]
+__all__ = ["FileShape", "describe_plan", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,3 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
         f"{list(file.output)}{derived}{paths}); {n} sample(s) → estimated file size "
         f"{format_bytes(total)} before compression"
     )
-
-
-def describe_results(stored: Mapping[str, tuple[int, ...]], itemsize: int) -> str:
-    """The dry-run lines of the evaluation datasets (/evaluate, /sanity): each one's shape
-    and bytes per sample (their total is in the estimated file size above)."""
-    lines = [f"Evaluation: {len(stored)} dataset(s)"]
-    for key, shape in stored.items():
-        size = format_bytes(math.prod(shape) * itemsize)
-        lines.append(f"    {str(list(shape)):<20} {size:>11}/sample  /{key}")
-    return "\n".join(lines)

@@ -36,8 +36,8 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
     try:
         if world.parallel:
             run_dir = distributed.start(world, device, run_dir)
-        # A stage that changes weights (the sanity check randomises them): a caller's model
-        # gets its own back, bit for bit.
+        # A stage that changes weights (randomises them): a caller's model gets its own back,
+        # bit for bit.
         randomised = caller.model is not None and any(
             s.changes_weights and spec.stage(s.node) is not None for s in stages() if s.node
         )

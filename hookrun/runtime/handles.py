@@ -1,9 +1,8 @@
 """The one way hookrun puts a hook on a module: `hooked(hooks)` registers each for a block
 of code and removes every one on the way out, by error or not (a signal waits until they
 are off: signals.deferred). The runtime's own hooks (attach, the probe, function sites) and
-every stage's passes of its own (the patching grid's patched passes, CAM's layer, the
-lens's blocks, the sanity check's run order) register here; tests/test_house.py checks
-that no other module calls torch's registration."""
+every stage's passes of its own register here; tests/test_house.py checks that no other
+module calls torch's registration."""
 
 from __future__ import annotations
 

@@ -299,8 +299,8 @@ _HOOK_TABLES = (
 @contextmanager
 def hooks_kept(model: nn.Module | None) -> Iterator[None]:
     """The caller's `model` leaves with exactly the module hooks it came with: a safety net
-    under every registration of the run (attach, and the passes of derived methods, the
-    sanity check and patching), whatever path the run ended by."""
+    under every registration of the run (attach, and each stage's passes of its own),
+    whatever path the run ended by."""
     if model is None:
         yield
         return

@@ -109,7 +109,7 @@ def decide_grid(
     """The grid of a layer whose per-sample output shape is `shape`, for an input of size
     `image` (H, W); `layout`/`prefix` as the user set them (auto / None: find out); `conv`:
     the layer ends in a conv/batch norm with shape[0] channels (decides a tie). `key` is the
-    config path of the method (`derive.grad_cam`). HookrunError when it cannot be told."""
+    config path of what asks (a method's). HookrunError when it cannot be told."""
     where = f"per-sample output shape {list(shape)} (input {image[0]}x{image[1]})"
     if len(shape) == 3:
         found = [

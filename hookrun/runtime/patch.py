@@ -1,5 +1,6 @@
 """The `patch` action: a site's tensor replaced by (or added to) one read from a stored
-captures.h5 — activation patching, mean ablation and steering, declared like any hook:
+captures.h5 — a stored activation put back, mean ablation and steering, declared like any
+hook:
 
     hooks:
       p: {select: {name: layer3}, at: output, action: patch,

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, unknown_key
 from hookrun.stages.evaluate.registry import METRICS
 from hookrun.stages.evaluate.relevance import REDUCTIONS
 from hookrun.typed import Frozen, check_range, parse_typed
@@ -45,9 +45,7 @@ class EvaluateSpec:
 def _unknown(raw: Mapping[str, Any], valid: list[str], key: str) -> None:
     for name in raw:
         if name not in valid:
-            hint = nearest(str(name), valid, n=1)
-            did = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise HookrunError(f"{key}.{name}: unknown key{did}; valid keys: {', '.join(valid)}")
+            raise unknown_key(key, name, valid)
 
 
 def parse_evaluate(raw: Mapping[str, Any] | None) -> EvaluateSpec | None:

@@ -3,12 +3,12 @@ block — projected through the model's final norm and unembedding, as if the mo
 there; at the last block that is the model's own output distribution.
 
 `derive.logit_lens`: `k` (5) likeliest tokens kept per block and position; `norm`, `unembed`
-(module names; null: found by module name for GPT-2 `transformer.ln_f` + `lm_head`,
-Llama-family `model.norm` + `lm_head`, GPT-NeoX `gpt_neox.final_layer_norm` + `embed_out`
-(`lm_head` since transformers 5),
-BERT none + its masked-LM head `cls.predictions`; `norm: none` for a model without a final
-norm); `blocks` (the nn.ModuleList of the blocks; null: the architecture's, else the model's
-longest ModuleList). Before the first batch the lens is checked on sample 0: the norm must
+(module names; null: the family's, from the architecture table (models/architectures.py):
+GPT-2 `transformer.ln_f` + `lm_head`, Llama-family `model.norm` + `lm_head`, GPT-NeoX
+`gpt_neox.final_layer_norm` + `embed_out` (`lm_head` since transformers 5), BERT none + its
+masked-LM head `cls.predictions`; `norm: none` for a model without a final norm); `blocks`
+(the nn.ModuleList of the blocks; null: the family's, else the model's longest
+ModuleList). Before the first batch the lens is checked on sample 0: the norm must
 run on the last block's output and keep its shape, the unembedding must run on the norm's
 output and give the model's logits (else each is refused naming its key, its value and the
 model's own module), and at the last block the lens must give the model's output.
@@ -32,6 +32,8 @@ from torch import nn
 from hookrun.data.batch import READ
 from hookrun.errors import HookrunError, nearest
 from hookrun.io import layout
+from hookrun.models.adapter import adapt
+from hookrun.models.architectures import architecture_of, families
 from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.leaves import leaves
 from hookrun.runtime.targets import NO_TARGET
@@ -46,7 +48,6 @@ __all__ = [
     "LensArgs",
     "LensState",
     "LogitLens",
-    "ARCHITECTURES",
     "NO_NORM",
     "project",
 ]
@@ -57,16 +58,6 @@ TOP_IDS, TOP_PROBS, TARGET_PROB = (
     layout.derived_key(LOGIT_LENS, n) for n in ("top_ids", "top_probs", "target_prob")
 )
 NO_NORM = "none"  # `norm: none`: the model has no final norm before its unembedding
-# By module name: the blocks (an nn.ModuleList), the final norm (None: there is none) and the
-# unembedding, per architecture; the first whose modules the model has is used.
-# GPT-NeoX's unembedding is `embed_out` before transformers 5, `lm_head` since.
-ARCHITECTURES: list[tuple[str, tuple[str, str | None, str]]] = [
-    ("GPT-2", ("transformer.h", "transformer.ln_f", "lm_head")),
-    ("Llama-family", ("model.layers", "model.norm", "lm_head")),
-    ("GPT-NeoX", ("gpt_neox.layers", "gpt_neox.final_layer_norm", "embed_out")),
-    ("GPT-NeoX", ("gpt_neox.layers", "gpt_neox.final_layer_norm", "lm_head")),
-    ("BERT", ("bert.encoder.layer", None, "cls.predictions")),
-]
 # The largest difference in any probability between the lens at the last block and the
 # model's output on sample 0 that still counts as equal: float32, half precision models.
 _AGREE, _AGREE_HALF = 1e-4, 1e-2
@@ -120,16 +111,20 @@ def project(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
     return _unembedded(state, _normed(state, hidden))
 
 
-def _known(modules: Mapping[str, nn.Module]) -> tuple[str, str | None, str] | None:
-    for _, (blocks, norm, unembed) in ARCHITECTURES:
-        if all(n is None or n in modules for n in (blocks, norm, unembed)):
-            return blocks, norm, unembed
-    return None
+def _known(model: nn.Module) -> tuple[str, str | None, str] | None:
+    """(blocks, final norm or None, unembedding) of the model's family (models/
+    architectures.py), where the table knows it and the model has them."""
+    entry = architecture_of(model)
+    modules = dict(model.named_modules())
+    unembed = entry.unembedding_of(modules) if entry is not None else None
+    if entry is None or unembed is None:
+        return None
+    return entry.blocks, entry.final_norm, unembed
 
 
-def _valid(modules: Mapping[str, nn.Module], key: str) -> str:
+def _valid(model: nn.Module, key: str) -> str:
     """What `derive.logit_lens.<key>` (norm or unembed) may be, for this model."""
-    known = _known(modules)
+    known = _known(model)
     if key == "norm":
         if known is not None:
             return f"the model's final norm, {known[1] or NO_NORM} here"
@@ -139,13 +134,14 @@ def _valid(modules: Mapping[str, nn.Module], key: str) -> str:
     return "the model's unembedding (a module from the last block's width to the vocabulary)"
 
 
-def _module(modules: Mapping[str, nn.Module], name: str, key: str) -> nn.Module:
+def _module(model: nn.Module, name: str, key: str) -> nn.Module:
+    modules = dict(model.named_modules())
     if name not in modules or not name:
         close = nearest(name, [n for n in modules if n])
         hint = f"; nearest: {', '.join(close)}" if close else ""
         raise HookrunError(
             f"{KEY}.{key}: {name!r} is not a module of the model{hint}; valid: "
-            f"{_valid(modules, key)}, a name from model.named_modules()"
+            f"{_valid(model, key)}, a name from model.named_modules()"
         )
     return modules[name]
 
@@ -165,7 +161,7 @@ def _tied(modules: Mapping[str, nn.Module], module: nn.Module) -> str:
 def _checked_logits(
     state: LensState,
     names: tuple[str, str | None, str],
-    modules: Mapping[str, nn.Module],
+    model: nn.Module,
     hidden: torch.Tensor,
     vocab: int,
 ) -> torch.Tensor:
@@ -183,7 +179,7 @@ def _checked_logits(
             raise HookrunError(
                 f"{KEY}.norm: {norm_name!r} fails on the last block's output ({last}, "
                 f"{list(hidden.shape)}) ({_first(err)}); valid: "
-                f"{_valid(modules, 'norm')}"
+                f"{_valid(model, 'norm')}"
             ) from None
         try:
             logits = _unembedded(state, normed)
@@ -193,7 +189,8 @@ def _checked_logits(
             raise HookrunError(
                 f"{KEY}.unembed: {unembed_name!r} fails on the output of "
                 f"{KEY}.norm ({norm_name or NO_NORM}) ({_first(err)})"
-                f"{_tied(modules, state.unembed)}; valid: {_valid(modules, 'unembed')}"
+                f"{_tied(dict(model.named_modules()), state.unembed)}; valid: "
+                f"{_valid(model, 'unembed')}"
             ) from None
     return logits
 
@@ -210,12 +207,12 @@ def _first(err: BaseException) -> str:
 def _names(args: LensArgs, model: nn.Module) -> tuple[str, str | None, str]:
     """(blocks, norm or None, unembed) from the arguments, else the known architectures."""
     modules = dict(model.named_modules())
-    known = _known(modules)
+    known = _known(model)
     if known is None and (args.norm is None or args.unembed is None):
-        kind = type(getattr(model, "hf", model)).__name__
+        kind = type(adapt(model).transformers_model() or model).__name__
         raise HookrunError(
             f"{KEY}: no known final norm and unembedding for {kind}; valid: a causal_lm or "
-            f"masked_lm of {', '.join(dict(ARCHITECTURES))}, or name them: {KEY}.norm=<module> "
+            f"masked_lm of {', '.join(families())}, or name them: {KEY}.norm=<module> "
             f"(none: no final norm) {KEY}.unembed=<module>"
         )
     blocks, norm, unembed = known or ("", None, "")
@@ -273,8 +270,8 @@ class LogitLens(Method):
             )
         blocks_name, norm_name, unembed_name = _names(args, model)
         modules = dict(model.named_modules())
-        norm = None if norm_name is None else _module(modules, norm_name, "norm")
-        unembed = _module(modules, unembed_name, "unembed")
+        norm = None if norm_name is None else _module(model, norm_name, "norm")
+        unembed = _module(model, unembed_name, "unembed")
         blocks = [f"{blocks_name}.{i}" for i in range(len(modules[blocks_name]))]
         outputs, logits = _probe(model, blocks, sample)
         keys = []
@@ -292,14 +289,14 @@ class LogitLens(Method):
         own = logits if isinstance(logits, torch.Tensor) else leaves(logits)[0][1]
         own = own.reshape(-1).float()
         names = (blocks[-1], norm_name, unembed_name)
-        lens = _checked_logits(state, names, modules, last[:1], len(own))[0, read].softmax(-1)
+        lens = _checked_logits(state, names, model, last[:1], len(own))[0, read].softmax(-1)
         diff = float((lens - own.softmax(-1)).abs().max())
         if not diff <= (_AGREE if last.dtype == torch.float32 else _AGREE_HALF):
             raise HookrunError(
                 f"{KEY}.norm, {KEY}.unembed: {norm_name or NO_NORM} then {unembed_name} on the "
                 f"last block's output ({blocks[-1]}) do not give the model's output on sample 0 "
-                f"(max |Δp| {diff:.2g}); valid: {_valid(modules, 'norm')}, and "
-                f"{_valid(modules, 'unembed')}"
+                f"(max |Δp| {diff:.2g}); valid: {_valid(model, 'norm')}, and "
+                f"{_valid(model, 'unembed')}"
             )
         if args.k > lens.shape[-1]:
             raise HookrunError(f"{KEY}.k: {args.k}; valid: 1..{lens.shape[-1]} (the vocabulary)")

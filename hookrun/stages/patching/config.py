@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, did_you_mean
 from hookrun.typed import Frozen, check_range, freeze, parse_typed
 
 __all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching", "chosen_layers"]
@@ -46,8 +46,7 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
         raise HookrunError(f"patching.sites: []; valid: any of {', '.join(SITE_KINDS)}")
     for i, kind in enumerate(config.sites):
         if kind not in SITE_KINDS:
-            hint = nearest(str(kind), list(SITE_KINDS), n=1)
-            did = f" (did you mean '{hint[0]}'?)" if hint else ""
+            did = did_you_mean(kind, SITE_KINDS)
             raise HookrunError(
                 f"patching.sites[{i}]: {kind!r}{did}; valid: {', '.join(SITE_KINDS)}"
             )

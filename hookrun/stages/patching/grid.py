@@ -35,6 +35,7 @@ from hookrun.data.batch import Batch
 from hookrun.errors import HookrunError
 from hookrun.memory import format_bytes
 from hookrun.models.adapter import adapt
+from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, architecture_of
 from hookrun.stage import Stored
 from hookrun.stages.patching.clean import StoredClean, open_clean
 from hookrun.stages.patching.config import PatchingConfig, chosen_layers
@@ -47,34 +48,10 @@ from hookrun.stages.patching.keys import (
 )
 from hookrun.stages.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
 
-__all__ = ["PatchingGrid", "plan_patching", "ARCHITECTURES"]
+__all__ = ["PatchingGrid", "plan_patching"]
 
 log = logging.getLogger("hookrun")
 
-# Module name patterns per site kind ({} = the layer), by the families' `model_type`.
-# `heads` names the attention's output projection: its input is the heads' outputs side by
-# side (resume.py patches one head's slice).
-_LLAMA = {
-    "resid": "model.layers.{}",
-    "attn": "model.layers.{}.self_attn",
-    "mlp": "model.layers.{}.mlp",
-    "heads": "model.layers.{}.self_attn.o_proj",
-}
-ARCHITECTURES: dict[str, dict[str, str]] = {
-    "gpt2": {
-        "resid": "transformer.h.{}",
-        "attn": "transformer.h.{}.attn",
-        "mlp": "transformer.h.{}.mlp",
-        "heads": "transformer.h.{}.attn.c_proj",
-    },
-    "gpt_neox": {
-        "resid": "gpt_neox.layers.{}",
-        "attn": "gpt_neox.layers.{}.attention",
-        "mlp": "gpt_neox.layers.{}.mlp",
-        "heads": "gpt_neox.layers.{}.attention.dense",
-    },
-    **{family: _LLAMA for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")},
-}
 _CELL = "per row: {layers} layers × {positions} positions"
 
 
@@ -92,6 +69,7 @@ class PatchingGrid:
     row_bytes: int  # the estimate rows_per_pass is made from (per row of a pass)
     clean: StoredClean | None = None  # patching.clean: the clean run read from a file
     heads: int = 1  # the model's attention heads (a `heads` grid has a row per head)
+    resumes: bool = True  # its cache can be resumed (models/architectures.py)
 
     @property
     def layers(self) -> int:
@@ -173,12 +151,13 @@ class PatchingGrid:
                 clean = record(hf, self.modules, replace(rows, ids=batch.tokens), False)
             corrupted = record(hf, self.modules, rows, True)
             sites = Sites(
-                self.modules,
-                self.last,
-                self.positions,
-                self.rows_per_pass,
-                self.clean is None,
-                self.heads,
+                modules=self.modules,
+                last=self.last,
+                positions=self.positions,
+                rows_per_pass=self.rows_per_pass,
+                own_clean=self.clean is None,
+                heads=self.heads,
+                resumes=self.resumes,
             )
             grids = patched_grids(hf, sites, rows, clean, corrupted)
         unscorable = index[(clean.diff == corrupted.diff).cpu()].tolist()
@@ -215,26 +194,34 @@ class PatchingGrid:
 
 
 def _site_modules(config: PatchingConfig, model: nn.Module) -> tuple[dict, dict]:
-    """Each patched site kind's module per layer, for the model's architecture, and the
-    index in that list of the model's last block (None when it is not patched)."""
-    model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
-    patterns = ARCHITECTURES.get(model_type)
-    if patterns is None:
+    """Each patched site kind's module per layer, from the model's family in the
+    architecture table (models/architectures.py), and the index in that list of the model's
+    last block (None when it is not patched)."""
+    entry = architecture_of(model)
+    hf = adapt(model).transformers_model() or model
+    model_type = str(getattr(getattr(hf, "config", None), "model_type", type(hf).__name__))
+    known = [t for a in ARCHITECTURES if a.causal for t in a.model_types]
+    if entry is None or not entry.causal:
+        why = (
+            "which is not a causal language model" if entry else "whose parts hookrun does not know"
+        )
         raise HookrunError(
-            f"patching.sites: {', '.join(config.sites)} on a {model_type} model, whose module "
-            f"names patching does not know; valid: a model of {', '.join(ARCHITECTURES)}"
+            f"patching.sites: {', '.join(config.sites)} on a {model_type} model, {why}; valid: "
+            f"a model of {', '.join(known)} (a new family is an entry of models/architectures.py: "
+            f"{', '.join(ARCHITECTURE_KEYS)})"
         )
     named = dict(model.named_modules())
     out: dict[str, list[str]] = {}
     last: dict[str, int | None] = {}
     for kind in config.sites:
+        pattern = entry.site(kind)
         names: list[str] = []
-        while patterns[kind].format(len(names)) in named:
-            names.append(patterns[kind].format(len(names)))
+        while pattern.format(len(names)) in named:
+            names.append(pattern.format(len(names)))
         if not names:
             raise HookrunError(
                 f"patching.sites: {kind}: the {model_type} model has no module "
-                f"{patterns[kind].format(0)}; valid: a {model_type} model as transformers builds it"
+                f"{pattern.format(0)}; valid: a {model_type} model as transformers builds it"
             )
         chosen = chosen_layers(config.layer, len(names))
         out[kind] = [names[i] for i in chosen]
@@ -322,16 +309,17 @@ def plan_patching(
     rows_per_pass = config.batch_size or max(1, config.memory_mib * 2**20 // row_bytes)
     clean = open_clean(config.clean, modules, tokens, rows) if config.clean else None
     return PatchingGrid(
-        config,
-        modules,
-        last,
-        positions,
-        counterfactual,
-        wrong,
-        rows_per_pass,
-        row_bytes,
-        clean,
-        heads,
+        config=config,
+        modules=modules,
+        last=last,
+        positions=positions,
+        counterfactual=counterfactual,
+        wrong=wrong,
+        rows_per_pass=rows_per_pass,
+        row_bytes=row_bytes,
+        clean=clean,
+        heads=heads,
+        resumes=architecture_of(model).cache == "kv",
     )
 
 

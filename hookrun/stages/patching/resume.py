@@ -96,6 +96,9 @@ class Sites:
     rows_per_pass: int
     own_clean: bool = True
     heads: int = 1
+    # The family's cache can be resumed (models/architectures.py: cache "kv"); else every
+    # patched pass runs from position 0.
+    resumes: bool = True
 
     def units(self, kind: str) -> int:
         """Cells per (layer, position) of a site kind: one per head for `heads`."""
@@ -200,7 +203,7 @@ class _Grid:
         rows = self.rows
         device = rows.ids.device
         which = torch.tensor([c[4] for c in chunk], device=device)
-        cache = _prefix(self.corrupted.cache, which, position)
+        cache = _prefix(self.corrupted.cache, which, position) if self.sites.resumes else None
         start = position if cache is not None else 0
         read = rows.read[which] - start
         extra: dict[str, Any] = {self.cache_key: cache}

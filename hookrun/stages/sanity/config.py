@@ -12,7 +12,7 @@ from typing import Any
 
 from hookrun.config.build import parse_hooks
 from hookrun.config.experiments import attribution_experiments, method_nodes
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, did_you_mean
 from hookrun.runtime.hookspec import HookSpec
 from hookrun.stage import ParseContext
 from hookrun.stages.derive.registry import METHODS
@@ -84,8 +84,7 @@ def parse_sanity(raw: Mapping[str, Any] | None, choices: list[str]) -> SanityCon
         raise HookrunError(f"sanity.methods: []; valid: any of {', '.join(choices)}")
     for i, name in enumerate(config.methods):
         if name not in choices:
-            hint = nearest(str(name), choices, n=1)
-            did = f" (did you mean '{hint[0]}'?)" if hint else ""
+            did = did_you_mean(name, choices)
             raise HookrunError(
                 f"sanity.methods[{i}]: {name!r} is not an experiment that makes one "
                 f"attribution; valid: {', '.join(choices)}{did}"
