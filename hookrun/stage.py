@@ -29,6 +29,7 @@ Adding a stage is its folder, one line in hookrun/stages/__init__.py, and its co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from torch import nn
 
 from hookrun.data.batch import Batch
 from hookrun.io.dimensions import name_axes
+from hookrun.memory import format_bytes
 from hookrun.registry import Registry
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Stored",
+    "describe_stored",
     "ParseContext",
     "Setup",
     "Work",
@@ -72,6 +75,16 @@ class Stored:
 
     shape: tuple[int, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def describe_stored(stored: Mapping[str, Stored], itemsize: int, title: str) -> str:
+    """The dry-run lines of a stage's datasets: each one's shape and bytes per sample (their
+    total is in the estimated file size above)."""
+    lines = [f"{title}: {len(stored)} dataset(s)"]
+    for key, value in stored.items():
+        size = format_bytes(math.prod(value.shape) * itemsize)
+        lines.append(f"    {str(list(value.shape)):<20} {size:>11}/sample  /{key}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -168,8 +181,10 @@ class Plan:
         return {}
 
     def describe(self, itemsize: int) -> str:
-        """Its lines in the dry run ('' for none)."""
-        return ""
+        """Its lines in the dry run ('' for none): by default each dataset it stores."""
+        stored = self.stored()
+        groups = sorted({key.split("/")[0] for key in stored})
+        return describe_stored(stored, itemsize, "/" + ", /".join(groups)) if stored else ""
 
     def guard(self, model: nn.Module) -> AbstractContextManager:
         """Held around the batches: what the stage changes in the model comes back (the
@@ -190,6 +205,9 @@ class Stage:
     name: ClassVar[str]
     # Its node of the config (None: the stage reads none and plans from the run itself).
     node: ClassVar[str | None] = None
+    # The run config's key its node follows (the stored config's key order is part of the
+    # file: one written before a stage moved reads the same after).
+    node_after: ClassVar[str] = "logger"
     # Stages plan and run in this order: a stage reads what the ones before it stored.
     order: ClassVar[int] = 100
     # Names of the axes of its datasets (fnmatch pattern → words, io/dimensions.py).
@@ -280,6 +298,7 @@ def completed(f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
         stage.complete(f, rows, shards)
 
 
-def stage_nodes() -> list[str]:
-    """The config nodes the stages read (each a key of the config's schema)."""
-    return [s.node for s in stages() if s.node]
+def stage_nodes() -> list[tuple[str, str]]:
+    """The config nodes the stages read (each a key of the config's schema), each with the
+    key it follows."""
+    return [(s.node, s.node_after) for s in stages() if s.node]

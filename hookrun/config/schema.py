@@ -11,13 +11,14 @@ messages.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import importlib.util
 from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -126,9 +127,20 @@ def run_schema() -> type:
 
 
 @cache
-def _schema(nodes: tuple[str, ...]) -> type:
-    fields = [(node, Any, field(default_factory=dict)) for node in nodes]
-    return make_dataclass("RunConfig", fields, bases=(RunConfig,))
+def _schema(nodes: tuple[tuple[str, str], ...]) -> type:
+    # RunConfig's fields in their order, each stage node after its key (a subclass could
+    # only append them).
+    types = get_type_hints(RunConfig)
+    fields: list[tuple[str, Any, Any]] = []
+    for base in dataclasses.fields(RunConfig):
+        kept = field(default=base.default, default_factory=base.default_factory)
+        fields.append((base.name, types[base.name], kept))
+        fields += [
+            (node, Any, field(default_factory=dict)) for node, after in nodes if after == base.name
+        ]
+    placed = {name for name, _, _ in fields}
+    fields += [(node, Any, field(default_factory=dict)) for node, _ in nodes if node not in placed]
+    return make_dataclass("RunConfig", fields, bases=(Frozen,), namespace={"__module__": __name__})
 
 
 def conf_dir() -> Path:

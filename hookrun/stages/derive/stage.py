@@ -115,6 +115,7 @@ class DerivePlan(Plan):
 @register_stage
 class DeriveStage(Stage):
     name = node = "derive"
+    node_after = "hooks"
     order = 10
     axes = {
         layout.gap_key("*", "*"): "sample",

@@ -5,7 +5,6 @@ bare model, at /evaluate/<metric>/<attribution path>; the metrics are a registry
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import h5py
@@ -13,25 +12,23 @@ import numpy as np
 
 from hookrun.errors import HookrunError
 from hookrun.io import walk
-from hookrun.memory import format_bytes
 from hookrun.runtime.leaves import model_logits
 from hookrun.runtime.targets import TargetKind
-from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stage import (
+    ParseContext,
+    Plan,
+    Setup,
+    Stage,
+    Stored,
+    Work,
+    describe_stored,
+    register_stage,
+)
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, EVALUATE, SCORE_SUFFIX
 
-__all__ = ["EvaluateStage", "describe_results"]
-
-
-def describe_results(stored: dict[str, Stored], itemsize: int, title: str) -> str:
-    """The dry-run lines of a stage's datasets: each one's shape and bytes per sample (their
-    total is in the estimated file size above)."""
-    lines = [f"{title}: {len(stored)} dataset(s)"]
-    for key, value in stored.items():
-        size = format_bytes(math.prod(value.shape) * itemsize)
-        lines.append(f"    {str(list(value.shape)):<20} {size:>11}/sample  /{key}")
-    return "\n".join(lines)
+__all__ = ["EvaluateStage"]
 
 
 def check_class(target: Any, key: str) -> None:
@@ -51,7 +48,7 @@ class EvaluatePlan(Plan):
         return self.evaluation.stored()
 
     def describe(self, itemsize: int) -> str:
-        return describe_results(self.stored(), itemsize, "Evaluation")
+        return describe_stored(self.stored(), itemsize, "Evaluation")
 
     def batch(self, work: Work) -> dict[str, Any]:
         return self.evaluation.batch(

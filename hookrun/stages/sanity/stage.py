@@ -16,10 +16,19 @@ from hookrun.data.batch import Batch
 from hookrun.runtime.hooks import attach, weights_kept
 from hookrun.runtime.step import BatchStep, RowFacts
 from hookrun.runtime.targets import TargetConfig, TargetKind
-from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stage import (
+    ParseContext,
+    Plan,
+    Setup,
+    Stage,
+    Stored,
+    Work,
+    describe_stored,
+    register_stage,
+)
 from hookrun.stages.derive.registry import derive
 from hookrun.stages.derive.stage import says_auto, with_layer
-from hookrun.stages.evaluate.stage import check_class, describe_results
+from hookrun.stages.evaluate.stage import check_class
 from hookrun.stages.sanity.check import PreparedMethod, SanityCheck, prepare_sanity
 from hookrun.stages.sanity.config import SanitySpec, sanity_spec
 from hookrun.stages.sanity.keys import SANITY, read_sanity, sanity_key
@@ -44,7 +53,7 @@ class SanityPlan(Plan):
     def describe(self, itemsize: int) -> str:
         check = self.check
         return (
-            describe_results(self.stored(), itemsize, "Evaluation")
+            describe_stored(self.stored(), itemsize, "Evaluation")
             + f"\nSanity check ({check.config.mode}) randomises: {', '.join(check.layers)}"
         )
 
