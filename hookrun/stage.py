@@ -186,6 +186,11 @@ class Plan:
         groups = sorted({key.split("/")[0] for key in stored})
         return describe_stored(stored, itemsize, "/" + ", /".join(groups)) if stored else ""
 
+    def sources(self) -> dict[str, dict[str, str]]:
+        """Files its work reads, by config key: {file, sha256} each. They join the run's
+        provenance (root attribute patch_sources), so resume refuses once one changed."""
+        return {}
+
     def guard(self, model: nn.Module) -> AbstractContextManager:
         """Held around the batches: what the stage changes in the model comes back (the
         sanity check's randomised weights)."""

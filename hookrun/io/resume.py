@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ _SOURCES = {
     "data_files_sha256": "dataset files (path, size, label)",
     "world_size": "the number of processes (world size)",
     "torch_version": "torch version",
-    "patch_sources": "the files the patch action reads",
+    "patch_sources": "the files the run reads",
 }
 
 # Config keys that do not change a single number in the file: a resumed run may differ there.
@@ -158,12 +159,31 @@ def check_sources(path: Path, now: Provenance) -> None:
     for key, what in _SOURCES.items():
         if key in before and before[key] != now_values[key]:
             old, new = before[key], now_values[key]
-            if key.endswith("sha256"):
+            if key == "patch_sources":
+                what, old, new = _changed_source(old, new)
+            elif key.endswith("sha256"):
                 old, new = f"sha256 {_short(old)}", f"sha256 {_short(new)}"
             raise HookrunError(
                 f"resume refused: {what} changed ({old} → {new}) since {path} was started; "
                 "restore it, or start a new run"
             )
+
+
+def _changed_source(before: str, now: str) -> tuple[str, str, str]:
+    """Which file the run reads changed (its config key), and how: (what, old, new)."""
+    try:
+        old, new = json.loads(before or "{}"), json.loads(now or "{}")
+    except ValueError:
+        return "the files the run reads", _short(before), _short(now)
+    for key in sorted(set(old) | set(new)):
+        was, is_now = old.get(key, {}), new.get(key, {})
+        if was != is_now:
+
+            def said(read: dict) -> str:
+                return f"{read['file']} sha256 {_short(read['sha256'])}" if read else "none"
+
+            return f"the file {key} reads", said(was), said(is_now)
+    return "the files the run reads", _short(before), _short(now)
 
 
 def check_paths(path: Path, files: Mapping[int, str]) -> None:

@@ -59,8 +59,9 @@ def test_a_changed_patch_source_is_refused(tmp_path):
     path = run_config(tmp_path / "run", args).path
     before = interrupted(path)
     shutil.copy(other, patch_file)  # same path, other rows: the continued rows would differ
-    with pytest.raises(HookrunError, match="resume refused: the files the patch action reads"):
+    with pytest.raises(HookrunError, match="resume refused: the file hooks.p reads changed") as err:
         run_config(tmp_path / "run", [*args, "resume=true"])
+    assert f"({patch_file} sha256 {digest(source)[:8]}… → " in str(err.value)
     assert digest(path) == before
 
 

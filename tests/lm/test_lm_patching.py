@@ -6,6 +6,8 @@ work."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import h5py
@@ -273,15 +275,17 @@ def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
                     np.testing.assert_array_equal(b[f"patching/{key}"][:], a[f"patching/{key}"][:])
 
 
-def _clean_run(folder, lm, data, regex=r"transformer\.h\.\d+(\.attn|\.mlp)?") -> str:
-    """A separate clean job: the prompts' module outputs at every position, float32."""
+def _clean_run(
+    folder, lm, data, regex=r"transformer\.h\.\d+(\.attn|\.mlp)?", dtype="float32"
+) -> str:
+    """A separate clean job: the prompts' module outputs at every position, as `dtype`."""
     args = [
         "experiment=lm_cache",
         "model=hf",
         f"model.path={lm}",
         "dataset=prompts",
         f"dataset.path={data}",
-        "sink.dtype=float32",
+        f"sink.dtype={dtype}",
         f"hooks.resid.select.regex='{regex}'",
         # heads: the input of each attention's output projection
         r"++hooks.heads.select.regex='transformer\.h\.\d+\.attn\.c_proj'",
@@ -436,3 +440,56 @@ def test_the_dry_run_says_the_grid_its_chunks_and_datasets(tmp_path):
     assert "[2, 14]" in said and "/patching/resid_logit_diff" in said
     assert "[2, 2, 14]" in said and "/patching/heads_logit_diff" in said
     assert not (tmp_path / "dry" / "captures.h5").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rows_a_stored_clean_run_cannot_score_are_named_too(tmp_path, dtype):
+    """The same rows as above with the clean run read from a float16 or bfloat16 file: its
+    logits are rounded, so clean − corrupted is a rounding error, not 0; scored, it would be
+    a grid of rounding errors divided by a rounding error. Within the stored logits' rounding
+    the rows count as unscorable, named and NaN like the one-run ones."""
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.zero_()
+            block.attn.c_proj.bias.zero_()
+    model.save_pretrained(tmp_path / "lm")
+    rows = [
+        ("The cat sat on the", " mat", "The dog sat on the", " cat"),  # same last token
+        ("The cat sat on the", " mat", "The cat sat on a", " cat"),  # the last token differs
+        ("A quick brown fox", " jumps", "A lazy brown fox", " dog"),  # same last token
+    ]
+    data = _prompts(tmp_path / "prompts.jsonl", rows)
+    clean = _clean_run(tmp_path / "clean", tmp_path / "lm", data, dtype=dtype)
+    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, f"patching.clean={clean}"))
+    got = read(result.path)
+    gap = got["patching/clean"] - got["patching/corrupted"]
+    assert gap[1] != 0 and abs(gap[[0, 2]]).max() < abs(gap[1])  # rounding, not a signal
+    assert np.isnan(got["patching/resid"][[0, 2]]).all()
+    assert not np.isnan(got["patching/resid"][1]).all()
+    with h5py.File(result.path) as f:
+        assert f["patching"].attrs["unscorable"].tolist() == [0, 2]
+        eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+        assert f["patching"].attrs["clean_tolerance"] == 2 * eps
+    assert "could not score 2 of 3 rows" in result.summary
+
+
+def test_resume_refuses_a_changed_stored_clean_run(tmp_path):
+    """The clean file's rows feed every score: a resumed run whose patching.clean file now
+    holds other numbers (another run written to the same path) is refused, file untouched."""
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    first = _clean_run(tmp_path / "clean", tmp_path / "lm", data)
+    other = _clean_run(tmp_path / "other", tmp_path / "lm", data, dtype="float16")
+    clean = tmp_path / "clean.h5"
+    shutil.copy(first, clean)
+    args = _args(tmp_path / "lm", data, f"patching.clean={clean}")
+    path = run_config(tmp_path / "run", args).path
+    with h5py.File(path, "r+") as f:  # as a stopped run leaves it
+        f.attrs["status"] = "interrupted"
+        assert json.loads(f.attrs["patch_sources"])["patching.clean"]["file"] == str(clean)
+    before = path.read_bytes()
+    shutil.copy(other, clean)
+    with pytest.raises(HookrunError, match="resume refused: the file patching.clean reads"):
+        run_config(tmp_path / "run", [*args, "resume=true"])
+    assert path.read_bytes() == before

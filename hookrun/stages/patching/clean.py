@@ -41,6 +41,8 @@ class StoredClean:
     records: dict[str, list[str]]  # site kind → the capture dataset per layer
     rows: dict[int, int]  # dataset index → stored row
     sha256: str
+    # clean = corrupted within this share of a row's largest logit (keys.py CLEAN_TOLERANCE)
+    tolerance: float
 
     def read(self, index: torch.Tensor, device: torch.device) -> tuple[dict, torch.Tensor]:
         """The batch's clean outputs per site kind and layer ((N, T, D) float32 each) and
@@ -98,6 +100,7 @@ def open_clean(path_text: str, modules: dict[str, list[str]], tokens: Any, rows:
         for key in (layout.MODEL_OUTPUT, layout.SAMPLES_INDEX, layout.SAMPLES_TOKENS):
             if key not in f:
                 raise HookrunError(f"{_KEY}: {path} has no /{key}; valid: a run of token data")
+        tolerance = _tolerance(f[layout.MODEL_OUTPUT])
         index = f[layout.SAMPLES_INDEX][: state.completed]
         stored_tokens = f[layout.SAMPLES_TOKENS][: state.completed]
     where = {int(i): r for r, i in enumerate(index)}
@@ -114,4 +117,13 @@ def open_clean(path_text: str, modules: dict[str, list[str]], tokens: Any, rows:
                 f"{_KEY}: {path} row {where[row]} holds other tokens than {name}:{line}; "
                 "valid: a run of the same prompts with the same tokenizer"
             )
-    return StoredClean(path.resolve(), records, where, sha256_of(path))
+    return StoredClean(path.resolve(), records, where, sha256_of(path), tolerance)
+
+
+def _tolerance(logits: Any) -> float:
+    """How far a stored logit difference may be from the same difference computed now: the
+    rounding of the two stored logits (each half an epsilon of the stored dtype of the
+    largest logit), at least 2^-16 of it (float32 sums in another batch or attention
+    kernel), twice over."""
+    eps = 2.0**-7 if layout.is_bfloat16(logits) else float(np.finfo(logits.dtype).eps)
+    return 2 * max(eps, 2.0**-16)

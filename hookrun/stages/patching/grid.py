@@ -40,10 +40,12 @@ from hookrun.stage import Stored
 from hookrun.stages.patching.clean import StoredClean, open_clean
 from hookrun.stages.patching.config import PatchingConfig, chosen_layers
 from hookrun.stages.patching.keys import (
+    CLEAN_TOLERANCE,
     LOGIT_DIFF_SUFFIX,
     PATCHING,
     PATCHING_CLEAN,
     PATCHING_CORRUPTED,
+    flat_rows,
     patching_key,
 )
 from hookrun.stages.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
@@ -97,7 +99,11 @@ class PatchingGrid:
         """The /patching group's attributes (what clean and corrupted are)."""
         said = {"clean": "prompt", "corrupted": "counterfactual"}
         if self.clean is not None:
-            said |= {"clean_file": str(self.clean.path), "clean_sha256": self.clean.sha256}
+            said |= {
+                "clean_file": str(self.clean.path),
+                "clean_sha256": self.clean.sha256,
+                CLEAN_TOLERANCE: self.clean.tolerance,
+            }
         return {PATCHING: said}
 
     def describe(self, itemsize: int) -> str:
@@ -130,9 +136,9 @@ class PatchingGrid:
             lines.append(f"    {str(list(stored.shape)):<20} {size:>11}/sample  /{key}")
         return "\n".join(lines)
 
-    def batch(self, model: nn.Module, batch: Batch) -> dict[str, np.ndarray]:
+    def batch(self, model: nn.Module, batch: Batch, own: np.ndarray) -> dict[str, np.ndarray]:
         """The batch's records: `batch` the clean rows on the device, labelled with their
-        answers."""
+        answers; `own` the run's own logits (N, V) at the read position, as stored."""
         index, device = batch.index, batch.inputs.device
         hf = adapt(model).language.hf  # its cache and logits are used (plan_patching)
         rows = Rows(
@@ -160,7 +166,10 @@ class PatchingGrid:
                 resumes=self.resumes,
             )
             grids = patched_grids(hf, sites, rows, clean, corrupted)
-        unscorable = index[(clean.diff == corrupted.diff).cpu()].tolist()
+        tolerance = self.clean.tolerance if self.clean is not None else 0.0
+        diffs = clean.diff.float().cpu().numpy(), corrupted.diff.float().cpu().numpy()
+        flat = flat_rows(*diffs, own, tolerance)
+        unscorable = index.cpu()[torch.from_numpy(flat)].tolist()
         if unscorable:  # known only now: the file's `unscorable` attribute and the summary too
             log.warning(
                 "patching: clean − corrupted logit difference is 0 for dataset rows %s: "
@@ -168,13 +177,15 @@ class PatchingGrid:
                 "counterfactual there)",
                 ", ".join(map(str, unscorable)),
             )
-        return self._records(grids, clean.diff, corrupted.diff, batch.mask.sum(1))
+        flat_on_device = torch.from_numpy(flat).to(device)
+        return self._records(grids, (clean.diff, corrupted.diff), flat_on_device, batch.mask.sum(1))
 
     def _records(
-        self, grids: dict, clean: torch.Tensor, corrupted: torch.Tensor, lengths: torch.Tensor
+        self, grids: dict, diffs: tuple, flat: torch.Tensor, lengths: torch.Tensor
     ) -> dict[str, np.ndarray]:
         """The stored arrays: the raw logit differences and the scores, NaN past each row's
-        tokens and where clean = corrupted."""
+        tokens and in the `flat` rows (clean = corrupted)."""
+        clean, corrupted = diffs
         out = {
             patching_key(PATCHING_CLEAN): clean,
             patching_key(PATCHING_CORRUPTED): corrupted,
@@ -187,7 +198,7 @@ class PatchingGrid:
             per_row = (-1,) + (1,) * (patched.dim() - 1)  # (N, 1, …) against (N, L, [H,] P)
             patched[past_row.view(len(lengths), *per_row[2:], -1).expand_as(patched)] = torch.nan
             score = (patched - corrupted.view(per_row)) / gap.view(per_row)
-            score[(gap == 0).view(per_row).expand_as(score)] = torch.nan
+            score[flat.view(per_row).expand_as(score)] = torch.nan
             out[patching_key(kind)] = score
             out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = patched
         return {k: v.float().cpu().numpy() for k, v in out.items()}

@@ -17,6 +17,8 @@ __all__ = [
     "LOGIT_DIFF_SUFFIX",
     "UNSCORABLE",
     "patching_key",
+    "CLEAN_TOLERANCE",
+    "flat_rows",
     "mark_unscorable",
     "read_unscorable",
     "read_patching",
@@ -27,10 +29,25 @@ LOGIT_DIFF_SUFFIX = "_logit_diff"
 # The /patching group's attribute: dataset indices of the rows whose clean − corrupted logit
 # difference is 0 (every cell of their grid NaN), written when the file is complete.
 UNSCORABLE = "unscorable"
+# The /patching group's attribute (patching.clean runs): clean and corrupted count as equal
+# when they differ by at most this share of the row's largest logit (/model/output), the
+# stored clean logits' rounding; 0 (absent): only when they are equal.
+CLEAN_TOLERANCE = "clean_tolerance"
 
 
 def patching_key(name: str, suffix: str = "") -> str:
     return f"{PATCHING}/{name}{suffix}"
+
+
+def flat_rows(
+    clean: np.ndarray, corrupted: np.ndarray, logits: np.ndarray, tolerance: float
+) -> np.ndarray:
+    """Rows (N,) whose clean − corrupted logit difference is no difference: 0, or at most
+    `tolerance` × the row's largest logit (`logits` (N, V))."""
+    gap = np.abs(clean.astype(np.float64) - corrupted)
+    if not tolerance:
+        return gap == 0
+    return gap <= tolerance * np.abs(logits.astype(np.float64)).max(axis=1)
 
 
 def mark_unscorable(f: h5py.File, indices: np.ndarray) -> None:

@@ -9,16 +9,19 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hookrun.io import layout
 from hookrun.io.encoding import read_floats
-from hookrun.io.layout import SAMPLES_INDEX
+from hookrun.io.layout import MODEL_OUTPUT, SAMPLES_INDEX
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.patching.config import parse_patching
 from hookrun.stages.patching.grid import PatchingGrid, plan_patching
 from hookrun.stages.patching.keys import (
+    CLEAN_TOLERANCE,
     PATCHING,
     PATCHING_CLEAN,
     PATCHING_CORRUPTED,
     UNSCORABLE,
+    flat_rows,
     mark_unscorable,
     patching_key,
     read_unscorable,
@@ -42,8 +45,15 @@ class PatchingPlan(Plan):
     def describe(self, itemsize: int) -> str:
         return self.grid.describe(itemsize)
 
+    def sources(self) -> dict[str, dict[str, str]]:
+        clean = self.grid.clean
+        return (
+            {"patching.clean": {"file": str(clean.path), "sha256": clean.sha256}} if clean else {}
+        )
+
     def batch(self, work: Work) -> dict[str, Any]:
-        return self.grid.batch(work.model, work.on_device)
+        logits = np.asarray(work.records[MODEL_OUTPUT], dtype=np.float32)
+        return self.grid.batch(work.model, work.on_device, logits)
 
 
 @register_stage
@@ -67,17 +77,24 @@ class PatchingStage(Stage):
 
     @classmethod
     def complete(cls, f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
-        """The dataset indices of the rows whose clean − corrupted logit difference is 0."""
-        keys = (patching_key(PATCHING_CLEAN), patching_key(PATCHING_CORRUPTED), SAMPLES_INDEX)
+        """The dataset indices of the rows whose clean − corrupted logit difference is 0
+        (within the stored clean logits' rounding: keys.py flat_rows)."""
+        keys = (
+            patching_key(PATCHING_CLEAN),
+            patching_key(PATCHING_CORRUPTED),
+            MODEL_OUTPUT,
+            SAMPLES_INDEX,
+        )
         if not all(key in f for key in keys):
             return
         parts = [[read_floats(s[key]) for key in keys] for s in shards or []]
-        clean, corrupted, index = (
+        clean, corrupted, logits, index = (
             [np.concatenate(p) for p in zip(*parts, strict=True)]
             if parts
             else [read_floats(f[key], slice(0, rows)) for key in keys]
         )
-        mark_unscorable(f, index[clean == corrupted])
+        tolerance = float(layout.attr(f[PATCHING], CLEAN_TOLERANCE, 0.0))
+        mark_unscorable(f, index[flat_rows(clean, corrupted, logits, tolerance)])
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
@@ -89,7 +106,8 @@ class PatchingStage(Stage):
         more = f" and {len(found) - _SHOWN_ROWS} more" if len(found) > _SHOWN_ROWS else ""
         return [
             f"warning: patching could not score {len(found)} of {rows} rows (clean − corrupted "
-            f"logit difference 0: every cell of their grid is NaN): samples {shown}{more} "
+            f"logit difference 0, or within the stored clean logits' rounding: every cell of "
+            f"their grid is NaN): samples {shown}{more} "
             f"(/{PATCHING} attribute {UNSCORABLE})"
         ]
 
