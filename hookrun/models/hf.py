@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hookrun.errors import HookrunError, nearest
+from hookrun.errors import HookrunError, nearest, unknown_key
 from hookrun.memory import check_fits
 from hookrun.models.config import ModelConfig
 from hookrun.models.language import LanguageModel
@@ -221,12 +221,32 @@ def _config(cfg: ModelConfig, tokenizer: Any) -> Any:
     defaults = {k: v for k, v in special.items() if v is not None}
     _check_vocab(cfg, given.get("vocab_size"), tokenizer)  # before transformers warns of it
     try:
-        return tf.AutoConfig.for_model(model_type, **{**defaults, **given})
+        config = tf.AutoConfig.for_model(model_type, **{**defaults, **given})
     except Exception as err:  # transformers (and huggingface_hub's checks) raise many types
         raise HookrunError(
             f"model.config: {model_type} {given}: {_first(err)}; valid: the keys and value "
             f"types of transformers' {model_type} config"
         ) from None
+    _refuse_ignored(tf, model_type, given, defaults, config)
+    return config
+
+
+def _refuse_ignored(tf: Any, model_type: str, given: dict, defaults: dict, config: Any) -> None:
+    """A model.config key transformers keeps as a bare attribute, which changes nothing else
+    in the config (`n_layers` for gpt2's `n_layer`), is a typo that would build the default
+    model without a word: refused, naming the config's keys. A key its class reads under
+    another name (llama's `rope_theta` into `rope_parameters`) changes the config: kept."""
+    cls = type(config)
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    built = config.to_dict()
+    for key in given:
+        if key in known:
+            continue
+        without = {k: v for k, v in given.items() if k != key}
+        other = tf.AutoConfig.for_model(model_type, **{**defaults, **without}).to_dict()
+        if {k: v for k, v in built.items() if k != key} == other:
+            valid = sorted(k for k in known if not k.startswith("_"))
+            raise unknown_key("model.config", key, valid)
 
 
 def _first(err: BaseException) -> str:

@@ -62,6 +62,25 @@ def test_heads_that_do_not_divide_the_width_are_refused_by_the_cli(tmp_path):
     assert "valid: " in said and "internal error" not in said
 
 
+def test_a_misspelt_model_config_key_is_refused_not_ignored(tmp_path):
+    """transformers keeps an unknown key as a bare attribute and builds the default model:
+    `n_layers` would give gpt2's 12 layers without a word."""
+    config = "model.config={model_type: gpt2, n_layers: 1, n_embd: 64, n_head: 2}"
+    said = _refused(tmp_path, ["model=hf", config, "experiment=lm_cache"])
+    assert said.startswith("model.config.n_layers: unknown key (did you mean 'n_layer'?)"), said
+    assert "valid keys: " in said and "n_layer," in said
+
+
+def test_a_model_config_key_read_under_another_name_is_kept(tmp_path):
+    """llama reads `rope_theta` into its rope_parameters: a key that changes the config."""
+    config = (
+        "model.config={model_type: llama, hidden_size: 32, num_attention_heads: 2, "
+        "num_hidden_layers: 1, intermediate_size: 64, vocab_size: 257, rope_theta: 1234.0}"
+    )
+    result = run_config(tmp_path / "run", ["model=hf", config, "experiment=lm_cache", "limit=2"])
+    assert result.path.is_file()
+
+
 def test_a_negative_width_is_refused_naming_model_config(tmp_path):
     config = "model.config={model_type: gpt2, n_layer: 2, n_embd: -64, n_head: 2}"
     with pytest.raises(HookrunError) as err:  # at spec time: compose builds nothing
