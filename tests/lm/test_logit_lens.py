@@ -203,6 +203,19 @@ def test_an_unknown_architecture_is_refused_then_runs_once_its_head_is_named(tmp
             ["++hooks.resid.select.regex='transformer\\.h\\.0'"],
             "derive.logit_lens: needs the captures /captures/transformer.h.1/output",
         ),
+        (
+            ["hooks.resid.args.positions=last"],  # (D,) per row: no position to read
+            "derive.logit_lens: /captures/transformer.h.0/output holds [32] per row, not the "
+            "block's output at every position",
+        ),
+        (
+            ["hooks.resid.args.positions=[0,1]"],
+            "derive.logit_lens: /captures/transformer.h.0/output holds [2, 32] per row",
+        ),
+        (
+            ["++hooks.resid.args.pool=avg"],  # pooled over the width: an internal error before
+            "derive.logit_lens: /captures/transformer.h.0/output holds [",
+        ),
     ],
 )
 def test_bad_keys_are_refused_in_one_line_before_any_file(tmp_path, more, said):

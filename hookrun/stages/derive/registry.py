@@ -80,6 +80,10 @@ class Method:
         """State computed once from the model before the first batch (None by default)."""
         return None
 
+    def check_captures(self, args: Any, state: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse, before any work, captures it reads whose per-row shapes (`shapes`: path →
+        shape, every capture of the run) it cannot read (HookrunError naming the key)."""
+
     def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
@@ -134,21 +138,23 @@ class Derivation:
 
 def plan_derivations(
     requests: Mapping[str, Any],
-    capture_keys: set[str],
+    captures: Mapping[str, tuple[int, ...]],
     model: nn.Module,
     sample: torch.Tensor,
     explained: torch.Tensor | None = None,
 ) -> list[Derivation]:
-    """Each requested method (name → parsed Args) against the captures the plan makes; its
-    state prepared on the model, on `explained` (one sample of what the gradient methods
-    explain, when it is not `sample`: a language model's embeddings) for those methods."""
+    """Each requested method (name → parsed Args) against the captures the plan makes
+    (path → per-row shape); its state prepared on the model, on `explained` (one sample of
+    what the gradient methods explain, when it is not `sample`: a language model's
+    embeddings) for those methods."""
     out = []
     for name, args in requests.items():
         method = METHODS.get(name, f"derive.{name}")
-        _check_captures(method, method.requires(args), capture_keys)
+        _check_captures(method, method.requires(args), set(captures))
         other = explained is not None and method.explains_input
         state = method.prepare(args, model, explained if other else sample)
-        _check_captures(method, method.requires_prepared(args, state), capture_keys)
+        _check_captures(method, method.requires_prepared(args, state), set(captures))
+        method.check_captures(args, state, captures)
         shape = tuple(explained.shape) if other else None
         out.append(Derivation(method, args, state, shape))
     return out

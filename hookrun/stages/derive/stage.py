@@ -155,7 +155,7 @@ class DeriveStage(Stage):
         with run_mode(setup.model):
             explained = adapt(setup.model).explained_sample(setup.sample)
             derivations = plan_derivations(
-                config, set(setup.captures), setup.model, setup.sample, explained
+                config, setup.captures, setup.model, setup.sample, explained
             )
         return DerivePlan(derivations, tuple(setup.sample.shape))
 

@@ -80,6 +80,7 @@ class LensState:
     norm: nn.Module | None
     unembed: nn.Module
     vocab: int
+    row: tuple[int, ...] = ()  # a block output's per-row shape at every position: (T, D)
 
 
 def _normed(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
@@ -300,7 +301,19 @@ class LogitLens(Method):
             )
         if args.k > lens.shape[-1]:
             raise HookrunError(f"{KEY}.k: {args.k}; valid: 1..{lens.shape[-1]} (the vocabulary)")
-        return LensState(tuple(blocks), tuple(keys), norm, unembed, int(lens.shape[-1]))
+        row = (int(sample.shape[-1]), int(last.shape[-1]))
+        return LensState(tuple(blocks), tuple(keys), norm, unembed, int(lens.shape[-1]), row)
+
+    def check_captures(
+        self, args: LensArgs, state: LensState, shapes: Mapping[str, tuple[int, ...]]
+    ) -> None:
+        for key in state.keys:
+            if tuple(shapes[key]) != state.row:
+                raise HookrunError(
+                    f"{KEY}: /{key} holds {list(shapes[key])} per row, not the block's output "
+                    f"at every position {list(state.row)}; valid: block outputs captured with "
+                    "args.positions: all and no args.pool"
+                )
 
     def stored_shapes(
         self, args: LensArgs, state: LensState, key: str, sample: tuple[int, ...]
@@ -325,12 +338,7 @@ class LogitLens(Method):
         rows = torch.arange(len(read), device=read.device)
         with torch.no_grad():
             for key in state.keys:
-                hidden = records[key]
-                if hidden.dim() != 3 or hidden.shape[1] != batch.inputs.shape[-1]:
-                    raise HookrunError(
-                        f"{KEY}: /{key} holds {list(hidden.shape[1:])} per row, not every "
-                        "position; valid: block outputs captured with args.positions: all"
-                    )
+                hidden = records[key]  # (N, T, D): check_captures saw to it
                 p = project(state, hidden).softmax(-1)  # (N, T, V)
                 top = p.topk(args.k, dim=-1)
                 ids.append(top.indices.to(torch.int32).cpu())
