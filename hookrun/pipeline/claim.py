@@ -17,7 +17,7 @@ from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.signals import interruptible
 
-__all__ = ["Claim", "claim_file"]
+__all__ = ["Claim", "claim_file", "images_dir"]
 
 
 @dataclass
@@ -53,14 +53,32 @@ def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
     claim = Claim(final_path, sink_path, None if spec.dry_run else WriterLock(sink_path))
     try:
         with interruptible():  # a resume's damage check reads the whole file
-            claim.resumed = _check_paths(spec, final_path, sink_path, world)
+            claim.resumed = _check_paths(spec, final_path, sink_path, world, run_dir)
     except BaseException:
         claim.release()
         raise
     return claim
 
 
-def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World) -> Resumed:
+def images_dir(spec: RunSpec, run_dir: Path) -> Path:
+    """Where a run's pictures go: <run dir>/images/<experiment>."""
+    return run_dir / "images" / (spec.experiment or "run")
+
+
+def _check_pictures(spec: RunSpec, run_dir: Path) -> None:
+    """A new file's pictures would replace those of another run in the same folder (one run
+    dir, another sink.path): refused unless sink.overwrite says replacing is wanted."""
+    images = images_dir(spec, run_dir)
+    if spec.render and not spec.sink.overwrite and images.is_dir() and any(images.iterdir()):
+        raise HookrunError(
+            f"render: {images} already holds the pictures of another run; valid: another "
+            "hydra.run.dir, render=false, or sink.overwrite=true (replaces them)"
+        )
+
+
+def _check_paths(
+    spec: RunSpec, final_path: Path, sink_path: Path, world: World, run_dir: Path
+) -> Resumed:
     """Where a resumed run starts, after refusing paths that exist or cannot be written."""
     if spec.resume and world.parallel and final_path.exists():
         joined = resume_point(final_path, spec.config_yaml)
@@ -82,6 +100,7 @@ def _check_paths(spec: RunSpec, final_path: Path, sink_path: Path, world: World)
         resume_point(sink_path, spec.config_yaml)  # says it starts the missing file
     if not spec.dry_run:
         check_sink_path(sink_path, spec.sink.overwrite)
+        _check_pictures(spec, run_dir)
         if world.parallel and world.rank == 0:
             check_sink_path(final_path, spec.sink.overwrite)  # the file the shards will join in
     return Resumed()

@@ -19,7 +19,7 @@ from hookrun.config.build import RunSpec
 from hookrun.io.results import Results, summary
 from hookrun.models.adapter import adapt
 from hookrun.models.sources import class_names
-from hookrun.pipeline.claim import Claim
+from hookrun.pipeline.claim import Claim, images_dir
 from hookrun.pipeline.prepare import Prepared
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
@@ -59,10 +59,6 @@ def dry_result(run: Prepared) -> Result:
     return Result(None, run.run_dir, 0, run.plan_text, seconds, summary="dry run: nothing written")
 
 
-def _images_dir(spec: RunSpec, run_dir: Path) -> Path:
-    return run_dir / "images" / (spec.experiment or "run")
-
-
 def _draw(spec: RunSpec, path: Path, run_dir: Path, plan_text: str) -> Path | None:
     """The run's pictures from its complete file (render=true); their folder, or None when
     nothing was drawable."""
@@ -71,7 +67,7 @@ def _draw(spec: RunSpec, path: Path, run_dir: Path, plan_text: str) -> Path | No
     # Imported here: matplotlib costs a run that draws nothing 0.2-0.3 s of start-up.
     from hookrun.render.draw import render
 
-    images = _images_dir(spec, run_dir)
+    images = images_dir(spec, run_dir)
     tensorboard = run_dir / "tensorboard" if spec.logger == "tensorboard" else None
     with interruptible():  # every picture is written whole (renamed into place) or not
         return images if render(path, images, spec.render_max, tensorboard, plan_text) else None
@@ -85,7 +81,7 @@ def _draw_missing(spec: RunSpec, path: Path, run_dir: Path) -> tuple[Path | None
         return None, 0
     from hookrun.render.draw import render
 
-    images = _images_dir(spec, run_dir)
+    images = images_dir(spec, run_dir)
     images.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{images.name}.", dir=images.parent))
     added = 0

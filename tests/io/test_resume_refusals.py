@@ -204,3 +204,21 @@ def test_verify_and_render_name_what_the_path_is(tmp_path):
             )
             assert proc.returncode == 2 and what in proc.stderr, (tool, arg, proc.stderr)
             assert "Traceback" not in proc.stderr
+
+
+def test_a_second_run_in_the_same_folder_keeps_the_first_runs_pictures(tmp_path):
+    """Two runs in one run dir with their files at other paths: the second's pictures would
+    replace the first's, so it is refused before any work unless asked to replace them."""
+    base = ["experiment=saliency", "model=digits_cnn", "dataset=digits", "limit=2"]
+    first = run_config(tmp_path / "run", [*base, f"sink.path={tmp_path / 'a.h5'}"])
+    pictures = {p.name: p.read_bytes() for p in first.images.iterdir()}
+    assert pictures
+    second = [*base, "seed=1", f"sink.path={tmp_path / 'b.h5'}"]
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", second)
+    assert str(err.value).startswith(f"render: {first.images} already holds the pictures")
+    assert not (tmp_path / "b.h5").exists()
+    assert {p.name: p.read_bytes() for p in first.images.iterdir()} == pictures
+    assert run_config(tmp_path / "run", [*second, "render=false"]).path == tmp_path / "b.h5"
+    replaced = run_config(tmp_path / "run", [*second, "sink.overwrite=true"])
+    assert replaced.images == first.images
