@@ -203,6 +203,11 @@ def test_induction_with_one_repeat_is_refused_before_any_batch(tmp_path):
     assert not list((tmp_path / "run").glob("*.h5"))
 
 
+def test_induction_on_a_one_token_sequence_is_refused_before_any_batch(tmp_path):
+    said = _refused(tmp_path, ["experiment=induction", "dataset.length=1", "dataset.size=4"])
+    assert said.startswith("dataset.length: 1: ") and "valid: 2 or more" in said, said
+
+
 # 6. Rows past the model's positions; sanity on token data; a broken config.json.
 
 

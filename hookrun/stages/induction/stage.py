@@ -50,6 +50,12 @@ class InductionStage(Stage):
                 "once, but the induction score of the captured attention patterns reads a "
                 "later repeat's attention to the earlier copy; valid: 2 or more"
             )
+        if dataset.length < 2:
+            raise HookrunError(
+                f"dataset.length: {dataset.length}: a sequence of one token repeated makes the "
+                "token after its earlier copy the query itself, so the induction score would "
+                "be each head's attention to its own position; valid: 2 or more"
+            )
         modules = [name for name, _ in setup.model.named_modules()]
         return InductionPlan(modules, int(dataset.length), int(bool(dataset.prepend_bos)))
 
