@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from hookrun.api import conf_dir
 from hookrun.config.schema import register_configs
-from hookrun.errors import HookrunError, one_line
+from hookrun.errors import HookrunError, Interrupted, one_line
 from hookrun.quick_exit import QuickExit
 
 register_configs()
@@ -40,14 +40,14 @@ def main(cfg: DictConfig) -> None:
         release_model_keys(cfg, overrides, caller_model=False)
         spec = build_spec(cfg, hydra_cfg.runtime.choices.get("experiment"))
         result = execute(spec, run_dir)
-    except Exception as err:
+    except (Exception, Interrupted) as err:  # Interrupted: a BaseException (errors.py)
         if sweeping:
             log.exception("job %s failed", hydra_cfg.job.num)  # the traceback, in its own log
             write_job_summary(run_dir, overrides, "failed", 0, None, _describe(err))
             return
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if isinstance(err, HookrunError):
+        if isinstance(err, (HookrunError, Interrupted)):
             print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
             sys.exit(err.exit_code)
         where = _write_traceback(err, run_dir)
@@ -80,8 +80,8 @@ def _write_traceback(err: BaseException, run_dir: Path) -> Path:
     return where
 
 
-def _describe(err: Exception) -> str:
-    if isinstance(err, HookrunError):
+def _describe(err: Exception | Interrupted) -> str:
+    if isinstance(err, (HookrunError, Interrupted)):
         return one_line(err)
     return f"{type(err).__name__}: {err}"
 

@@ -1,4 +1,5 @@
-"""The one exception type users see: bad input, stated as key, value and valid choices."""
+"""The one exception type users see: bad input, stated as key, value and valid choices (and
+Interrupted, a signal's stop, which like KeyboardInterrupt is no Exception)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,15 @@ class RunFault(HookrunError):
     exit_code = 1
 
 
-class Interrupted(HookrunError):
-    """SIGTERM or SIGINT stopped the run after the batch in flight; exit status 128 + signal."""
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT stopped the run after the batch in flight; exit status 128 + signal.
+
+    Like KeyboardInterrupt, not an Exception: the signal handler raises it wherever the run
+    is computing, also inside a library call that the code around it guards with `except
+    Exception` (or `except HookrunError`) to report a bad file in one line. Caught there,
+    the interruption became that bad-input error (exit 2, naming the file being read) and
+    the run did not stop as interrupted; no such handler can catch it now. Whoever must
+    report it catches it by name (`except Interrupted`, as __main__ does)."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
@@ -60,7 +68,7 @@ def unknown_key(key: str, name: object, valid: Iterable[str]) -> HookrunError:
     )
 
 
-def one_line(err: HookrunError) -> str:
+def one_line(err: HookrunError | Interrupted) -> str:
     """The message of `err` as one line.
 
     A HookrunError raised in a DataLoader worker comes back wrapped in the worker's

@@ -126,8 +126,8 @@ def signal_blamed() -> Iterator[None]:
     the same SIGTERM): reported as the interruption it is, and the file marked so."""
     try:
         yield
-    except Exception as err:
-        if not _caught or isinstance(err, Interrupted):
+    except Exception as err:  # Interrupted is no Exception: it passes as it is
+        if not _caught:
             raise
         _Regions.raised = True
         try:

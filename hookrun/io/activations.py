@@ -2,7 +2,9 @@
 probe): `Activations(path, key)` (key: a capture's path in the file, e.g. the output of
 block 1) is a torch Dataset whose item i is the feature vector (D,) of the i-th real token
 of the run — padding skipped through the stored mask — read from the file a block of rows
-at a time, so memory holds one block, not the corpus."""
+at a time, so memory holds one block, not the corpus. A capture of listed positions
+(`args.positions: [0, -1]`, (N, P, D)) holds real tokens only (a listed position past a
+row's real tokens is refused before the run), so its items are every stored position."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ __all__ = ["Activations"]
 
 
 class Activations(Dataset):
-    """Token i of a (N, T, D) capture as a float32 tensor (D,). Sequential reads (a sampler
-    that walks blocks in order, or shuffling inside blocks) read each block once; `block`
-    is the rows per read (default: the dataset's HDF5 chunk rows). Only the rows the file
-    counts as complete are read (a running or killed run's file works)."""
+    """Token i of a (N, T, D) capture (or of listed positions, (N, P, D)) as a float32
+    tensor (D,). Sequential reads (a sampler that walks blocks in order, or shuffling inside
+    blocks) read each block once; `block` is the rows per read (default: the dataset's HDF5
+    chunk rows). Only the rows the file counts as complete are read (a running or killed
+    run's file works)."""
 
     def __init__(self, path: str | Path, key: str, block: int | None = None) -> None:
         self.path, self.key = Path(path), key
@@ -34,6 +37,8 @@ class Activations(Dataset):
             self.tokens, self.features = ds.shape[1], ds.shape[2]
             self.block = block or (ds.chunks[0] if ds.chunks else 64)
             mask = f[SAMPLES_MASK][:rows] if SAMPLES_MASK in f else None
+            if mask is not None and mask.shape[1] != self.tokens:
+                mask = None  # listed positions (P, not the T the mask is over): all real
         # Flat positions n * T + t of the real tokens; None: every position is one.
         self.real = np.flatnonzero(mask.reshape(-1)) if mask is not None else None
         self.rows = rows

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout, walk
-from hookrun.io.encoding import bits_to_float32, decoded, read_floats
+from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
 
 __all__ = ["Results", "open_results", "summary"]
 
@@ -29,7 +29,9 @@ class Results:
     not one row per sample: layout.rows_note); `results[path]` (a path such as
     captures/layer4/output, or `results.capture("layer4", "output")`) is an h5py dataset,
     read lazily by slicing (a bfloat16 one reads as the float32 numbers it holds, its raw
-    bits are `.raw`: io/encoding.py);
+    bits are `.raw`: io/encoding.py); a group is an h5py group through which every
+    bfloat16 dataset decodes the same way (`results["captures"]["layer4/output"]`), and
+    `results.file` is the plain h5py file (the words as stored);
     `results.config` is the resolved run config.
     """
 
@@ -52,8 +54,7 @@ class Results:
         self.file.close()
 
     def __getitem__(self, key: str) -> Any:
-        found = self.file[key]
-        return decoded(found) if isinstance(found, h5py.Dataset) else found
+        return decoded_node(self.file[key])
 
     def __contains__(self, key: str) -> bool:
         return key in self.file

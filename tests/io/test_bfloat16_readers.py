@@ -138,3 +138,99 @@ def test_pictures_and_evaluation_means_of_a_bfloat16_run_are_the_float32_runs(tm
     assert means32.keys() == means16.keys() and means32
     for key, value in means32.items():
         assert means16[key] == pytest.approx(value, rel=2e-2, abs=2e-2), key
+
+
+BF16_KEYS = ["captures/input/output", "captures/input/grad_output", "model/output"]
+
+
+@pytest.fixture(scope="module")
+def digits_bf16(tmp_path_factory):
+    """A saliency run of the digits model stored in bfloat16 (input, its gradient and the
+    logits are bfloat16), and each bfloat16 dataset's values decoded by hand from its words
+    read with plain h5py."""
+    root = tmp_path_factory.mktemp("bf16groups")
+    path = run_config(root, [*DIGITS, "experiment=saliency", "sink.dtype=bfloat16"]).path
+    want = {}
+    with h5py.File(path) as f:
+        for key in BF16_KEYS:
+            words = f[key][()]
+            assert words.dtype == np.uint16 and f[key].attrs["dtype"] == "bfloat16"
+            want[key] = (words.astype(np.uint32) << 16).view(np.float32)
+    assert all(np.any(values != 0) for values in want.values())
+    return path, want
+
+
+def reached(res, key: str) -> dict:
+    """The dataset `key` (captures/<layer>/<site> or model/output) by every route a reader
+    can take through `hookrun.open`'s groups."""
+    group, name = key.rsplit("/", 1)
+    top, rest = key.split("/", 1)
+    routes = {
+        "res[key]": res[key],
+        "group[name]": res[group][name],
+        "top[rest]": res[top][rest],
+        "root[key]": res["/"][key],
+        "group.get": res[group].get(name),
+        "group.items": dict(res[group].items())[name],
+        "group.values": dict(zip(res[group].keys(), res[group].values(), strict=True))[name],
+        "parent[name]": res[key].parent[name],
+        "group.parent": res[group].parent[group.rsplit("/", 1)[-1]][name],
+        "file[key]": res[group].file[key],
+    }
+    seen = {}
+    res[top].visititems(lambda n, o: seen.__setitem__(n, o))
+    routes["visititems"] = seen[rest]
+    nested = key.split("/")
+    step = res[nested[0]]
+    for part in nested[1:]:
+        step = step[part]
+    routes["step by step"] = step
+    return routes
+
+
+@pytest.mark.parametrize("key", BF16_KEYS)
+def test_every_route_through_open_s_groups_reads_bfloat16_as_numbers(digits_bf16, key):
+    path, wanted = digits_bf16
+    want = wanted[key]
+    with hookrun.open(path) as res:
+        for route, ds in reached(res, key).items():
+            assert ds.dtype == np.float32, route
+            assert ds.shape == want.shape and len(ds) == len(want) and ds.size == want.size, route
+            assert ds.nbytes == want.size * 4 == want.nbytes, route
+            np.testing.assert_array_equal(ds[()], want, err_msg=route)
+            np.testing.assert_array_equal(ds[...], want, err_msg=route)
+            np.testing.assert_array_equal(ds[1:3], want[1:3], err_msg=route)
+            np.testing.assert_array_equal(np.asarray(ds), want, err_msg=route)
+            np.testing.assert_array_equal(np.stack(list(ds)), want, err_msg=route)
+            np.testing.assert_array_equal(ds.astype(np.float64)[0], want[0].astype(np.float64))
+            as64 = np.asarray(ds.astype(np.float64))
+            np.testing.assert_array_equal(as64, want.astype(np.float64), err_msg=route)
+            assert ds.astype(np.float64)[()].dtype == np.float64
+            assert ds.raw.dtype == np.uint16, route
+            dest = np.zeros(want.shape, np.float32)
+            ds.read_direct(dest)
+            np.testing.assert_array_equal(dest, want, err_msg=route)
+            part = np.zeros((2, *want.shape[1:]), np.float64)
+            ds.read_direct(part, np.s_[1:3], np.s_[0:2])
+            np.testing.assert_array_equal(part, want[1:3].astype(np.float64), err_msg=route)
+            assert bool(ds), route
+            assert float(ds.fillvalue) == 0.0 and ds.fillvalue.dtype == np.float32, route
+
+
+def test_open_s_groups_leave_other_datasets_as_h5py_gives_them(digits_bf16):
+    path, _ = digits_bf16
+    with h5py.File(path) as f:
+        index = f["samples/index"][()]
+        scale = f["captures/input/x"][()]
+    with hookrun.open(path) as res:
+        group = res["samples"]
+        assert isinstance(group["index"], h5py.Dataset)
+        np.testing.assert_array_equal(group["index"][()], index)
+        assert isinstance(res["captures/input"]["x"], h5py.Dataset)
+        np.testing.assert_array_equal(res["captures"]["input/x"][()], scale)
+        # A group still says what h5py's does.
+        names = ["channel", "grad_output", "output", "x", "y"]
+        assert sorted(res["captures/input"]) == names
+        assert "output" in res["captures/input"] and len(res["captures/input"]) == 5
+        assert res["captures/input"].name == "/captures/input"
+        assert res["captures"].attrs.keys() == h5py.File(path)["captures"].attrs.keys()

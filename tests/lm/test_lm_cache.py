@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
-from conftest import hookrun_cli, killed_after, read, run_config, torchrun
+from conftest import hook, hookrun_cli, killed_after, read, run_config, torchrun
 from lm_models import SENTENCES, save_lm
 from PIL import Image
 
@@ -95,3 +95,40 @@ def test_loader_workers_read_the_streamed_corpus_as_the_main_process_does(tmp_pa
     assert alone.keys() == workers.keys()
     for key in alone:
         np.testing.assert_array_equal(workers[key], alone[key], err_msg=key)
+
+
+def test_activations_of_listed_positions_read_every_stored_position_and_no_padding(tmp_path):
+    """The shipped tiny_lm on documents of several lengths, right-padded (a mask is stored):
+    the blocks at positions [0, -1] (N, 2, D) beside the final norm at every token (N, T, D).
+    Every stored listed position is a real token, so the matrix is the N * 2 stored vectors
+    in order; the final norm's is its real tokens only, as the mask picks them with numpy."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([*SENTENCES[:4], "x y"]) + "\n", encoding="utf-8")
+    args = [
+        "experiment=lm_cache",
+        f"dataset.path={corpus}",
+        "dataset.pack=false",
+        "dataset.context=12",
+        "batch_size=2",
+        "render=false",
+        "+hooks.resid.args.positions=[0,-1]",
+        *hook("final", "transformer.ln_f", "output", "capture"),
+    ]
+    path = run_config(tmp_path, args).path
+    with h5py.File(path) as f:
+        mask = f["samples/mask"][()]
+        listed = f["captures/transformer.h.0/output"][()].astype(np.float32)
+        every = f["captures/transformer.ln_f/output"][()].astype(np.float32)
+    rows, tokens = mask.shape
+    assert listed.shape[:2] == (rows, 2) and every.shape[:2] == (rows, tokens)
+    assert not mask.all() and mask.sum() > 2 * rows  # padding, and more real tokens than listed
+    want = {
+        "captures/transformer.h.0/output": listed.reshape(rows * 2, -1),
+        "captures/transformer.ln_f/output": every[mask],
+    }
+    for key, vectors in want.items():
+        for block in [None, 3]:
+            matrix = Activations(path, key, block=block)
+            assert len(matrix) == len(vectors), key
+            got = np.stack([matrix[i].numpy() for i in range(len(matrix))])
+            np.testing.assert_array_equal(got, vectors, err_msg=key)
