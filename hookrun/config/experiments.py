@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookrun.config.schema import conf_dir
 
-__all__ = ["attribution_experiments", "method_nodes"]
+__all__ = ["attribution_experiments", "derived_by", "method_nodes"]
 
 
 @cache
@@ -38,6 +38,11 @@ def attribution_experiments() -> list[str]:
     """Every experiment that makes one attribution (the valid `sanity.methods`), sorted."""
     names = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
     return [n for n in names if _makes_attribution(_raw(n))]
+
+
+def derived_by(name: str) -> list[str]:
+    """The derived methods experiment `name` runs (its `derive:` keys)."""
+    return list(_raw(name).get("derive") or {})
 
 
 def method_nodes(name: str, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -65,6 +65,12 @@ EVALUATE = [
             "sanity.methods[0]: 'capture' is not an experiment that makes one attribution; "
             "valid: cam, grad_cam",
         ),
+        (
+            "++sanity.methods=[logit_lens]",  # a table of tokens, not a map to randomise
+            "sanity.methods[0]: 'logit_lens' is not an experiment that makes one attribution; "
+            "valid: cam, grad_cam, grad_cam_pp, grad_scale, guided_bp, guided_grad_cam, "
+            "integrated_gradients, layer_cam, saliency, smoothgrad",
+        ),
         ("++sanity.mode=sideways", "sanity.mode: 'sideways'; valid: cascading, independent"),
         ("++sanity.threshold=2", "sanity.threshold: 2.0; valid: a number in [-1, 1]"),
         ("++sanity.layers=3", "sanity.layers: 3; valid: auto, or a list of module names"),

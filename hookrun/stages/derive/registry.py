@@ -55,6 +55,9 @@ class Method:
     runs_passes: ClassVar[bool] = False
     # True: `compute_batch` (the records and the batch → every result by path), not `compute`.
     reads_batch: ClassVar[bool] = False
+    # False: its results are a table, not a relevance map (the logit lens): no sanity check
+    # or faithfulness metric compares them.
+    makes_map: ClassVar[bool] = True
     # True: the method means something on token data (a language model's input is token ids:
     # other gradient methods on the input are refused there, pipeline/tokencheck.py).
     tokens_ok: ClassVar[bool] = False

@@ -250,6 +250,7 @@ class LogitLens(Method):
     Args = LensArgs
     reads_batch = True
     tokens_ok = True
+    makes_map = False
     example = "logit_lens"
 
     @classmethod

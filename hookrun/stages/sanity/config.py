@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookrun.config.build import parse_hooks
-from hookrun.config.experiments import attribution_experiments, method_nodes
+from hookrun.config.experiments import attribution_experiments, derived_by, method_nodes
 from hookrun.errors import HookrunError, did_you_mean
 from hookrun.runtime.hookspec import HookSpec
 from hookrun.stage import ParseContext
@@ -142,10 +142,19 @@ class SanitySpec:
     methods: tuple[SanityMethod, ...]
 
 
+def _map_experiments() -> list[str]:
+    """The experiments whose attribution is a relevance map (not the logit lens's table)."""
+    return [
+        name
+        for name in attribution_experiments()
+        if all(METHODS.get(m, "derive").makes_map for m in derived_by(name))
+    ]
+
+
 def sanity_spec(raw: Any, ctx: ParseContext) -> SanitySpec | None:
     """Each checked method's hooks and derived results, from its experiment file with
     `sanity.derive.<method>` over its arguments."""
-    config = parse_sanity(raw, attribution_experiments())
+    config = parse_sanity(raw, _map_experiments())
     if config is None:
         return None
     overrides, methods = dict(config.derive), []
