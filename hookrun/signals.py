@@ -113,11 +113,8 @@ def stop_if_signalled() -> None:
         _Regions.raised = True
         signum = _caught[0]
         name = signal.Signals(signum).name
-        raise Interrupted(
-            f"interrupted by {name}: every batch computed before it is written and the file "
-            "is marked interrupted; continue it with resume=true",
-            signum,
-        )
+        # What it left is said by the run once its clean-up is done (pipeline/runner.py).
+        raise Interrupted(f"interrupted by {name}", signum)
 
 
 @contextmanager

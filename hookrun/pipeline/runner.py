@@ -9,8 +9,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from hookrun.config.build import RunSpec
+from hookrun.errors import Interrupted
+from hookrun.io.layout import read_state
 from hookrun.models.adapter import adapt
-from hookrun.pipeline.claim import claim_file
+from hookrun.pipeline.claim import Claim, claim_file
 from hookrun.pipeline.device import devices_kept, resolve_device
 from hookrun.pipeline.finish import Result, already_complete, dry_result, finish
 from hookrun.pipeline.prepare import CallerObjects, prepare
@@ -25,6 +27,24 @@ from hookrun.stage import stages
 __all__ = ["execute"]
 
 log = logging.getLogger("hookrun")
+
+
+def _left(claim: Claim) -> str:
+    """What an interrupted run left: no file, a file marked interrupted, or a complete one
+    (stopped while drawing its pictures)."""
+    path = claim.sink_path
+    try:
+        state = read_state(path) if path.is_file() else None
+    except OSError:
+        state = None
+    if state is None:
+        return f"nothing written ({path} was not made)"
+    if state.status == "complete":
+        return f"{path} is complete; resume=true draws the pictures it lacks"
+    return (
+        f"{path} holds {state.completed} complete rows and is marked {state.status}; "
+        "continue it with resume=true"
+    )
 
 
 def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -> Result:
@@ -61,6 +81,8 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
                     log.info("\n%s", run.plan_text)
                 rows_here = stream(run)
                 return finish(run, rows_here)
+            except Interrupted as err:
+                raise Interrupted(f"{err}: {_left(claim)}", err.signum) from None
             finally:
                 claim.release()  # the writer lock, held since the path checks
     finally:

@@ -365,7 +365,10 @@ def test_sigterm_inside_a_long_batch_ends_the_run_within_seconds_and_it_resumes(
     took = time.monotonic() - sent
     assert took < 30, took
     assert proc.returncode == 143
-    assert one_line(err).startswith("hookrun: error: interrupted by SIGTERM")
+    assert one_line(err) == (
+        f"hookrun: error: interrupted by SIGTERM: {path} holds 4 complete rows and is marked "
+        "interrupted; continue it with resume=true"
+    )
     state = attrs(path)
     assert state["status"] == "interrupted" and "SIGTERM" in state["error"]
     assert state["completed"] == 4  # the two batches before it

@@ -71,7 +71,11 @@ def test_a_signal_inside_a_loader_s_broad_except_stops_the_run_as_interrupted(
     try:
         hookrun.run(overrides, run_dir=run_dir)
     except Interrupted as err:
-        assert err.exit_code == 143 and "interrupted by SIGTERM" in str(err)
+        assert err.exit_code == 143
+        assert (
+            str(err)
+            == f"interrupted by SIGTERM: nothing written ({run_dir / 'captures.h5'} was not made)"
+        )
     except HookrunError as err:  # the bug: the interruption read as bad input
         pytest.fail(f"{what}: SIGTERM became bad input (exit {err.exit_code}): {err}")
     else:
