@@ -121,7 +121,20 @@ class Results:
             for site, ds in sites.items():
                 note = layout.rows_note(ds)
                 lines.append(f"  {layer}/{site}: {ds.shape}" + (f" ({note})" if note else ""))
-        return "\n".join(lines)
+        shown = {ds.name for sites in found.values() for ds in sites.values()}
+        others: list[str] = []
+
+        def visit(name: str, obj: object) -> None:
+            # Every other dataset of every group (samples, model, patching, induction, ...).
+            if (
+                isinstance(obj, h5py.Dataset)
+                and obj.name not in shown
+                and not layout.is_dimension(obj)
+            ):
+                others.append(f"  /{name}: {obj.shape}")
+
+        self.file.visititems(visit)
+        return "\n".join(lines + others)
 
 
 def _decode_bfloat16(ds: Any) -> Any:

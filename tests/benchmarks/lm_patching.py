@@ -74,6 +74,9 @@ def _prompts(path: Path, rows: int, first: bool) -> list[dict]:
         prompt, counterfactual = " ".join(text[:8]), " ".join(swapped[:8])
         if len(tok(prompt)["input_ids"]) != len(tok(counterfactual)["input_ids"]):
             continue
+        first_ids = [tok(" " + w)["input_ids"][0] for w in (text[k], swapped[k])]
+        if first_ids[0] == first_ids[1]:  # one answer token: a row no patching can score
+            continue
         out.append(
             {
                 "prompt": prompt,

@@ -11,13 +11,14 @@ import h5py
 import numpy as np
 import torch
 
+from hookrun.data.batch import Batch
 from hookrun.io.sink import HDF5Sink, SinkOptions
-from hookrun.pipeline.stream import BatchStep, RowFacts
 from hookrun.runtime.hooks import Recorder, attach, run_mode
 from hookrun.runtime.hookspec import HookConfig, HookSpec
 from hookrun.runtime.plan import compile_plan
 from hookrun.runtime.selectors import SelectConfig
 from hookrun.runtime.sites import Site
+from hookrun.runtime.step import BatchStep, RowFacts
 from hookrun.runtime.targets import TargetConfig
 from hookrun.runtime.transfer import HostCopier
 from hookrun.stages.derive.registry import derive
@@ -81,7 +82,7 @@ def hookrun_loop(model, hooks, batches, device, target_kind, folder, derivations
             attach(plan, model, recorder),
         ):
             for batch in batches:
-                records = step(batch)
+                records = step(Batch.of(batch, token_rows=False))
                 if derivations:
                     records.update(derive(list(derivations), records))
                 sink.write(records, recorder.events, copier.give_back)
