@@ -77,6 +77,9 @@ def describe_plan(
                     )
             if not shapes.get(layer):
                 lines.append(f"    {layer:<32} (not called in the probe forward pass)")
+            elif not any(c.at(hook.site) for c in shapes[layer]):
+                # Token ids, or a module whose outputs hold no floating-point tensor.
+                lines.append(f"    {layer:<32} (no floating-point tensor here: nothing stored)")
     lines.append(_size_line(stored, folds, file))
     return "\n".join(lines)
 

@@ -179,5 +179,8 @@ def probe_shapes(
         shapes.update(_classify_all(calls[0], calls[1]))
         weighted = tuple(name for name in weights.values() if name in shapes)
     plan = bind_calls(dataclasses.replace(plan, weighted=weighted), shapes)
-    shapes[INPUT_LAYER] = [CallShapes((), (Leaf("", tuple(sample.shape)),))]
+    # The model input is a floating-point leaf (an image) or none: token ids are no value a
+    # hook acts on (they are stored at /samples/tokens), so nothing is captured or sized.
+    leaf = (Leaf("", tuple(sample.shape)),) if sample.is_floating_point() else ()
+    shapes[INPUT_LAYER] = [CallShapes((), leaf)]
     return shapes, tuple(model_logits(seen[0][1]).shape[1:]), plan

@@ -6,6 +6,8 @@ GPT-2 and Llama; the model leaves the run as it came."""
 
 from __future__ import annotations
 
+import re
+
 import h5py
 import numpy as np
 import pytest
@@ -190,3 +192,26 @@ def test_integrated_gradients_and_smoothgrad_explain_the_input_embeddings(tmp_pa
         np.testing.assert_allclose(
             smooth[r][mask[r]], _hand_gradient(model, family, row, kind), atol=1e-5, rtol=0
         )
+
+
+def test_the_dry_run_lists_only_what_the_file_holds(tmp_path):
+    """experiment=integrated_gradients on token data: its `photo` hook captures the model
+    input, which for a language model is token ids (stored at /samples/tokens), no value a
+    hook acts on. The dry run listed /captures/input/output, which the file never held."""
+    args = [
+        "experiment=integrated_gradients",
+        "model=tiny_lm",
+        "dataset=prompts",
+        "dataset.path=${pkg_dir:hookrun}/models/checkpoints/lens_prompts.jsonl",
+        "target.kind=answer",
+        "limit=2",
+        "++derive.integrated_gradients.steps=2",
+        "render=false",
+    ]
+    dry = run_config(tmp_path / "dry", [*args, "dry_run=true"])
+    listed = set(re.findall(r"\s(/\S+)$", dry.plan_text, re.M))
+    assert "/derived/integrated_gradients/input" in listed
+    result = run_config(tmp_path / "run", args)
+    with h5py.File(result.path) as f:
+        assert all(path.lstrip("/") in f for path in listed), listed
+    assert "input                            (no floating-point tensor here" in dry.plan_text

@@ -13,10 +13,13 @@ spsolve on 224 × 224 masks; the system is assembled in one vectorised pass (no 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import scipy.sparse as sp
-import scipy.sparse.linalg as sla
 import torch
+
+if TYPE_CHECKING:  # imported where used: scipy.sparse costs every run's start-up otherwise
+    import scipy.sparse as sp
 
 __all__ = ["NEIGHBOURS", "imputation_system", "impute", "noisy_linear_imputation"]
 
@@ -54,6 +57,8 @@ def imputation_system(
         weights.append(np.full(len(rows[-1]), -weight))
         known = inside & ~flat[neighbour]
         b[known] += weight * values[:, neighbour[known]].T
+    import scipy.sparse as sp
+
     data = np.concatenate([diag, *weights])
     a = sp.csc_matrix((data, (np.concatenate(rows), np.concatenate(cols))), shape=(n, n))
     return a, b, where
@@ -65,6 +70,8 @@ def impute(image: np.ndarray, removed: np.ndarray) -> np.ndarray:
     out = np.array(image, dtype=np.float64)
     if not removed.any():
         return out
+    import scipy.sparse.linalg as sla
+
     a, b, where = imputation_system(out, removed)
     lu = sla.splu(
         a, permc_spec="MMD_AT_PLUS_A", diag_pivot_thresh=0.0, options={"SymmetricMode": True}

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.stats import rankdata
-from skimage.metrics import structural_similarity
 
 from hookrun.stages.evaluate.relevance import reduce_channels
 
@@ -31,6 +29,8 @@ def to_map(attribution: torch.Tensor, reduce: str) -> torch.Tensor:
 def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Spearman's rank correlation of each row of `a` with the same row of `b` (N, P) → (N,);
     0 where either row is constant."""
+    from scipy.stats import rankdata  # here: scipy.stats costs every run's start-up ~1 s
+
     ra = rankdata(a, axis=1) - (a.shape[1] + 1) / 2
     rb = rankdata(b, axis=1) - (b.shape[1] + 1) / 2
     norm = np.sqrt((ra * ra).sum(1) * (rb * rb).sum(1))
@@ -44,6 +44,8 @@ def _scaled(x: np.ndarray) -> np.ndarray:
 
 def ssim(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """SSIM of each pair of maps (N, h, w), each min–max scaled to [0, 1] first."""
+    from skimage.metrics import structural_similarity  # here: costs start-up otherwise
+
     side = min(a.shape[1:])
     win = min(7, side if side % 2 else side - 1)
     return np.array(
