@@ -4,7 +4,8 @@ block 1) is a torch Dataset whose item i is the feature vector (D,) of the i-th 
 of the run — padding skipped through the stored mask — read from the file a block of rows
 at a time, so memory holds one block, not the corpus. A capture of listed positions
 (`args.positions: [0, -1]`, (N, P, D)) holds real tokens only (a listed position past a
-row's real tokens is refused before the run), so its items are every stored position."""
+row's real tokens is refused before the run), so its items are every stored position; a
+capture of one position per row (`args.positions: last`, (N, D)) has one item per row."""
 
 from __future__ import annotations
 
@@ -32,12 +33,17 @@ class Activations(Dataset):
         with open_readonly(self.path) as f:
             ds = f[key]
             rows = read_state(f).completed
-            if ds.ndim != 3:
-                raise ValueError(f"{key} has shape {ds.shape}; valid: a (N, T, D) capture")
-            self.tokens, self.features = ds.shape[1], ds.shape[2]
+            if ds.ndim not in (2, 3):
+                raise ValueError(
+                    f"{key} has shape {ds.shape}; valid: a (N, T, D) capture, or (N, D) of one "
+                    "position per row"
+                )
+            # (N, D): one position per row (positions: last), every row a real token.
+            self.one_per_row = ds.ndim == 2
+            self.tokens, self.features = (1, ds.shape[1]) if self.one_per_row else ds.shape[1:]
             self.block = block or (ds.chunks[0] if ds.chunks else 64)
             mask = f[SAMPLES_MASK][:rows] if SAMPLES_MASK in f else None
-            if mask is not None and mask.shape[1] != self.tokens:
+            if mask is not None and (self.one_per_row or mask.shape[1] != self.tokens):
                 mask = None  # listed positions (P, not the T the mask is over): all real
         # Flat positions n * T + t of the real tokens; None: every position is one.
         self.real = np.flatnonzero(mask.reshape(-1)) if mask is not None else None
@@ -59,4 +65,5 @@ class Activations(Dataset):
                 self._file = open_readonly(self.path)
             stop = min(start + self.block, self.rows)
             self._cache = (start, np.asarray(read_floats(self._file[self.key], slice(start, stop))))
-        return torch.from_numpy(np.array(self._cache[1][row - start, token], dtype=np.float32))
+        at = (row - start,) if self.one_per_row else (row - start, token)
+        return torch.from_numpy(np.array(self._cache[1][at], dtype=np.float32))

@@ -113,18 +113,22 @@ def test_activations_of_listed_positions_read_every_stored_position_and_no_paddi
         "render=false",
         "+hooks.resid.args.positions=[0,-1]",
         *hook("final", "transformer.ln_f", "output", "capture"),
+        *hook("last", "transformer.h.1.mlp", "output", "capture"),
+        "++hooks.last.args.positions=last",
     ]
     path = run_config(tmp_path, args).path
     with h5py.File(path) as f:
         mask = f["samples/mask"][()]
         listed = f["captures/transformer.h.0/output"][()].astype(np.float32)
         every = f["captures/transformer.ln_f/output"][()].astype(np.float32)
+        last = f["captures/transformer.h.1.mlp/output"][()].astype(np.float32)
     rows, tokens = mask.shape
     assert listed.shape[:2] == (rows, 2) and every.shape[:2] == (rows, tokens)
     assert not mask.all() and mask.sum() > 2 * rows  # padding, and more real tokens than listed
     want = {
         "captures/transformer.h.0/output": listed.reshape(rows * 2, -1),
         "captures/transformer.ln_f/output": every[mask],
+        "captures/transformer.h.1.mlp/output": last,  # (N, D): one real token per row
     }
     for key, vectors in want.items():
         for block in [None, 3]:
