@@ -3,6 +3,7 @@ when imported here."""
 
 from hookrun.stages import derive as derive
 from hookrun.stages import evaluate as evaluate
+from hookrun.stages import generate as generate
 from hookrun.stages import induction as induction
 from hookrun.stages import lens as lens
 from hookrun.stages import patching as patching

@@ -1,0 +1,3 @@
+"""Generation with the run's hooks at every decoding step (`generate:`, experiment=generate)."""
+
+from hookrun.stages.generate import stage as stage  # registers the stage

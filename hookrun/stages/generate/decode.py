@@ -1,0 +1,125 @@
+"""The decoding loop: each row's prompt continued token by token with the key-value cache,
+every step a forward pass of the Hugging Face model under whatever hooks are attached.
+
+Rows of different lengths are decoded together left-aligned: each prompt moved to the end of
+a (N, longest) block with the padding in front, masked, and the positions counted from each
+row's first real token — as Hugging Face's `generate` does — so a row is continued as it
+would be alone (to float rounding). A row that has given its end token stops: later steps
+still run it (the batch moves together) but nothing of it is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hookrun.stages.generate.keys import NO_TOKEN
+
+__all__ = ["Sampling", "Decoded", "decode", "left_aligned", "choose"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy at temperature 0, else drawn."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: torch.Tensor  # (N, steps) int64, NO_TOKEN after a row stopped
+    logprobs: torch.Tensor  # (N, steps) float32, NaN after a row stopped
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.tokens != NO_TOKEN
+
+
+def left_aligned(
+    ids: torch.Tensor, lengths: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompts `ids` (N, T) of `lengths` (N,) as (ids, mask, positions), each
+    (N, longest): the prompt at the end of its row, padding (`pad`, masked) in front, and
+    each token's position counted from its row's first token."""
+    longest = int(lengths.max())
+    columns = torch.arange(longest, device=ids.device)
+    start = longest - lengths  # (N,): where each prompt begins
+    real = columns[None, :] >= start[:, None]
+    source = (columns[None, :] - start[:, None]).clamp(min=0)
+    left = torch.where(real, ids.gather(1, source), torch.full_like(source, pad))
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    return left, real.long(), positions
+
+
+def choose(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The next token of each row from its logits (N, V) float32."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    scaled = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
+        kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
+        drop = before >= sampling.top_p  # the most likely token always stays (before = 0)
+        scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def decode(
+    hf: nn.Module,
+    prompts: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+    sampling: Sampling,
+    stop: tuple[torch.Tensor, int],
+    generator: torch.Generator | None = None,
+    before_step: Callable[[], None] = lambda: None,
+) -> Decoded:
+    """Up to `steps` tokens after each prompt (`prompts`: right-padded ids (N, T) and each
+    row's prompt length (N,)); `stop`: the end-token ids (empty: none) and the pad id fed
+    to rows that stopped. `before_step` runs before each forward pass (the hooks' call
+    counts start again there)."""
+    (ids, lengths), (ends, pad) = prompts, stop
+    rows = len(lengths)
+    inputs, mask, positions = left_aligned(ids, lengths, pad)
+    tokens = torch.full((rows, steps), NO_TOKEN, dtype=torch.int64, device=ids.device)
+    logprobs = torch.full((rows, steps), float("nan"), dtype=torch.float32, device=ids.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    # transformers 5 names the key-value cache `cache`; earlier versions `past_key_values`.
+    cache_key = (
+        "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    )
+    cache = None
+    for step in range(steps):
+        before_step()
+        out = hf(
+            input_ids=inputs,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            return_dict=True,
+            **{cache_key: cache},
+        )
+        cache = getattr(out, cache_key)
+        logits = out.logits[:, -1].float()
+        chosen = choose(logits, sampling, generator)
+        logp = logits.log_softmax(-1).gather(1, chosen[:, None])[:, 0]
+        tokens[:, step] = torch.where(done, NO_TOKEN, chosen)
+        logprobs[:, step] = torch.where(done, float("nan"), logp)
+        done |= torch.isin(chosen, ends)
+        if bool(done.all()):
+            break
+        inputs = torch.where(done, pad, chosen)[:, None]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+    return Decoded(tokens, logprobs)

@@ -1,0 +1,15 @@
+"""Where generation is stored in captures.h5: /generation/tokens (N, steps) int32 (-1 after a
+row stopped), /generation/mask (N, steps) bool, /generation/logprobs (N, steps) float32 (the
+chosen token's log probability under the hooked model, NaN after a row stopped) and
+/generation/text (N,) UTF-8, fixed width."""
+
+from __future__ import annotations
+
+__all__ = ["GENERATION", "TOKENS", "MASK", "LOGPROBS", "TEXT", "NO_TOKEN"]
+
+GENERATION = "generation"
+TOKENS = f"{GENERATION}/tokens"
+MASK = f"{GENERATION}/mask"
+LOGPROBS = f"{GENERATION}/logprobs"
+TEXT = f"{GENERATION}/text"
+NO_TOKEN = -1  # /generation/tokens after a row's end token

@@ -1,0 +1,198 @@
+"""The generation stage (`generate:`, experiment=generate): each row's prompt continued by a
+causal language model with the run's hooks acting at every decoding step — the prompt's
+pass and each new token's, through the key-value cache (decode.py) — and what it gave
+stored per row (keys.py); the summary shows the first rows' text.
+
+Every hook that changes values (add, scale, zero, clamp, noise, on module inputs and
+outputs, heads included) acts at each step as in the run's own pass. Captures are the run's
+pass over the prompt (its datasets as without `generate`); hooks that need positions,
+stored rows or attention patterns are refused before any work (the prompt's positions
+would not say where a new token is).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from hookrun.errors import HookrunError
+from hookrun.models.adapter import adapt
+from hookrun.runtime.hooks import attach
+from hookrun.runtime.plan import HookPlan
+from hookrun.runtime.sites import Site
+from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stages.generate.config import GenerateConfig, parse_generate
+from hookrun.stages.generate.decode import Sampling, decode
+from hookrun.stages.generate.keys import GENERATION, LOGPROBS, MASK, TEXT, TOKENS
+
+__all__ = ["GenerateStage"]
+
+_SHOWN_ROWS = 3
+
+
+class GeneratePlan(Plan):
+    def __init__(self, config: GenerateConfig, hooks: HookPlan, ends: list[int], width: int):
+        self.config, self.hooks, self.ends, self.width = config, hooks, ends, width
+
+    def stored(self) -> dict[str, Stored]:
+        steps = (self.config.max_new_tokens,)
+        return {
+            TOKENS: Stored(steps),
+            MASK: Stored(steps),
+            LOGPROBS: Stored(steps),
+            TEXT: Stored((), {"encoding": "utf-8"}),
+        }
+
+    def attrs(self) -> dict[str, dict]:
+        c = self.config
+        said = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature}
+        said |= {"top_k": c.top_k or 0, "top_p": c.top_p or 1.0, "end_tokens": self.ends}
+        return {GENERATION: said}
+
+    def batch(self, work: Work) -> dict[str, Any]:
+        language = adapt(work.model).language
+        batch = work.on_device
+        recorder = work.recorder({})
+        first = int(batch.index[0])
+
+        def before_step() -> None:  # each step is a forward pass of its own: calls from 0
+            recorder.begin(first)
+            recorder.rows = batch.index
+
+        c = self.config
+        sampling = Sampling(c.temperature, c.top_k, c.top_p)
+        device = batch.inputs.device
+        ends = torch.tensor(self.ends, dtype=torch.int64, device=device)
+        pad = int(self.ends[0]) if self.ends else 0
+        generator = work.generator("generate", device) if c.temperature > 0 else None
+        with ExitStack() as stack, torch.inference_mode():
+            stack.enter_context(attach(self.hooks, work.model, recorder))
+            out = decode(
+                language.hf,
+                (batch.tokens, batch.read + 1),
+                c.max_new_tokens,
+                sampling,
+                (ends, pad),
+                generator,
+                before_step,
+            )
+        tokens, mask = out.tokens.cpu(), out.mask.cpu()
+        texts = [
+            language.tokenizer.decode(row[keep].tolist(), skip_special_tokens=True)
+            for row, keep in zip(tokens, mask, strict=True)
+        ]
+        return {
+            TOKENS: tokens.to(torch.int32),
+            MASK: mask,
+            LOGPROBS: out.logprobs.cpu(),
+            # UTF-8 of one width for the run (resumed rows and torchrun shards share a dtype).
+            TEXT: np.array(
+                [_fixed(t, self.width) for t in texts], dtype=h5py.string_dtype("utf-8", self.width)
+            ),
+        }
+
+
+def _fixed(text: str, width: int) -> bytes:
+    """`text` as UTF-8 in at most `width` bytes, cut at a character's boundary."""
+    return text.encode("utf-8")[:width].decode("utf-8", "ignore").encode("utf-8")
+
+
+@register_stage
+class GenerateStage(Stage):
+    name = node = "generate"
+    order = 60
+    axes = {TEXT: "sample", f"{GENERATION}/*": "sample step"}
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        return parse_generate(raw)
+
+    @classmethod
+    def plan(cls, config: GenerateConfig, setup: Setup) -> Plan:
+        language = adapt(setup.model).language
+        if language is None or language.kind != "causal_lm" or setup.tokens is None:
+            what = getattr(language, "kind", type(setup.model).__name__)
+            raise HookrunError(
+                f"generate: the model is {what} on {'token' if setup.tokens else 'image'} data; "
+                "valid: a causal language model (model.class=causal_lm) on token data"
+            )
+        if language.tokenizer is None:
+            raise HookrunError("generate: the model has no tokenizer to write the text with")
+        hooks = _generation_hooks(setup.plan)
+        _check_positions(config, language, setup.tokens)
+        ends = _end_tokens(language) if config.stop_at_eos else []
+        return GeneratePlan(config, hooks, ends, _text_width(language, config.max_new_tokens))
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        if TEXT not in f:
+            return []
+        shown = min(rows, _SHOWN_ROWS)
+        texts = [t.decode("utf-8") for t in f[TEXT][:shown]]
+        return [f"generated, sample {i}: {t!r}" for i, t in enumerate(texts)]
+
+
+def _generation_hooks(plan: HookPlan) -> HookPlan:
+    """The run's hooks that act at each decoding step: those that change values; captures
+    and gradient sites keep to the run's pass over the prompt. Refused: hooks whose
+    positions, stored rows or attention patterns are the prompt's."""
+    for hook in plan.hooks:
+        where = f"hooks.{hook.name}"
+        if hook.action.captures or hook.site.is_grad:
+            continue
+        if hook.action.positions is not None:
+            raise HookrunError(
+                f"{where}.args.positions: {hook.action.positions.describe()} with generate: "
+                "positions count over the prompt, not the generated tokens; valid: no "
+                "positions (the hook acts at every token of every step)"
+            )
+        if hook.action.reads_rows:
+            raise HookrunError(
+                f"{where}.action: {hook.action.name} puts stored (tokens, width) rows back, which "
+                "a decoding step's one new token does not have; valid with generate: add, "
+                "scale, zero, clamp, noise"
+            )
+        if hook.site == Site.pattern:
+            raise HookrunError(
+                f"{where}.at: pattern with generate; valid: capture there (the prompt's "
+                "pass), or a module's input or output"
+            )
+    acting = [h for h in plan.hooks if not h.action.captures and not h.site.is_grad]
+    return HookPlan(hooks=acting, weighted=plan.weighted)
+
+
+def _check_positions(config: GenerateConfig, language: Any, tokens: Any) -> None:
+    """The longest prompt and its new tokens fit the model's learned positions."""
+    limit = language.max_positions()
+    if limit is None:
+        return
+    most, key = limit
+    longest = int(tokens.lengths.max())
+    if longest + config.max_new_tokens > most:
+        raise HookrunError(
+            f"generate.max_new_tokens: {config.max_new_tokens} after a prompt of {longest} "
+            f"tokens passes the model's {most} positions ({key}); valid: at most "
+            f"{max(most - longest, 0)}"
+        )
+
+
+def _end_tokens(language: Any) -> list[int]:
+    """The model's end-of-text token ids (its generation config's, else its config's)."""
+    found = getattr(getattr(language.hf, "generation_config", None), "eos_token_id", None)
+    if found is None:
+        found = getattr(language.config, "eos_token_id", None)
+    if found is None:
+        return []
+    return [int(x) for x in (found if isinstance(found, (list, tuple)) else [found])]
+
+
+def _text_width(language: Any, steps: int) -> int:
+    """Bytes of /generation/text: `steps` tokens of the vocabulary's longest text, with room
+    for a word's leading space a token decoded alone loses."""
+    vocab = int(language.config.vocab_size)
+    texts = language.tokenizer.batch_decode([[i] for i in range(vocab)])
+    return steps * (max(len(t.encode("utf-8")) for t in texts) + 4)

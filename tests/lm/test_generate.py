@@ -1,0 +1,238 @@
+"""Generation with hooks (`generate:`, experiment=generate) against Hugging Face itself:
+without hooks the tokens of `model.generate` row by row; with hooks the tokens and per-step
+log probabilities of a hand-written loop of `register_forward_hook` and the key-value cache,
+one row at a time (GPT-2, Llama, GPT-NeoX; float32, eager attention). Batched prompts of
+different lengths give each row what it gives alone."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import hookrun_cli, killed_after, run_config
+from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
+
+from hookrun.errors import HookrunError
+
+STEPS = 6
+PROMPTS = [
+    {"prompt": "The cat sat on the"},
+    {"prompt": "A quick brown fox jumps over the lazy"},
+    {"prompt": "Hooks"},
+    {"prompt": "def add(a, b): return"},
+]
+BLOCK = {family: FAMILIES[family][2] for family in ("gpt2", "llama", "gpt_neox")}
+MLP = {
+    "gpt2": "transformer.h.1.mlp",
+    "llama": "model.layers.1.mlp",
+    "gpt_neox": "gpt_neox.layers.1.mlp",
+}
+
+
+def _args(tmp_path, *extra: str) -> list[str]:
+    return [
+        "experiment=generate",
+        "model=hf",
+        f"model.path={tmp_path / 'lm'}",
+        "model.attention=eager",
+        f"dataset.path={tmp_path / 'prompts.jsonl'}",
+        "batch_size=4",
+        f"generate.max_new_tokens={STEPS}",
+        "generate.stop_at_eos=false",
+        "render=false",
+        *extra,
+    ]
+
+
+def _generated(path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    with h5py.File(path) as f:
+        return (
+            f["generation/tokens"][()],
+            f["generation/mask"][()],
+            f["generation/logprobs"][()],
+            [t.decode("utf-8") for t in f["generation/text"][()]],
+        )
+
+
+def _prompt_ids(row: dict) -> list[int]:
+    return tokenizer()(row["prompt"])["input_ids"]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _hand_loop(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding of one row by hand: the prompt's pass, then one token a step with the
+    model's key-value cache; the chosen token's log probability each step."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        logits = out.logits[0, -1].float()
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(logits.log_softmax(-1)[token]))
+        out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
+def test_without_hooks_each_row_is_what_model_generate_gives_it_alone(tmp_path, family):
+    model, _ = save_lm(tmp_path / "lm", family)
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    result = run_config(tmp_path / "run", _args(tmp_path))
+    tokens, mask, logprobs, texts = _generated(result.path)
+    assert tokens.shape == (len(PROMPTS), STEPS) and mask.all()
+    tok = tokenizer()
+    for r, row in enumerate(PROMPTS):
+        ids = torch.tensor([_prompt_ids(row)])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,  # no end token: the run does not stop either
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
+            )
+        want = out.sequences[0, ids.shape[1] :].tolist()
+        assert tokens[r].tolist() == want, (family, r)
+        scores = torch.stack(out.logits)[:, 0].float().log_softmax(-1)
+        want_lp = scores[torch.arange(STEPS), torch.tensor(want)].numpy()
+        np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
+        assert texts[r] == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
+def test_hooks_act_at_every_decoding_step_as_a_hand_written_loop(tmp_path, family):
+    """An `add` at block 0's output and a `zero` at block 1's MLP, with the cache: each
+    step's one new token goes through both, as in the hand loop's hooks."""
+    model, _ = save_lm(tmp_path / "lm", family)
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    hooks = [
+        f"++hooks.steer.select.name={BLOCK[family].format(0)}",
+        "++hooks.steer.at=output",
+        "++hooks.steer.action=add",
+        "++hooks.steer.args.value=0.75",
+        f"++hooks.off.select.name={MLP[family]}",
+        "++hooks.off.at=output",
+        "++hooks.off.action=zero",
+    ]
+    result = run_config(tmp_path / "run", _args(tmp_path, *hooks))
+    tokens, mask, logprobs, _ = _generated(result.path)
+    modules = dict(model.named_modules())
+
+    def add(module, args, output):
+        first = _first(output) + 0.75
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+    handles = [
+        modules[BLOCK[family].format(0)].register_forward_hook(add),
+        modules[MLP[family]].register_forward_hook(lambda m, a, o: torch.zeros_like(o)),
+    ]
+    try:
+        with torch.no_grad():
+            hand = [_hand_loop(model, _prompt_ids(row), STEPS) for row in PROMPTS]
+            plain = _hand_loop_unhooked(model, handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for r, (want, want_lp) in enumerate(hand):
+        assert tokens[r].tolist() == want, (family, r)
+        np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
+    assert plain != [t for t, _ in hand]  # the hooks changed what was generated
+
+
+def _hand_loop_unhooked(model, handles) -> list[list[int]]:
+    """The same rows with the hooks off (the steering must change something)."""
+    for handle in handles:
+        handle.remove()
+    return [_hand_loop(model, _prompt_ids(row), STEPS)[0] for row in PROMPTS]
+
+
+def test_a_row_stops_at_the_end_token_and_the_others_go_on(tmp_path):
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    with torch.no_grad():
+        greedy = _hand_loop(model, _prompt_ids(PROMPTS[0]), STEPS)[0]
+    end = greedy[2]  # row 0's third token ends its text
+    model.config.eos_token_id = model.generation_config.eos_token_id = end
+    model.save_pretrained(tmp_path / "lm")
+    args = [a for a in _args(tmp_path) if a != "generate.stop_at_eos=false"]
+    tokens, mask, logprobs, _ = _generated(run_config(tmp_path / "run", args).path)
+    stop = greedy.index(end)  # its first occurrence: kept, nothing after it
+    assert tokens[0].tolist() == greedy[: stop + 1] + [-1] * (STEPS - stop - 1)
+    assert mask[0].tolist() == [True] * (stop + 1) + [False] * (STEPS - stop - 1)
+    assert np.isnan(logprobs[0, stop + 1 :]).all() and not np.isnan(logprobs[0, : stop + 1]).any()
+    with h5py.File(tmp_path / "run" / "captures.h5") as f:
+        assert list(f["generation"].attrs["end_tokens"]) == [end]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    sample = ["generate.temperature=1.5", "generate.top_p=0.95"]
+    first = _generated(run_config(tmp_path / "a", _args(tmp_path, *sample)).path)[0]
+    again = _generated(run_config(tmp_path / "b", _args(tmp_path, *sample)).path)[0]
+    other = _generated(run_config(tmp_path / "c", _args(tmp_path, *sample, "seed=1")).path)[0]
+    np.testing.assert_array_equal(first, again)
+    assert (first != other).any()
+    greedy = _generated(run_config(tmp_path / "d", _args(tmp_path)).path)[0]
+    top1 = ["generate.temperature=0.7", "generate.top_k=1"]
+    np.testing.assert_array_equal(
+        _generated(run_config(tmp_path / "e", _args(tmp_path, *top1)).path)[0], greedy
+    )
+
+
+def test_killed_and_resumed_gives_the_same_file(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS * 6)  # 24 rows, 12 batches of 2
+    args = _args(tmp_path, "batch_size=2", "generate.temperature=1.0", "progress=false")
+    whole = _generated(run_config(tmp_path / "whole", args).path)
+    run_dir = tmp_path / "killed"
+    killed_after(args, tmp_path, run_dir, rows=4)
+    done = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = _generated(run_dir / "captures.h5")
+    for got, want in zip(resumed, whole, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["generate.max_new_tokens=0"], "generate.max_new_tokens: 0 is out of range"),
+        (["generate.temperature=-1"], "generate.temperature: -1.0; valid: 0 (greedy)"),
+        (["generate.top_k=5"], "generate.top_k: 5 with temperature 0 (greedy)"),
+        (["generate.temperature=1", "generate.top_p=1.5"], "generate.top_p: 1.5; valid:"),
+        (["generate.max_new_tokens=60"], "generate.max_new_tokens: 60 after a prompt of"),
+        (
+            [
+                "++hooks.p.select.name=transformer.h.0",
+                "++hooks.p.at=output",
+                "++hooks.p.action=add",
+                "++hooks.p.args.value=1.0",
+                "++hooks.p.args.positions=last",
+            ],
+            "hooks.p.args.positions: last with generate",
+        ),
+    ],
+)
+def test_refused_in_one_line_before_any_work(tmp_path, extra, said):
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", _args(tmp_path, *extra))
+    assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_a_masked_language_model_is_refused(tmp_path):
+    save_lm(tmp_path / "lm", "bert")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", _args(tmp_path, "model.class=masked_lm"))
+    assert str(err.value).startswith("generate: the model is masked_lm on token data; valid:")
