@@ -21,6 +21,7 @@ from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
 from hookrun.registry import Registry
 from hookrun.runtime.positions import Positions, parse_heads, parse_positions
+from hookrun.runtime.vectors import digests, parse_vector, read_vector
 from hookrun.typed import check_finite, parse_typed
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Clamp",
     "Zero",
     "Noise",
+    "AblateDirection",
     "ACTIONS",
     "build_action",
 ]
@@ -116,6 +118,16 @@ class ScaleArgs:
 @dataclass
 class AddArgs:
     value: float = 0.0
+    # A direction added along the site's last axis, `scale` times (runtime/vectors.py);
+    # `normalize`: at unit length first.
+    vector: Any = None
+    scale: float = 1.0
+    normalize: bool = False
+
+
+@dataclass
+class AblateArgs:
+    vector: Any = None  # the direction removed (runtime/vectors.py)
 
 
 @dataclass
@@ -197,14 +209,101 @@ class Scale(Action):
         return tensor * self.args.factor
 
 
+class _Directed(Action):
+    """An action along a vector of the site's last axis, read before any work."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__(args)
+        self.source = None if args.vector is None else parse_vector(args.vector, "vector")
+        self.vector: torch.Tensor | None = None
+
+    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+        if self.source is None or not shape:
+            return
+        vector = read_vector(self.source, f"{key}.args.vector", shape[-1])
+        if self.vector is not None and len(self.vector) != len(vector):
+            raise HookrunError(
+                f"{key}.args.vector: one vector for sites of widths {len(self.vector)} and "
+                f"{len(vector)}; valid: sites of one width (a hook per width)"
+            )
+        self.vector = self._direction(vector, key)
+
+    def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
+        return vector
+
+    def _on(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.vector is None:
+            raise RuntimeError(f"{self.name}: its vector was not read before the first batch")
+        return self.vector.to(tensor.device, tensor.dtype)
+
+    def sources(self) -> dict[str, str]:
+        return digests(self.source) if self.source is not None else {}
+
+    def describe(self) -> str:
+        if self.source is None:
+            return super().describe()
+        files = ", ".join(p.name for p in self.source.files())
+        return super().describe().replace(f"vector={self.args.vector}", f"vector=<{files}>")
+
+
 @_action("add")
-class Add(Action):
-    """Add `value` to every element (the seeds' `grad + 2`)."""
+class Add(_Directed):
+    """Add `value` to every element (the seeds' `grad + 2`), or `scale` × a vector along the
+    site's last axis (steering)."""
 
     Args = AddArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
-        return tensor + self.args.value
+        if self.source is None:
+            return tensor + self.args.value
+        return tensor + self.args.scale * self._on(tensor)
+
+    def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
+        if not self.args.normalize:
+            return vector
+        norm = float(vector.norm())
+        if norm == 0:
+            raise HookrunError(f"{key}.args.vector: a zero vector cannot be normalized")
+        return vector / norm
+
+    @classmethod
+    def check(cls, args: AddArgs, key: str) -> None:
+        if args.vector is None and (args.scale != 1.0 or args.normalize):
+            said = "scale" if args.scale != 1.0 else "normalize"
+            raise HookrunError(f"{key}.args.{said}: applies to args.vector, which is not given")
+        if args.vector is not None and args.value != 0.0:
+            raise HookrunError(
+                f"{key}.args.value: {args.value} with args.vector; valid: one of them"
+            )
+        if args.vector is not None:
+            parse_vector(args.vector, f"{key}.args.vector")
+
+
+@_action("ablate_direction")
+class AblateDirection(_Directed):
+    """Remove each position's component along a direction: x − (x·d̂) d̂ (Arditi et al.
+    2024), d̂ the vector at unit length."""
+
+    Args = AblateArgs
+
+    def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        unit = self._on(tensor)
+        return tensor - (tensor @ unit)[..., None] * unit
+
+    def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
+        norm = float(vector.norm())
+        if norm == 0:
+            raise HookrunError(f"{key}.args.vector: a zero vector has no direction")
+        return vector / norm
+
+    @classmethod
+    def check(cls, args: AblateArgs, key: str) -> None:
+        if args.vector is None:
+            raise HookrunError(
+                f"{key}.args.vector: null; valid: the direction ablate_direction removes (a "
+                ".npy, .pt or .safetensors file, a stored run, or plus and minus)"
+            )
+        parse_vector(args.vector, f"{key}.args.vector")
 
 
 @_action("clamp")

@@ -1,0 +1,205 @@
+"""Directions in a site's feature space (its last axis: a language model's width), for
+`action: add` with `args.vector` (steering: ActAdd, Turner et al. 2023; contrastive
+activation addition, Rimsky et al. 2024) and `action: ablate_direction` (Arditi et al.
+2024). A vector is data, from one of:
+
+    vector: steer.npy                      # a file holding one (D,) vector: .npy, .pt, .safetensors
+    vector: {file: steer.safetensors, key: layer_1}          # one tensor of several
+    vector: {file: happy/captures.h5, record: captures/transformer.h.1/output,
+             positions: last, reduce: mean}                  # the mean of a stored run's rows
+    vector: {plus: SOURCE, minus: SOURCE}                     # the difference of two sources
+
+A stored run gives the mean over its rows of the record at `positions`: `last` (each row's
+last real token, by /samples/mask), `all` (every real token), or a record already of one
+vector per row ((N, D): a capture with `args.positions: last`). Everything is read and
+checked before the first batch, and each file's SHA-256 joins the run's provenance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.io.stored import read_rows, record_rows, stored_record
+from hookrun.models.weights import sha256_of
+
+__all__ = ["VectorSource", "parse_vector", "read_vector"]
+
+_TENSOR_FILES = (".npy", ".pt", ".safetensors")
+_RUN_FILES = (".h5", ".hdf5")
+_POSITIONS = ("last", "all")
+_VALID = (
+    "a .npy, .pt or .safetensors file of one (D,) vector, {file, key}, a stored run "
+    "{file: captures.h5, record, positions: last|all, reduce: mean}, or {plus: ..., minus: ...}"
+)
+
+
+@dataclass(frozen=True)
+class VectorSource:
+    """Where a vector comes from: a tensor file (`key`: which tensor), a stored run's record
+    (`record`, `positions`), or plus − minus."""
+
+    file: Path | None = None
+    key: str | None = None
+    record: str | None = None
+    positions: str = "last"
+    plus: VectorSource | None = None
+    minus: VectorSource | None = None
+
+    def files(self) -> list[Path]:
+        if self.plus is not None and self.minus is not None:
+            return [*self.plus.files(), *self.minus.files()]
+        return [self.file] if self.file is not None else []
+
+
+def parse_vector(value: Any, key: str) -> VectorSource:
+    """The VectorSource of `args.vector` (checked: its files exist and are of a kind read)."""
+    if isinstance(value, str):
+        return _file_source({"file": value}, key)
+    if not isinstance(value, Mapping):
+        raise HookrunError(f"{key}: {value!r}; valid: {_VALID}")
+    given = dict(value)
+    if "plus" in given or "minus" in given:
+        if set(given) != {"plus", "minus"}:
+            raise HookrunError(f"{key}: {sorted(given)}; valid: exactly plus and minus")
+        plus = parse_vector(given["plus"], f"{key}.plus")
+        minus = parse_vector(given["minus"], f"{key}.minus")
+        return VectorSource(plus=plus, minus=minus)
+    return _file_source(given, key)
+
+
+def _file_source(given: dict, key: str) -> VectorSource:
+    if "file" not in given:
+        raise HookrunError(f"{key}: {given}; valid: {_VALID}")
+    path = Path(str(given["file"])).expanduser()
+    if not path.is_file():
+        raise HookrunError(f"{key}.file: {str(path)!r} does not exist (from {Path.cwd()})")
+    suffix = path.suffix.lower()
+    if suffix in _TENSOR_FILES:
+        extra = set(given) - {"file", "key"}
+        if extra:
+            raise HookrunError(
+                f"{key}.{sorted(extra)[0]}: not a key of a tensor file; valid: file, key"
+            )
+        name = given.get("key")
+        return VectorSource(file=path, key=None if name is None else str(name))
+    if suffix in _RUN_FILES:
+        extra = set(given) - {"file", "record", "positions", "reduce"}
+        if extra:
+            raise HookrunError(
+                f"{key}.{sorted(extra)[0]}: not a key of a stored run; valid: file, record, "
+                "positions, reduce"
+            )
+        if not given.get("record"):
+            raise HookrunError(
+                f"{key}.record: missing; valid: a dataset of {path}, e.g. "
+                f"{layout.capture_key('<module>', 'output')}"
+            )
+        positions = str(given.get("positions", "last"))
+        if positions not in _POSITIONS:
+            raise HookrunError(f"{key}.positions: {positions!r}; valid: {', '.join(_POSITIONS)}")
+        if str(given.get("reduce", "mean")) != "mean":
+            raise HookrunError(f"{key}.reduce: {given['reduce']!r}; valid: mean")
+        return VectorSource(file=path, record=str(given["record"]).lstrip("/"), positions=positions)
+    raise HookrunError(
+        f"{key}.file: {path.name} is not a file a vector is read from; valid: "
+        f"{', '.join(_TENSOR_FILES + _RUN_FILES)}"
+    )
+
+
+def read_vector(source: VectorSource, key: str, width: int) -> torch.Tensor:
+    """The (width,) float64 vector of `source`; HookrunError naming `key` when it is not one
+    vector of the site's width."""
+    if source.plus is not None and source.minus is not None:
+        plus = read_vector(source.plus, f"{key}.plus", width)
+        return plus - read_vector(source.minus, f"{key}.minus", width)
+    assert source.file is not None
+    vector = _run_mean(source, key) if source.record is not None else _tensor_file(source, key)
+    if vector.dim() > 1 and max(vector.shape) == vector.numel():  # (1, D) and the like
+        vector = vector.reshape(-1)
+    if vector.dim() != 1 or len(vector) != width:
+        raise HookrunError(
+            f"{key}: {source.file} gives a vector of shape {list(vector.shape)}; the site's last "
+            f"axis has {width}; valid: one ({width},) vector"
+        )
+    if not bool(torch.isfinite(vector).all()):
+        raise HookrunError(f"{key}: {source.file} holds a value that is not finite")
+    return vector.double()
+
+
+def _tensor_file(source: VectorSource, key: str) -> torch.Tensor:
+    path = source.file
+    assert path is not None
+    try:
+        if path.suffix.lower() == ".npy":
+            found: Any = torch.from_numpy(np.load(path, allow_pickle=False))
+        elif path.suffix.lower() == ".pt":
+            found = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            found = load_file(str(path))
+    except Exception as err:  # numpy, torch and safetensors raise many types on a bad file
+        raise HookrunError(f"{key}: {path} cannot be read ({type(err).__name__}: {err})") from None
+    if isinstance(found, Mapping):
+        names = sorted(found)
+        name = source.key or (names[0] if len(names) == 1 else None)
+        if name not in found:
+            raise HookrunError(f"{key}.key: {source.key!r}; valid: {', '.join(names)}")
+        found = found[name]
+    elif source.key is not None:
+        raise HookrunError(f"{key}.key: {source.key!r}, but {path} holds one tensor; valid: no key")
+    if not isinstance(found, torch.Tensor) or not found.is_floating_point():
+        raise HookrunError(f"{key}: {path} holds no floating-point tensor")
+    return found.detach().double()
+
+
+def _run_mean(source: VectorSource, key: str) -> torch.Tensor:
+    """The mean over a stored run's rows of its record at `positions` (real tokens only)."""
+    path, record = source.file, source.record
+    assert path is not None and record is not None
+    state, shape, datasets = stored_record(path, record)
+    if state.status != "complete":
+        raise HookrunError(f"{key}.file: {path} is not complete (status {state.status})")
+    if shape is None:
+        raise HookrunError(
+            f"{key}.record: '/{record}' is not in {path}; valid: "
+            + ", ".join(f"/{d}" for d in datasets if d.startswith(f"{layout.CAPTURES}/"))
+        )
+    if record_rows(path, record):
+        raise HookrunError(f"{key}.record: '/{record}' is not stored one row per sample")
+    rows = np.arange(state.completed)
+    values = read_rows(path, record, rows).astype(np.float64)
+    if values.ndim == 2:  # (N, D): one vector per row already (positions: last captures)
+        return torch.from_numpy(values.mean(0))
+    if values.ndim != 3:
+        raise HookrunError(
+            f"{key}.record: '/{record}' holds rows of shape {list(shape)}; valid: (tokens, "
+            "width) or (width,) rows of a language model's run"
+        )
+    if layout.SAMPLES_MASK in datasets:
+        mask = read_rows(path, layout.SAMPLES_MASK, rows).astype(bool)
+    else:
+        mask = np.ones(values.shape[:2], dtype=bool)
+    if mask.shape[1] != values.shape[1]:
+        raise HookrunError(
+            f"{key}.record: '/{record}' holds {values.shape[1]} positions per row, not every "
+            f"token; valid: a capture with args.positions: all, or one of (width,) rows"
+        )
+    if source.positions == "last":
+        last = mask.sum(1) - 1
+        return torch.from_numpy(values[np.arange(len(values)), last].mean(0))
+    return torch.from_numpy(values[mask].mean(0))
+
+
+def digests(source: VectorSource) -> dict[str, str]:
+    """The provenance of the files a vector is read from: {file, sha256} (several joined)."""
+    files = [p.resolve() for p in source.files()]
+    return {"file": ", ".join(map(str, files)), "sha256": ", ".join(sha256_of(p) for p in files)}
