@@ -64,6 +64,7 @@ __all__ = [
     "stage_nodes",
     "drawn_by_stages",
     "summarised",
+    "stage_columns",
     "completed",
 ]
 
@@ -266,6 +267,11 @@ class Stage:
         return []
 
     @classmethod
+    def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
+        """Its columns of a sweep's summary (sweep_summary.csv): name → the job's number."""
+        return {}
+
+    @classmethod
     def draw(cls, f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
         """Its pictures of the file, into `out_dir`; the files written."""
         return []
@@ -295,6 +301,11 @@ def drawn_by_stages(path: str) -> bool:
 def summarised(f: h5py.File, rows: int) -> list[str]:
     """Every stage's lines in the end-of-run summary of the open file `f`."""
     return [line for stage in stages() for line in stage.summary(f, rows)]
+
+
+def stage_columns(f: h5py.File, rows: int) -> dict[str, float]:
+    """Every stage's columns of a sweep's summary, from the open file `f`."""
+    return {k: v for stage in stages() for k, v in stage.columns(f, rows).items()}
 
 
 def completed(f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:

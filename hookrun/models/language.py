@@ -105,7 +105,13 @@ class LanguageModel(nn.Module):
                 return rows, keys[0] if keys else f"the {rows} rows of {name}"
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None = None, **hf_kwargs: Any) -> Any:
+        """The output at each row's read position of the token sample batch `x`; without
+        `x`, the wrapped model's own output for `hf_kwargs` (a stage's passes: generation's
+        steps, the metrics' logits), called through this module so that what hooks the
+        model's root (function sites, the run's hooks on it) sees those passes too."""
+        if x is None:
+            return self.hf(**hf_kwargs)
         return self._output(x, input_ids=x[:, 0])
 
     def input_embeddings(self) -> nn.Module:

@@ -19,6 +19,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hookrun.io.layout import open_readonly, read_state
+from hookrun.stage import stage_columns
 from hookrun.stages.evaluate.ranking import job_means, write_ranking
 
 __all__ = ["JOB_FILE", "write_job_summary", "SweepSummary"]
@@ -42,6 +44,8 @@ def write_job_summary(
     }
     if status == "complete" and path is not None:
         row["evaluation"] = job_means(path)
+        with open_readonly(path) as f:
+            row["evaluation"]["means"] |= stage_columns(f, read_state(f).completed)
     (run_dir / JOB_FILE).write_text(json.dumps(row))
 
 

@@ -6,5 +6,6 @@ from hookrun.stages import evaluate as evaluate
 from hookrun.stages import generate as generate
 from hookrun.stages import induction as induction
 from hookrun.stages import lens as lens
+from hookrun.stages import metrics as metrics
 from hookrun.stages import patching as patching
 from hookrun.stages import sanity as sanity

@@ -77,7 +77,7 @@ def choose(
 
 
 def decode(
-    hf: nn.Module,
+    language: nn.Module,
     prompts: tuple[torch.Tensor, torch.Tensor],
     steps: int,
     sampling: Sampling,
@@ -97,12 +97,14 @@ def decode(
     done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
     # transformers 5 names the key-value cache `cache`; earlier versions `past_key_values`.
     cache_key = (
-        "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        "cache"
+        if "cache" in inspect.signature(language.hf.forward).parameters
+        else "past_key_values"
     )
     cache = None
     for step in range(steps):
         before_step()
-        out = hf(
+        out = language(  # through the root: function sites see each step
             input_ids=inputs,
             attention_mask=mask,
             position_ids=positions,

@@ -72,7 +72,7 @@ class GeneratePlan(Plan):
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(attach(self.hooks, work.model, recorder))
             out = decode(
-                language.hf,
+                language,
                 (batch.tokens, batch.read + 1),
                 c.max_new_tokens,
                 sampling,

@@ -1,0 +1,179 @@
+"""The metrics stage (`metrics:`, e.g. `metrics=lm`): per batch, one pass of the causal
+language model under the run's value-changing hooks and one without them, each over every
+position; the metrics of both (compute.py) stored at /metrics/<name> and
+/metrics/<name>_unhooked, /metrics/kl between them. The summary prints each mean and its
+change; a sweep's summary gets a column per metric (and its change), so a multirun over heads
+ablated ranks them by the loss change with no code of the user's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from hookrun.errors import HookrunError, did_you_mean
+from hookrun.io.encoding import read_floats
+from hookrun.memory import check_fits
+from hookrun.models.adapter import adapt
+from hookrun.runtime.hooks import attach
+from hookrun.runtime.plan import HookPlan
+from hookrun.runtime.targets import TargetKind
+from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stages.metrics.compute import NAMES, PAIRED, kl, row_metrics
+from hookrun.stages.metrics.keys import METRICS_GROUP, UNHOOKED, metric_key
+from hookrun.typed import Frozen, parse_typed
+
+__all__ = ["MetricsStage", "MetricsConfig"]
+
+_TOKEN_TARGETS = (
+    TargetKind.predicted,
+    TargetKind.next_token,
+    TargetKind.answer,
+    TargetKind.logit_diff,
+)
+
+
+@dataclass
+class MetricsConfig(Frozen):
+    # Any of loss, token_loss, answer_logprob, logit_diff, kl (compute.py).
+    names: list[str] = field(default_factory=lambda: ["loss", "answer_logprob", "kl"])
+
+
+def parse_metrics(raw: Any) -> MetricsConfig | None:
+    if not raw:
+        return None
+    config = parse_typed(raw, MetricsConfig, "metrics")
+    if not config.names:
+        raise HookrunError(f"metrics.names: []; valid: any of {', '.join(NAMES)}")
+    for i, name in enumerate(config.names):
+        if name not in NAMES:
+            did = did_you_mean(name, NAMES)
+            raise HookrunError(f"metrics.names[{i}]: {name!r}{did}; valid: {', '.join(NAMES)}")
+    if len(set(config.names)) != len(config.names):
+        raise HookrunError(f"metrics.names: {list(config.names)} names a metric twice")
+    return config
+
+
+class MetricsPlan(Plan):
+    def __init__(self, names: tuple[str, ...], hooks: HookPlan, tokens: int) -> None:
+        self.names, self.hooks, self.tokens = names, hooks, tokens
+
+    def stored(self) -> dict[str, Stored]:
+        out = {}
+        for name in self.names:
+            shape = (self.tokens,) if name == "token_loss" else ()
+            out[metric_key(name)] = Stored(shape)
+            if name in PAIRED:
+                out[metric_key(name, unhooked=True)] = Stored(shape)
+        return out
+
+    def batch(self, work: Work) -> dict[str, Any]:
+        batch = work.on_device
+        language = adapt(work.model).language
+        recorder = work.recorder({})
+        recorder.begin(int(batch.index[0]))
+        recorder.rows, recorder.mask = batch.index, batch.mask  # patch rows, args.positions
+        targets = work.targets
+
+        def logits() -> torch.Tensor:
+            # Through the root: function sites (attention patterns) see the pass.
+            out = language(input_ids=batch.tokens, attention_mask=batch.mask, use_cache=False)
+            return out.logits
+
+        with torch.inference_mode():
+            with attach(self.hooks, work.model, recorder):
+                hooked = logits()
+            unhooked = logits()  # the run's own hooks stand aside during a stage's work
+            parts = (batch.tokens, batch.mask, batch.read, targets)
+            out = {metric_key(k): v for k, v in row_metrics(hooked, *parts, self.names).items()}
+            plain = row_metrics(unhooked, *parts, self.names)
+            out |= {metric_key(k, unhooked=True): v for k, v in plain.items() if k in PAIRED}
+            if "kl" in self.names:
+                out[metric_key("kl")] = kl(hooked, unhooked, batch.mask)
+        return {k: v.float().cpu() for k, v in out.items()}
+
+
+@register_stage
+class MetricsStage(Stage):
+    name = node = "metrics"
+    order = 55
+    axes = {metric_key("token_loss*"): "sample token", f"{METRICS_GROUP}/*": "sample"}
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        return parse_metrics(raw)
+
+    @classmethod
+    def plan(cls, config: MetricsConfig, setup: Setup) -> Plan:
+        language = adapt(setup.model).language
+        if language is None or language.kind != "causal_lm" or setup.tokens is None:
+            raise HookrunError(
+                "metrics: the model is not a causal language model on token data; valid: "
+                "model.class=causal_lm on dataset=text, prompts, hf_disk or repeated_tokens"
+            )
+        kind = setup.spec.target.kind
+        wants_target = [n for n in config.names if n in ("answer_logprob", "logit_diff")]
+        if wants_target and kind not in _TOKEN_TARGETS:
+            raise HookrunError(
+                f"metrics.names: {wants_target[0]} with target.kind={kind.value}, which names no "
+                f"token; valid: {', '.join(k.value for k in _TOKEN_TARGETS)}"
+            )
+        if "logit_diff" in config.names and kind != TargetKind.logit_diff:
+            raise HookrunError(
+                f"metrics.names: logit_diff with target.kind={kind.value}; valid: "
+                "target.kind=logit_diff (prompts with a counterfactual_answer)"
+            )
+        rows, tokens = setup.spec.batch_size, int(setup.tokens.ids.shape[1])
+        vocab = int(language.config.vocab_size)
+        check_fits(
+            "batch_size",
+            rows,
+            3 * 4 * rows * tokens * vocab,
+            f"the logits of metrics' two passes [{rows}, {tokens}, {vocab}]",
+        )
+        acting = [h for h in setup.plan.hooks if not h.action.captures and not h.site.is_grad]
+        hooks = HookPlan(hooks=acting, weighted=setup.plan.weighted)
+        return MetricsPlan(tuple(config.names), hooks, tokens)
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        return [f"metrics: {name} {text}" for name, text in _means(f, rows).items()]
+
+    @classmethod
+    def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, (hooked, unhooked) in _pairs(f, rows).items():
+            out[f"metrics:{name}"] = hooked
+            if unhooked is not None:
+                out[f"metrics:{name}{UNHOOKED}"] = unhooked
+                out[f"metrics:{name}_change"] = hooked - unhooked
+        return out
+
+
+def _pairs(f: h5py.File, rows: int) -> dict[str, tuple[float, float | None]]:
+    """Each stored per-row metric's mean over the rows: (hooked, unhooked or None)."""
+    group = f.get(METRICS_GROUP)
+    if group is None:
+        return {}
+    out: dict[str, tuple[float, float | None]] = {}
+    for name in NAMES:
+        if name not in group or name == "token_loss":
+            continue
+        hooked = float(np.nanmean(read_floats(group[name], slice(0, rows))))
+        other = group.get(f"{name}{UNHOOKED}")
+        plain = float(np.nanmean(read_floats(other, slice(0, rows)))) if other is not None else None
+        out[name] = (hooked, plain)
+    return out
+
+
+def _means(f: h5py.File, rows: int) -> dict[str, str]:
+    out = {}
+    for name, (hooked, plain) in _pairs(f, rows).items():
+        if plain is None:
+            out[name] = f"{hooked:.4g} (mean over {rows} rows)"
+        else:
+            out[name] = f"{hooked:.4g} hooked, {plain:.4g} unhooked ({hooked - plain:+.4g})"
+    return out
