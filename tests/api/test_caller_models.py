@@ -31,6 +31,8 @@ REFUSED = {
     ("vit", "logit_lens"): "matches no module",
     ("resnet18", "induction"): "matches no module",
     ("vit", "induction"): "matches no module",
+    ("resnet18", "generate"): "valid: a causal language model",
+    ("vit", "generate"): "valid: a causal language model",
 }
 
 
