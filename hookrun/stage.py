@@ -24,7 +24,8 @@ A stage's life in a run:
    alone, so the summary, `python -m hookrun.render` and `python -m hookrun.verify` work
    without the run.
 
-Adding a stage is its folder, one line in hookrun/stages/__init__.py, and its conf group.
+Adding a stage is its folder, one line in hookrun/stages/__init__.py, and its conf group
+(and, for the wheel, its package in pyproject.toml).
 """
 
 from __future__ import annotations

@@ -134,3 +134,22 @@ def test_nothing_points_outside_the_repository():
     files += [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / ".ci" / "run"]
     outside = "../" + "shared"  # split so this file does not name it
     assert [p.name for p in files if outside in p.read_text()] == []
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists hookrun's packages (conf/ is mapped into it, which setuptools'
+    discovery cannot do): a new folder, such as a new stage's, must be listed there too, or
+    the installed wheel lacks it (tests/packaging/ finds that too, in minutes)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "hookrun").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found - listed == set(), (
+        f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+    )

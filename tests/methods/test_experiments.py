@@ -85,6 +85,7 @@ def test_every_experiment_file_is_tested():
                 "induction",  # tests/lm/test_induction.py
                 "layer_cam",
                 "lm_cache",  # tests/lm/test_lm_cache.py
+                "generate",  # tests/lm/test_generate.py
                 "lm_patching",  # tests/lm/test_lm_patching.py
                 "logit_lens",  # tests/lm/test_logit_lens.py
                 "patch",
@@ -279,8 +280,8 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
     )
 
 
-# The language-model experiments draw their own pictures (tests/lm/).
-LANGUAGE = ("induction", "lm_cache", "lm_patching", "logit_lens")
+# The language-model experiments draw their own pictures (tests/lm/); generate writes text.
+LANGUAGE = ("generate", "induction", "lm_cache", "lm_patching", "logit_lens")
 
 
 @pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])
