@@ -24,6 +24,7 @@ from torch import nn
 import hookrun.stages  # noqa: F401  (registers every stage before a config is built)
 from hookrun.config.build import RunSpec, build_spec, release_model_keys
 from hookrun.config.schema import conf_dir, register_configs
+from hookrun.data.inline import INLINE_FILE, inline_rows, write_rows
 from hookrun.errors import HookrunError
 from hookrun.models.config import ModelConfig
 from hookrun.pipeline.finish import Result
@@ -77,29 +78,69 @@ def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> R
     return replace(spec, model=new_model, config_yaml=OmegaConf.to_yaml(tree))
 
 
+def _language_model(model: nn.Module | None, tokenizer: Any) -> nn.Module:
+    """A Hugging Face model and its tokenizer as hookrun's LanguageModel, its kind read from
+    the model's class (…ForCausalLM, …ForMaskedLM, …ForSequenceClassification, else base)."""
+    from hookrun.models.language import LanguageModel
+
+    if model is None:
+        raise HookrunError("tokenizer: given without model; valid: model=a transformers model")
+    if isinstance(model, LanguageModel):
+        raise HookrunError("tokenizer: the LanguageModel given as model has its own tokenizer")
+    if not type(model).__module__.startswith("transformers."):
+        raise HookrunError(
+            f"tokenizer: given with a {type(model).__name__}, not a transformers model; valid: "
+            "model=a transformers model (AutoModelFor...), or no tokenizer"
+        )
+    name = type(model).__name__
+    kinds = {
+        "ForCausalLM": "causal_lm",
+        "LMHeadModel": "causal_lm",
+        "ForMaskedLM": "masked_lm",
+        "ForSequenceClassification": "sequence_classification",
+    }
+    kind = next((k for end, k in kinds.items() if name.endswith(end)), "base")
+    return LanguageModel(model, tokenizer, kind)
+
+
 def run(
     overrides: Sequence[str] | None = None,
     *,
     model: nn.Module | None = None,
     dataset: Any = None,
     run_dir: str | Path | None = None,
+    tokenizer: Any = None,
 ) -> Result:
     """Run an experiment as `python -m hookrun OVERRIDES` would.
 
-    `model`: any nn.Module to run instead of the config's (the selectors apply to it);
-    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs instead
+    `model`: any nn.Module to run instead of the config's (the selectors apply to it); a
+    Hugging Face model with its `tokenizer` runs as model=hf would (models/language.py);
+    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs, or a list
+    of strings (documents, as dataset=text) or of prompt dicts (as dataset=prompts), instead
     of the config's; `run_dir`: where captures.h5 and the pictures go (default: the CLI's
     outputs/<date>/<time>/, relative to the current directory).
     """
     if model is not None and not isinstance(model, nn.Module):
         raise HookrunError(f"model: a {type(model).__name__} is not a torch.nn.Module")
+    if tokenizer is not None:
+        model = _language_model(model, tokenizer)
+    if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
+        raise HookrunError(f"run_dir: {run_dir!r}; valid: a folder path (str or Path)")
+    inline = inline_rows(dataset)
+    if inline is not None:  # written into the run dir, read by the kind from there
+        kind, rows = inline
+        cfg, _, default_dir = _compose(overrides)
+        folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
+        run_dir, dataset = folder, None
+        write_rows(rows, folder / INLINE_FILE)
+        chosen = [] if cfg.dataset.get("kind") == kind else [f"dataset={kind}"]
+        path = str(folder / INLINE_FILE).replace("'", "\\'")
+        overrides = [*(overrides or []), *chosen, f"dataset.path='{path}'"]
     cfg, experiment, default_dir = _compose(overrides)
     # A caller's model is not the preset's: the preset's CAM layer falls back to auto.
     release_model_keys(cfg, overrides or [], caller_model=model is not None)
     spec = build_spec(cfg, experiment)
     if model is not None or dataset is not None:
         spec = _describe_objects(spec, model, dataset)
-    if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
-        raise HookrunError(f"run_dir: {run_dir!r}; valid: a folder path (str or Path)")
     folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
     return execute(spec, folder, CallerObjects(model, dataset))
