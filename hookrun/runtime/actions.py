@@ -220,7 +220,12 @@ class _Directed(Action):
     def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
         if self.source is None or not shape:
             return
-        vector = read_vector(self.source, f"{key}.args.vector", shape[-1])
+        if len(shape) > 2:  # (C, H, W): the last axis is the image's width, not a feature
+            raise HookrunError(
+                f"{key}.args.vector: /{site} holds {list(shape)} per sample; valid: a site of "
+                "(tokens, width) or (width,) per sample, a vector along its width"
+            )
+        vector = read_vector(self.source, f"{key}.args.vector", shape[-1], site)
         if self.vector is not None and len(self.vector) != len(vector):
             raise HookrunError(
                 f"{key}.args.vector: one vector for sites of widths {len(self.vector)} and "

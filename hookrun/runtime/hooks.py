@@ -65,6 +65,8 @@ class Recorder:
         self.timer = timer or StageTimer(enabled=False)
         # True while a derived method runs passes of its own: every hook stands aside.
         self.paused = False
+        # The decoding step of a generation's pass (0: the prompt's, and every other pass).
+        self.step = 0
         self.begin(0)
 
     def begin(self, batch_start: int) -> None:
@@ -98,8 +100,10 @@ class Recorder:
             self.events.append(event)
 
     def generator(self, hook: str, key: str, device: torch.device) -> torch.Generator:
-        """A generator seeded by (run seed, hook, tensor, first row of the batch)."""
-        salt = zlib.crc32(f"{hook}|{key}|{self.batch_start}".encode())
+        """A generator seeded by (run seed, hook, tensor, first row of the batch, and the
+        decoding step after the first: generation draws anew at each step)."""
+        step = f"|step{self.step}" if self.step else ""
+        salt = zlib.crc32(f"{hook}|{key}|{self.batch_start}{step}".encode())
         return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + salt)
 
 
@@ -148,12 +152,26 @@ def _hook_gradient(
 
 
 def _forward_site(
-    layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
+    layer: str,
+    site: Site,
+    hooks: list[PlannedHook],
+    recorder: Recorder,
+    value: Any,
+    call: int,
+    first_changes: bool = False,
 ) -> Any:
+    """Each floating-point leaf of `value` through `hooks`; with `first_changes`, the hooks
+    that change values act on the first leaf only (captures on every one)."""
     found = leaves(value)
+    stores = [h for h in hooks if h.action.captures]
     new = {
-        leaf: _apply(hooks, t, recorder, capture_key(layer, site, call, leaf=leaf))
-        for leaf, t in found
+        leaf: _apply(
+            hooks if i == 0 or not first_changes else stores,
+            t,
+            recorder,
+            capture_key(layer, site, call, leaf=leaf),
+        )
+        for i, (leaf, t) in enumerate(found)
     }
     return rebuild(value, new) if found else value
 
@@ -193,7 +211,10 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
         if on_input:
-            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
+            # A module's first floating-point input is the one it transforms; those after it
+            # are what it is told (a transformer block's additive attention mask, -3.4e38
+            # where masked): scaled, clamped or noised, the mask would unmask tokens.
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call, True)
         if on_grad and torch.is_grad_enabled():
             args = _grad_input_clones(layer, call, args, on_grad, recorder)
         return args if (on_input or on_grad) else None
@@ -234,7 +255,10 @@ def _call_site(plan: HookPlan, recorder: Recorder):
         recorder.calls[layer] += 1
         original = args[0] if args else None
         if on_input:
-            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
+            # A module's first floating-point input is the one it transforms; those after it
+            # are what it is told (a transformer block's additive attention mask, -3.4e38
+            # where masked): scaled, clamped or noised, the mask would unmask tokens.
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call, True)
         if on_grad_in and torch.is_grad_enabled():
             args = _grad_input_clones(layer, call, args, on_grad_in, recorder)
         output = func(*args, **kwargs)

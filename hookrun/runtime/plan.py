@@ -135,7 +135,9 @@ class HookPlan:
         for hook in self.hooks:
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
-                    for leaf in call_shapes.at(hook.site):
+                    for i, leaf in enumerate(call_shapes.at(hook.site)):
+                        if i and hook.site == Site.input and not hook.action.captures:
+                            continue  # acts on a module's first input only (runtime/hooks.py)
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
                         if hook.action.captures and leaf.refused:
                             raise HookrunError(

@@ -17,6 +17,7 @@ checked before the first batch, and each file's SHA-256 joins the run's provenan
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,20 +115,22 @@ def _file_source(given: dict, key: str) -> VectorSource:
     )
 
 
-def read_vector(source: VectorSource, key: str, width: int) -> torch.Tensor:
-    """The (width,) float64 vector of `source`; HookrunError naming `key` when it is not one
-    vector of the site's width."""
+def read_vector(source: VectorSource, key: str, width: int, site: str = "") -> torch.Tensor:
+    """The (width,) float64 vector of `source` for the site `site`; HookrunError naming `key`
+    when it is not one vector of the site's width."""
     if source.plus is not None and source.minus is not None:
-        plus = read_vector(source.plus, f"{key}.plus", width)
-        return plus - read_vector(source.minus, f"{key}.minus", width)
+        plus = read_vector(source.plus, f"{key}.plus", width, site)
+        return plus - read_vector(source.minus, f"{key}.minus", width, site)
     assert source.file is not None
     vector = _run_mean(source, key) if source.record is not None else _tensor_file(source, key)
     if vector.dim() > 1 and max(vector.shape) == vector.numel():  # (1, D) and the like
         vector = vector.reshape(-1)
     if vector.dim() != 1 or len(vector) != width:
+        where = f"/{site}" if site else "the site"
         raise HookrunError(
-            f"{key}: {source.file} gives a vector of shape {list(vector.shape)}; the site's last "
-            f"axis has {width}; valid: one ({width},) vector"
+            f"{key}: {source.file} gives a vector of shape {list(vector.shape)}; {where} has "
+            f"width {width} (its last axis); valid: one ({width},) vector, at a site of the "
+            "vector's width"
         )
     if not bool(torch.isfinite(vector).all()):
         raise HookrunError(f"{key}: {source.file} holds a value that is not finite")
@@ -147,8 +150,17 @@ def _tensor_file(source: VectorSource, key: str) -> torch.Tensor:
 
             found = load_file(str(path))
     except Exception as err:  # numpy, torch and safetensors raise many types on a bad file
-        raise HookrunError(f"{key}: {path} cannot be read ({type(err).__name__}: {err})") from None
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines() or [""]
+        hint = (
+            "; valid: tensors saved with torch.save (weights_only loading runs no pickled code)"
+            if path.suffix.lower() == ".pt"
+            else ""
+        )
+        raise HookrunError(
+            f"{key}: {path} cannot be read ({type(err).__name__}: {first[0][:200]}){hint}"
+        ) from None
     if isinstance(found, Mapping):
+        found = {str(k): v for k, v in found.items()}  # a .pt dict may have integer keys
         names = sorted(found)
         name = source.key or (names[0] if len(names) == 1 else None)
         if name not in found:
@@ -176,7 +188,13 @@ def _run_mean(source: VectorSource, key: str) -> torch.Tensor:
     if record_rows(path, record):
         raise HookrunError(f"{key}.record: '/{record}' is not stored one row per sample")
     rows = np.arange(state.completed)
-    values = read_rows(path, record, rows).astype(np.float64)
+    values = read_rows(path, record, rows)
+    if not np.issubdtype(values.dtype, np.floating):  # token ids, masks: no activations
+        raise HookrunError(
+            f"{key}.record: '/{record}' holds {values.dtype} values; valid: a capture of "
+            "activations (floating point)"
+        )
+    values = values.astype(np.float64)
     if values.ndim == 2:  # (N, D): one vector per row already (positions: last captures)
         return torch.from_numpy(values.mean(0))
     if values.ndim != 3:

@@ -236,3 +236,77 @@ def test_a_masked_language_model_is_refused(tmp_path):
     with pytest.raises(HookrunError) as err:
         run_config(tmp_path / "run", _args(tmp_path, "model.class=masked_lm"))
     assert str(err.value).startswith("generate: the model is masked_lm on token data; valid:")
+
+
+def test_an_end_token_past_the_vocabulary_stops_nothing(tmp_path):
+    """The tests' GPT-2 keeps GPT-2's eos id (50256) with a vocabulary of a few hundred: no
+    row can give it, and the rows that finish early are fed a token that exists."""
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    stop = [a for a in _args(tmp_path) if a != "generate.stop_at_eos=false"]
+    got = _generated(run_config(tmp_path / "a", stop).path)
+    want = _generated(run_config(tmp_path / "b", _args(tmp_path)).path)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_text_rows_and_extreme_sampling(tmp_path):
+    """dataset=text rows generate too; a temperature near 0 and a top_p that rounds to 0
+    are greedy, not NaN."""
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The cat sat on the mat.\nHooks capture activations.\n", encoding="utf-8")
+    text = ["dataset=text", f"dataset.path={corpus}", "dataset.context=6", "target.kind=next_token"]
+    tokens, mask, _, _ = _generated(run_config(tmp_path / "text", _args(tmp_path, *text)).path)
+    assert tokens.shape[1] == STEPS and mask.all()
+    greedy = _generated(run_config(tmp_path / "g", _args(tmp_path)).path)[0]
+    for i, extreme in enumerate(
+        (["generate.temperature=1e-30"], ["generate.temperature=1.0", "generate.top_p=1e-300"])
+    ):
+        got = _generated(run_config(tmp_path / f"x{i}", _args(tmp_path, *extreme)).path)[0]
+        np.testing.assert_array_equal(got, greedy)
+
+
+def test_a_hook_at_a_block_input_leaves_its_attention_mask_alone(tmp_path):
+    """GPT-2's eager block takes the hidden states and an additive attention mask (−3.4e38
+    where masked): `clamp` there clamps the hidden states; the mask is as without the hook,
+    in the run's pass and in every decoding step (the hand loop clamps the hidden states)."""
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    clamp = [
+        "++hooks.c.select.name=transformer.h.1",
+        "++hooks.c.at=input",
+        "++hooks.c.action=clamp",
+        "++hooks.c.args.min=-1.0",
+        "++hooks.c.args.max=1.0",
+    ]
+    capture = [
+        "++hooks.k.select.name=transformer.h.1",
+        "++hooks.k.at=input",
+        "++hooks.k.action=capture",
+    ]
+    hooked = run_config(tmp_path / "hooked", _args(tmp_path, *clamp, *capture)).path
+    plain = run_config(tmp_path / "plain", _args(tmp_path, *capture)).path
+    with h5py.File(hooked) as f, h5py.File(plain) as g:
+        leaves = sorted(k for k in f["captures/transformer.h.1"] if k.startswith("input"))
+        assert len(leaves) >= 2, leaves  # the mask is an input here
+        first, *rest = leaves
+        assert np.abs(f[f"captures/transformer.h.1/{first}"][()]).max() <= 1.0
+        for key in rest:
+            np.testing.assert_array_equal(
+                f[f"captures/transformer.h.1/{key}"][()], g[f"captures/transformer.h.1/{key}"][()]
+            )
+    tokens, _, logprobs, _ = _generated(hooked)
+
+    def clamp_hidden(module, args):
+        return (args[0].clamp(-1.0, 1.0), *args[1:])
+
+    handle = model.transformer.h[1].register_forward_pre_hook(clamp_hidden)
+    try:
+        with torch.no_grad():
+            hand = [_hand_loop(model, _prompt_ids(row), STEPS) for row in PROMPTS]
+    finally:
+        handle.remove()
+    for r, (want, want_lp) in enumerate(hand):
+        assert tokens[r].tolist() == want, r
+        np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)

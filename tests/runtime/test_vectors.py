@@ -138,7 +138,11 @@ def test_ablate_direction_removes_the_component_along_it(lm, tmp_path):
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ({"vector": "WIDE"}, "gives a vector of shape [33]; the site's last axis has 32"),
+        (
+            {"vector": "WIDE"},
+            "gives a vector of shape [33]; /captures/transformer.h.0/output has width 32",
+        ),
+        ({"vector": {"file": "RUN", "record": "samples/tokens"}}, "holds int32 values; valid: a"),
         ({"vector": "nowhere.npy"}, "hooks.s.args.vector.file: 'nowhere.npy' does not exist"),
         ({"vector": "V", "value": 1.0}, "hooks.s.args.value: 1.0 with args.vector; valid: one"),
         ({"scale": 2.0}, "hooks.s.args.scale: applies to args.vector, which is not given"),
@@ -171,3 +175,66 @@ def test_bad_vectors_are_refused_before_any_work(lm, tmp_path, args, said):
 def test_ablate_direction_needs_a_vector(lm, tmp_path):
     with pytest.raises(HookrunError, match="hooks.a.args.vector: null; valid: the direction"):
         _run(lm, tmp_path / "refused", "targets", *_hook("a", "ablate_direction"))
+
+
+class Box:
+    """A vector pickled as an object: torch.load(weights_only=True) refuses it."""
+
+    def __init__(self, v: torch.Tensor) -> None:
+        self.v = v
+
+
+def test_a_pt_dict_with_integer_keys_and_a_pickle_only_file(lm, tmp_path):
+    v = torch.arange(32, dtype=torch.float32)
+    torch.save({0: v, 1: -v}, tmp_path / "ints.pt")
+    capture = _hook("c", "capture")
+    plain, mask = _captured(_run(lm, tmp_path / "plain", "targets", *capture))
+    spec = {"file": str(tmp_path / "ints.pt"), "key": "1"}
+    steered, _ = _captured(
+        _run(lm, tmp_path / "s", "targets", *_hook("s", "add", vector=spec), *capture)
+    )
+    np.testing.assert_allclose(steered[mask], (plain - v.double().numpy())[mask], atol=1e-5)
+
+    torch.save(Box(v), tmp_path / "pickled.pt")
+    with pytest.raises(HookrunError) as err:
+        _run(lm, tmp_path / "r", "targets", *_hook("s", "add", vector=str(tmp_path / "pickled.pt")))
+    said = str(err.value)
+    assert said.startswith(f"hooks.s.args.vector: {tmp_path / 'pickled.pt'} cannot be read (")
+    assert "valid: tensors saved with torch.save" in said and "\n" not in said
+    assert "\x1b" not in said
+
+
+def test_a_vector_at_an_image_site_is_refused(tmp_path):
+    """A conv site's last axis is the image's width: a vector along it is no feature."""
+    np.save(tmp_path / "v.npy", np.ones(8))
+    args = [
+        "model=resnet18",
+        "model.weights=null",
+        "dataset=fake",
+        "dataset.image_size=32",
+        "dataset.size=2",
+        "render=false",
+        "target.kind=none",
+        "++hooks.s.select.name=layer1",
+        "++hooks.s.at=output",
+        "++hooks.s.action=add",
+        f"++hooks.s.args.vector='{tmp_path / 'v.npy'}'",
+    ]
+    with pytest.raises(HookrunError, match=r"holds \[64, 8, 8\] per sample; valid: a site of"):
+        run_config(tmp_path / "run", args)
+
+
+def test_noise_draws_anew_at_each_decoding_step_and_the_prompts_pass_as_before():
+    from hookrun.runtime.hooks import Recorder
+
+    recorder = Recorder(seed=3, store_dtype=torch.float32)
+    recorder.begin(8)
+    first = torch.randn(4, generator=recorder.generator("n", "k", torch.device("cpu")))
+    recorder.step = 2
+    later = torch.randn(4, generator=recorder.generator("n", "k", torch.device("cpu")))
+    assert not torch.equal(first, later)
+    recorder.step = 0  # the prompt's pass: the seed a run without generate draws from
+    import zlib
+
+    want = torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(b"n|k|8"))
+    assert torch.equal(first, torch.randn(4, generator=want))

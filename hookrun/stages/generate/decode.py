@@ -63,14 +63,18 @@ def choose(
     """The next token of each row from its logits (N, V) float32."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
-    scaled = logits / sampling.temperature
+    # From the largest logit down, in float64: a temperature near 0 sends the others to −inf
+    # (the most likely token is then certain) instead of every logit to ±inf (NaN).
+    shifted = (logits - logits.max(dim=-1, keepdim=True).values).double()
+    scaled = shifted / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
         kth = scaled.topk(sampling.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if sampling.top_p is not None and sampling.top_p < 1:
         ordered, order = scaled.sort(dim=-1, descending=True)
         before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
-        drop = before >= sampling.top_p  # the most likely token always stays (before = 0)
+        drop = before >= sampling.top_p
+        drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0)
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

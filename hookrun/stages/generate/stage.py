@@ -35,8 +35,11 @@ _SHOWN_ROWS = 3
 
 
 class GeneratePlan(Plan):
-    def __init__(self, config: GenerateConfig, hooks: HookPlan, ends: list[int], width: int):
+    def __init__(
+        self, config: GenerateConfig, hooks: HookPlan, ends: list[int], width: int, pad: int
+    ) -> None:
         self.config, self.hooks, self.ends, self.width = config, hooks, ends, width
+        self.pad = pad  # fed to rows that stopped (any token in the vocabulary will do)
 
     def stored(self) -> dict[str, Stored]:
         steps = (self.config.max_new_tokens,)
@@ -46,6 +49,13 @@ class GeneratePlan(Plan):
             LOGPROBS: Stored(steps),
             TEXT: Stored((), {"encoding": "utf-8"}),
         }
+
+    def describe(self, itemsize: int) -> str:
+        steps = self.config.max_new_tokens
+        sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps, TEXT: self.width}
+        lines = [f"/{GENERATION}: {len(sizes)} dataset(s), {steps} steps"]
+        lines += [f"    {size:>8} B/sample  /{key}" for key, size in sizes.items()]
+        return "\n".join(lines)
 
     def attrs(self) -> dict[str, dict]:
         c = self.config
@@ -58,16 +68,18 @@ class GeneratePlan(Plan):
         batch = work.on_device
         recorder = work.recorder({})
         first = int(batch.index[0])
+        c = self.config
+        steps = iter(range(c.max_new_tokens))
 
         def before_step() -> None:  # each step is a forward pass of its own: calls from 0
             recorder.begin(first)
             recorder.rows = batch.index
+            recorder.step = next(steps)  # noise draws anew at each step
 
-        c = self.config
         sampling = Sampling(c.temperature, c.top_k, c.top_p)
         device = batch.inputs.device
         ends = torch.tensor(self.ends, dtype=torch.int64, device=device)
-        pad = int(self.ends[0]) if self.ends else 0
+        pad = self.pad
         generator = work.generator("generate", device) if c.temperature > 0 else None
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(attach(self.hooks, work.model, recorder))
@@ -123,9 +135,11 @@ class GenerateStage(Stage):
         if language.tokenizer is None:
             raise HookrunError("generate: the model has no tokenizer to write the text with")
         hooks = _generation_hooks(setup.plan)
-        _check_positions(config, language, setup.tokens)
+        # Every token row has the padded width of sample 0's: no prompt is longer.
+        _check_positions(config, language, int(setup.sample.shape[-1]))
         ends = _end_tokens(language) if config.stop_at_eos else []
-        return GeneratePlan(config, hooks, ends, _text_width(language, config.max_new_tokens))
+        width = _text_width(language, config.max_new_tokens)
+        return GeneratePlan(config, hooks, ends, width, _pad(language))
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
@@ -165,19 +179,28 @@ def _generation_hooks(plan: HookPlan) -> HookPlan:
     return HookPlan(hooks=acting, weighted=plan.weighted)
 
 
-def _check_positions(config: GenerateConfig, language: Any, tokens: Any) -> None:
-    """The longest prompt and its new tokens fit the model's learned positions."""
+def _check_positions(config: GenerateConfig, language: Any, longest: int) -> None:
+    """The longest row and its new tokens fit the model's learned positions (the last token
+    chosen is never fed back: it needs none)."""
     limit = language.max_positions()
     if limit is None:
         return
     most, key = limit
-    longest = int(tokens.lengths.max())
-    if longest + config.max_new_tokens > most:
+    if longest + config.max_new_tokens - 1 > most:
         raise HookrunError(
-            f"generate.max_new_tokens: {config.max_new_tokens} after a prompt of {longest} "
-            f"tokens passes the model's {most} positions ({key}); valid: at most "
-            f"{max(most - longest, 0)}"
+            f"generate.max_new_tokens: {config.max_new_tokens} after a prompt of up to "
+            f"{longest} tokens passes the model's {most} positions ({key}); valid: at most "
+            f"{max(most - longest + 1, 0)}"
         )
+
+
+def _pad(language: Any) -> int:
+    """The token fed to rows that stopped: the tokenizer's pad or end token where it is in
+    the vocabulary, else 0 (its outputs are never read)."""
+    vocab = int(language.config.vocab_size)
+    tok = language.tokenizer
+    found = [t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None and 0 <= t < vocab]
+    return int(found[0]) if found else 0
 
 
 def _end_tokens(language: Any) -> list[int]:
