@@ -78,6 +78,22 @@ def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> R
     return replace(spec, model=new_model, config_yaml=OmegaConf.to_yaml(tree))
 
 
+def _refuse_text_without_language_model(cfg: DictConfig, model: Any, kind: str) -> None:
+    """Strings and prompt dicts are read with a language model's tokenizer."""
+    from hookrun.models.adapter import adapt
+
+    language = adapt(model).language is not None if model is not None else None
+    if language is None:
+        language = cfg.model.get("source") == "hf"
+    if not language:
+        what = "strings" if kind == "text" else "prompt dicts"
+        raise HookrunError(
+            f"dataset: a list of {what} is a language model's data, and this run's model is "
+            "not one; valid: model=hf or model=tiny_lm (from Python a transformers model with "
+            "tokenizer=), or a dataset of tensors for this model"
+        )
+
+
 def _language_model(model: nn.Module | None, tokenizer: Any) -> nn.Module:
     """A Hugging Face model and its tokenizer as hookrun's LanguageModel, its kind read from
     the model's class (…ForCausalLM, …ForMaskedLM, …ForSequenceClassification, else base)."""
@@ -130,6 +146,7 @@ def run(
     if inline is not None:  # written into the run dir, read by the kind from there
         kind, rows = inline
         cfg, _, default_dir = _compose(overrides)
+        _refuse_text_without_language_model(cfg, model, kind)
         folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
         run_dir, dataset = folder, None
         write_rows(rows, folder / INLINE_FILE)

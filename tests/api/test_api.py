@@ -150,8 +150,9 @@ def test_dataset_of_labelled_pairs_and_default_run_dir(tmp_path, monkeypatch):
 def test_bad_python_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(HookrunError, match=r"model: a str is not a torch.nn.Module"):
         hookrun.run(["experiment=saliency"], model="resnet18")
-    with pytest.raises(HookrunError, match=r"dataset: item 0 is a str; valid: a tensor"):
+    with pytest.raises(HookrunError, match=r"dataset: a list of strings is a language model's"):
         hookrun.run(["experiment=saliency"], dataset=["not an image"], run_dir=tmp_path)
+    assert not (tmp_path / "dataset.jsonl").exists()  # refused before anything is written
     with pytest.raises(HookrunError, match=r"experiment"):
         hookrun.run(["experiment=no_such_experiment"])
 
