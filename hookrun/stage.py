@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hookrun.data.batch import Batch
+from hookrun.errors import HookrunError
 from hookrun.io.dimensions import name_axes
 from hookrun.memory import format_bytes
 from hookrun.registry import Registry
@@ -117,6 +118,20 @@ class Setup:
     store_dtype: torch.dtype
     device: torch.device
     made: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def causal_language(self, key: str) -> Any:
+        """The run's causal language model (models/language.py), for a stage that runs it on
+        token data itself; HookrunError naming `key` for any other model or data."""
+        from hookrun.models.adapter import adapt
+
+        language = adapt(self.model).language
+        if language is None or language.kind != "causal_lm" or self.tokens is None:
+            what = getattr(language, "kind", type(self.model).__name__)
+            raise HookrunError(
+                f"{key}: the model is {what} on {'token' if self.tokens else 'image'} data; "
+                "valid: a causal language model (model.class=causal_lm) on token data"
+            )
+        return language
 
 
 @dataclass

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hookrun.errors import HookrunError, unknown_key
+from hookrun.errors import HookrunError, did_you_mean, unknown_key
 
 __all__ = ["Frozen", "freeze", "parse_typed", "check_range", "check_finite", "import_class"]
 
@@ -70,6 +71,19 @@ def parse_typed(node: Any, schema: type, key: str) -> Any:
         where = f"{key}.{sub}" if sub else key
         msg = str(getattr(err, "msg", err)).splitlines()[0]
         raise HookrunError(f"{where}: {msg}") from None
+
+
+def check_choices(key: str, values: Sequence[str], valid: Sequence[str], what: str) -> None:
+    """A non-empty list of `valid` names, none twice (`what` names one in the message), else
+    HookrunError naming `key` or `key[i]`."""
+    if not values:
+        raise HookrunError(f"{key}: []; valid: any of {', '.join(valid)}")
+    for i, name in enumerate(values):
+        if name not in valid:
+            did = did_you_mean(name, valid)
+            raise HookrunError(f"{key}[{i}]: {name!r}{did}; valid: {', '.join(valid)}")
+    if len(set(values)) != len(values):
+        raise HookrunError(f"{key}: {list(values)} names {what} twice")
 
 
 def check_range(key: str, value: int | None, low: int, allow_none: bool = False) -> None:

@@ -120,6 +120,12 @@ class HookPlan:
                     seen[layer] = None
         return list(seen)
 
+    def acting(self) -> HookPlan:
+        """The plan of the hooks that change values (captures and gradient sites left out):
+        what acts in a stage's own passes of the model (each decoding step, a second pass)."""
+        keep = [h for h in self.hooks if not h.action.captures and not h.site.is_grad]
+        return dataclasses.replace(self, hooks=keep)
+
     def at(self, layer: str, site: Site) -> list[PlannedHook]:
         """The hooks acting at (layer, site), in file order."""
         return [h for h in self.hooks if h.site == site and layer in h.layers]

@@ -125,13 +125,7 @@ class GenerateStage(Stage):
 
     @classmethod
     def plan(cls, config: GenerateConfig, setup: Setup) -> Plan:
-        language = adapt(setup.model).language
-        if language is None or language.kind != "causal_lm" or setup.tokens is None:
-            what = getattr(language, "kind", type(setup.model).__name__)
-            raise HookrunError(
-                f"generate: the model is {what} on {'token' if setup.tokens else 'image'} data; "
-                "valid: a causal language model (model.class=causal_lm) on token data"
-            )
+        language = setup.causal_language("generate")
         if language.tokenizer is None:
             raise HookrunError("generate: the model has no tokenizer to write the text with")
         hooks = _generation_hooks(setup.plan)
@@ -175,8 +169,7 @@ def _generation_hooks(plan: HookPlan) -> HookPlan:
                 f"{where}.at: pattern with generate; valid: capture there (the prompt's "
                 "pass), or a module's input or output"
             )
-    acting = [h for h in plan.hooks if not h.action.captures and not h.site.is_grad]
-    return HookPlan(hooks=acting, weighted=plan.weighted)
+    return plan.acting()
 
 
 def _check_positions(config: GenerateConfig, language: Any, longest: int) -> None:

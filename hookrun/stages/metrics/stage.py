@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import torch
 
-from hookrun.errors import HookrunError, did_you_mean
+from hookrun.errors import HookrunError
 from hookrun.io.encoding import read_floats
 from hookrun.memory import check_fits
 from hookrun.models.adapter import adapt
@@ -24,7 +24,7 @@ from hookrun.runtime.targets import TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.metrics.compute import NAMES, PAIRED, kl, row_metrics
 from hookrun.stages.metrics.keys import METRICS_GROUP, UNHOOKED, metric_key
-from hookrun.typed import Frozen, parse_typed
+from hookrun.typed import Frozen, check_choices, parse_typed
 
 __all__ = ["MetricsStage", "MetricsConfig"]
 
@@ -46,14 +46,7 @@ def parse_metrics(raw: Any) -> MetricsConfig | None:
     if not raw:
         return None
     config = parse_typed(raw, MetricsConfig, "metrics")
-    if not config.names:
-        raise HookrunError(f"metrics.names: []; valid: any of {', '.join(NAMES)}")
-    for i, name in enumerate(config.names):
-        if name not in NAMES:
-            did = did_you_mean(name, NAMES)
-            raise HookrunError(f"metrics.names[{i}]: {name!r}{did}; valid: {', '.join(NAMES)}")
-    if len(set(config.names)) != len(config.names):
-        raise HookrunError(f"metrics.names: {list(config.names)} names a metric twice")
+    check_choices("metrics.names", config.names, NAMES, "a metric")
     return config
 
 
@@ -108,12 +101,7 @@ class MetricsStage(Stage):
 
     @classmethod
     def plan(cls, config: MetricsConfig, setup: Setup) -> Plan:
-        language = adapt(setup.model).language
-        if language is None or language.kind != "causal_lm" or setup.tokens is None:
-            raise HookrunError(
-                "metrics: the model is not a causal language model on token data; valid: "
-                "model.class=causal_lm on dataset=text, prompts, hf_disk or repeated_tokens"
-            )
+        language = setup.causal_language("metrics")
         kind = setup.spec.target.kind
         wants_target = [n for n in config.names if n in ("answer_logprob", "logit_diff")]
         if wants_target and kind not in _TOKEN_TARGETS:
@@ -134,9 +122,7 @@ class MetricsStage(Stage):
             3 * 4 * rows * tokens * vocab,
             f"the logits of metrics' two passes [{rows}, {tokens}, {vocab}]",
         )
-        acting = [h for h in setup.plan.hooks if not h.action.captures and not h.site.is_grad]
-        hooks = HookPlan(hooks=acting, weighted=setup.plan.weighted)
-        return MetricsPlan(tuple(config.names), hooks, tokens)
+        return MetricsPlan(tuple(config.names), setup.plan.acting(), tokens)
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookrun.errors import HookrunError, did_you_mean
-from hookrun.typed import Frozen, check_range, freeze, parse_typed
+from hookrun.errors import HookrunError
+from hookrun.typed import Frozen, check_choices, check_range, freeze, parse_typed
 
 __all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching", "chosen_layers"]
 
@@ -42,16 +42,7 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
     if not raw:
         return None
     config = parse_typed(raw, PatchingConfig, "patching")
-    if not config.sites:
-        raise HookrunError(f"patching.sites: []; valid: any of {', '.join(SITE_KINDS)}")
-    for i, kind in enumerate(config.sites):
-        if kind not in SITE_KINDS:
-            did = did_you_mean(kind, SITE_KINDS)
-            raise HookrunError(
-                f"patching.sites[{i}]: {kind!r}{did}; valid: {', '.join(SITE_KINDS)}"
-            )
-    if len(set(config.sites)) != len(config.sites):
-        raise HookrunError(f"patching.sites: {list(config.sites)} names a site kind twice")
+    check_choices("patching.sites", config.sites, SITE_KINDS, "a site kind")
     positions = config.positions
     if positions != "all":
         ints = isinstance(positions, list) and positions
