@@ -374,9 +374,10 @@ def test_refused_in_one_line_before_any_work(tmp_path, extra, rows, said):
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
-def test_rows_found_unscorable_by_their_passes_are_named_in_log_summary_and_file(tmp_path, caplog):
-    """With every attention output zeroed, the read position sees only its own token: a row
-    whose counterfactual changes an earlier token has clean = corrupted (every cell NaN)."""
+def _blind_model_and_rows(tmp_path):
+    """A GPT-2 with every attention output zeroed (the read position sees only its own
+    token) in tmp_path/lm, and three rows: the first and last change an earlier token only
+    (clean = corrupted), the second its last token. The prompts file."""
     model, _ = save_lm(tmp_path / "lm", "gpt2")
     with torch.no_grad():
         for block in model.transformer.h:
@@ -388,7 +389,13 @@ def test_rows_found_unscorable_by_their_passes_are_named_in_log_summary_and_file
         ("The cat sat on the", " mat", "The cat sat on a", " cat"),  # the last token differs
         ("A quick brown fox", " jumps", "A lazy brown fox", " dog"),  # same last token
     ]
-    data = _prompts(tmp_path / "prompts.jsonl", rows)
+    return _prompts(tmp_path / "prompts.jsonl", rows)
+
+
+def test_rows_found_unscorable_by_their_passes_are_named_in_log_summary_and_file(tmp_path, caplog):
+    """With every attention output zeroed, the read position sees only its own token: a row
+    whose counterfactual changes an earlier token has clean = corrupted (every cell NaN)."""
+    data = _blind_model_and_rows(tmp_path)
     result = run_config(tmp_path / "run", _args(tmp_path / "lm", data))
     got = read(result.path)
     gap = got["patching/clean"] - got["patching/corrupted"]
@@ -448,18 +455,7 @@ def test_rows_a_stored_clean_run_cannot_score_are_named_too(tmp_path, dtype):
     logits are rounded, so clean − corrupted is a rounding error, not 0; scored, it would be
     a grid of rounding errors divided by a rounding error. Within the stored logits' rounding
     the rows count as unscorable, named and NaN like the one-run ones."""
-    model, _ = save_lm(tmp_path / "lm", "gpt2")
-    with torch.no_grad():
-        for block in model.transformer.h:
-            block.attn.c_proj.weight.zero_()
-            block.attn.c_proj.bias.zero_()
-    model.save_pretrained(tmp_path / "lm")
-    rows = [
-        ("The cat sat on the", " mat", "The dog sat on the", " cat"),  # same last token
-        ("The cat sat on the", " mat", "The cat sat on a", " cat"),  # the last token differs
-        ("A quick brown fox", " jumps", "A lazy brown fox", " dog"),  # same last token
-    ]
-    data = _prompts(tmp_path / "prompts.jsonl", rows)
+    data = _blind_model_and_rows(tmp_path)
     clean = _clean_run(tmp_path / "clean", tmp_path / "lm", data, dtype=dtype)
     result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, f"patching.clean={clean}"))
     got = read(result.path)
