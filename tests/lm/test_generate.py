@@ -45,6 +45,11 @@ def _args(tmp_path, *extra: str) -> list[str]:
     ]
 
 
+def _plain_logprobs(path) -> np.ndarray:
+    with h5py.File(path) as f:
+        return f["generation/logprobs_unhooked"][()]
+
+
 def _generated(path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     with h5py.File(path) as f:
         return (
@@ -104,6 +109,8 @@ def test_without_hooks_each_row_is_what_model_generate_gives_it_alone(tmp_path, 
         want_lp = scores[torch.arange(STEPS), torch.tensor(want)].numpy()
         np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
         assert texts[r] == tok.decode(want, skip_special_tokens=True)
+    # Without hooks the plain model's one pass over prompt + text scores as the steps did.
+    np.testing.assert_allclose(_plain_logprobs(result.path), logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
@@ -144,6 +151,14 @@ def test_hooks_act_at_every_decoding_step_as_a_hand_written_loop(tmp_path, famil
         assert tokens[r].tolist() == want, (family, r)
         np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
     assert plain != [t for t, _ in hand]  # the hooks changed what was generated
+    # Fluency: the steered text's log probabilities under the model without the hooks.
+    fluency = _plain_logprobs(result.path)
+    for r, (want, _) in enumerate(hand):
+        ids = _prompt_ids(PROMPTS[r])
+        with torch.no_grad():
+            logp = model(torch.tensor([ids + want])).logits[0].log_softmax(-1)
+        at = torch.arange(len(ids) - 1, len(ids) - 1 + STEPS)
+        np.testing.assert_allclose(fluency[r], logp[at, torch.tensor(want)].numpy(), atol=1e-5)
 
 
 def _hand_loop_unhooked(model, handles) -> list[list[int]]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from hookrun.stages.generate.keys import NO_TOKEN
 
-__all__ = ["Sampling", "Decoded", "decode", "left_aligned", "choose"]
+__all__ = ["Sampling", "Decoded", "decode", "left_aligned", "choose", "rescore"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,28 @@ def left_aligned(
     left = torch.where(real, ids.gather(1, source), torch.full_like(source, pad))
     positions = (real.long().cumsum(1) - 1).clamp(min=0)
     return left, real.long(), positions
+
+
+def rescore(
+    language: nn.Module, prompts: tuple[torch.Tensor, torch.Tensor], decoded: Decoded, pad: int
+) -> torch.Tensor:
+    """(N, steps): each generated token's log probability under whatever hooks are attached
+    now (none: the plain model), in one pass over each prompt and its generated tokens
+    (left-aligned as decoding was); NaN after a row's end."""
+    ids, lengths = prompts
+    new = torch.where(decoded.mask, decoded.tokens, torch.full_like(decoded.tokens, pad))
+    inputs, mask, positions = left_aligned(ids, lengths, pad)
+    steps = new.shape[1]
+    inputs = torch.cat([inputs, new], dim=1)
+    mask = torch.cat([mask, decoded.mask.long()], dim=1)
+    positions = torch.cat(
+        [positions, positions[:, -1:] + 1 + torch.arange(steps, device=ids.device)], 1
+    )
+    out = language(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=False)
+    # The token at step s is predicted at the column before it: the prompt's last, then s-1.
+    logits = out.logits[:, -steps - 1 : -1].float()
+    logp = logits.log_softmax(-1).gather(2, new[..., None])[..., 0]
+    return torch.where(decoded.mask, logp, torch.full_like(logp, float("nan")))
 
 
 def choose(

@@ -5,11 +5,14 @@ chosen token's log probability under the hooked model, NaN after a row stopped) 
 
 from __future__ import annotations
 
-__all__ = ["GENERATION", "TOKENS", "MASK", "LOGPROBS", "TEXT", "NO_TOKEN"]
+__all__ = ["GENERATION", "TOKENS", "MASK", "LOGPROBS", "LOGPROBS_UNHOOKED", "TEXT", "NO_TOKEN"]
 
 GENERATION = "generation"
 TOKENS = f"{GENERATION}/tokens"
 MASK = f"{GENERATION}/mask"
 LOGPROBS = f"{GENERATION}/logprobs"
+# The same tokens' log probabilities under the model without the run's hooks: how fluent
+# the steered text is to the plain model (its mean over a row's tokens, in the summary).
+LOGPROBS_UNHOOKED = f"{GENERATION}/logprobs_unhooked"
 TEXT = f"{GENERATION}/text"
 NO_TOKEN = -1  # /generation/tokens after a row's end token

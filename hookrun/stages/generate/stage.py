@@ -20,14 +20,22 @@ import numpy as np
 import torch
 
 from hookrun.errors import HookrunError
+from hookrun.io.encoding import read_floats
 from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import attach
 from hookrun.runtime.plan import HookPlan
 from hookrun.runtime.sites import Site
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.generate.config import GenerateConfig, parse_generate
-from hookrun.stages.generate.decode import Sampling, decode
-from hookrun.stages.generate.keys import GENERATION, LOGPROBS, MASK, TEXT, TOKENS
+from hookrun.stages.generate.decode import Sampling, decode, rescore
+from hookrun.stages.generate.keys import (
+    GENERATION,
+    LOGPROBS,
+    LOGPROBS_UNHOOKED,
+    MASK,
+    TEXT,
+    TOKENS,
+)
 
 __all__ = ["GenerateStage"]
 
@@ -47,12 +55,14 @@ class GeneratePlan(Plan):
             TOKENS: Stored(steps),
             MASK: Stored(steps),
             LOGPROBS: Stored(steps),
+            LOGPROBS_UNHOOKED: Stored(steps),
             TEXT: Stored((), {"encoding": "utf-8"}),
         }
 
     def describe(self, itemsize: int) -> str:
         steps = self.config.max_new_tokens
-        sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps, TEXT: self.width}
+        sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps}
+        sizes |= {LOGPROBS_UNHOOKED: 4 * steps, TEXT: self.width}
         lines = [f"/{GENERATION}: {len(sizes)} dataset(s), {steps} steps"]
         lines += [f"    {size:>8} B/sample  /{key}" for key, size in sizes.items()]
         return "\n".join(lines)
@@ -83,15 +93,12 @@ class GeneratePlan(Plan):
         generator = work.generator("generate", device) if c.temperature > 0 else None
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(attach(self.hooks, work.model, recorder))
+            prompts = (batch.tokens, batch.read + 1)
             out = decode(
-                language,
-                (batch.tokens, batch.read + 1),
-                c.max_new_tokens,
-                sampling,
-                (ends, pad),
-                generator,
-                before_step,
+                language, prompts, c.max_new_tokens, sampling, (ends, pad), generator, before_step
             )
+            stack.close()  # the hooks off: the plain model scores what the hooked one wrote
+            plain = rescore(language, prompts, out, pad)
         tokens, mask = out.tokens.cpu(), out.mask.cpu()
         texts = [
             language.tokenizer.decode(row[keep].tolist(), skip_special_tokens=True)
@@ -101,6 +108,7 @@ class GeneratePlan(Plan):
             TOKENS: tokens.to(torch.int32),
             MASK: mask,
             LOGPROBS: out.logprobs.cpu(),
+            LOGPROBS_UNHOOKED: plain.cpu(),
             # UTF-8 of one width for the run (resumed rows and torchrun shards share a dtype).
             TEXT: np.array(
                 [_fixed(t, self.width) for t in texts], dtype=h5py.string_dtype("utf-8", self.width)
@@ -141,7 +149,15 @@ class GenerateStage(Stage):
             return []
         shown = min(rows, _SHOWN_ROWS)
         texts = [t.decode("utf-8") for t in f[TEXT][:shown]]
-        return [f"generated, sample {i}: {t!r}" for i, t in enumerate(texts)]
+        lines = [f"generated, sample {i}: {t!r}" for i, t in enumerate(texts)]
+        if LOGPROBS_UNHOOKED in f:
+            hooked = float(np.nanmean(read_floats(f[LOGPROBS], slice(0, rows))))
+            plain = float(np.nanmean(read_floats(f[LOGPROBS_UNHOOKED], slice(0, rows))))
+            lines.append(
+                f"generated tokens' mean log probability: {hooked:.3f} under the hooked model, "
+                f"{plain:.3f} under the model without hooks (fluency)"
+            )
+        return lines
 
 
 def _generation_hooks(plan: HookPlan) -> HookPlan:
