@@ -102,7 +102,10 @@ def _language_model(model: nn.Module | None, tokenizer: Any) -> nn.Module:
     if model is None:
         raise HookrunError("tokenizer: given without model; valid: model=a transformers model")
     if isinstance(model, LanguageModel):
-        raise HookrunError("tokenizer: the LanguageModel given as model has its own tokenizer")
+        raise HookrunError(
+            "tokenizer: given with a LanguageModel, which has its own; valid: no tokenizer, "
+            "or model=the transformers model inside it"
+        )
     if not type(model).__module__.startswith("transformers."):
         raise HookrunError(
             f"tokenizer: given with a {type(model).__name__}, not a transformers model; valid: "

@@ -83,7 +83,7 @@ def check_choices(key: str, values: Sequence[str], valid: Sequence[str], what: s
             did = did_you_mean(name, valid)
             raise HookrunError(f"{key}[{i}]: {name!r}{did}; valid: {', '.join(valid)}")
     if len(set(values)) != len(values):
-        raise HookrunError(f"{key}: {list(values)} names {what} twice")
+        raise HookrunError(f"{key}: {list(values)} names {what} twice; valid: each once")
 
 
 def check_range(key: str, value: int | None, low: int, allow_none: bool = False) -> None:

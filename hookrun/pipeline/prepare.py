@@ -149,7 +149,7 @@ def prepare(
             device=device,
         )
         planned = _plan_stages(setup)
-        sources = {f"hooks.{h.name}": h.action.sources() for h in plan.hooks if h.action.sources()}
+        sources = {f"hooks.{h.name}": s for h in plan.hooks if (s := h.action.sources())}
         sources |= {key: read for p in planned.values() for key, read in p.sources().items()}
         header = replace(
             provenance(spec, weights_file, device, world.size, sources),

@@ -216,6 +216,7 @@ class _Directed(Action):
         super().__init__(args)
         self.source = None if args.vector is None else parse_vector(args.vector, "vector")
         self.vector: torch.Tensor | None = None
+        self.digests: dict[str, str] = {}  # its files' provenance, hashed once
 
     def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
         if self.source is None or not shape:
@@ -232,6 +233,7 @@ class _Directed(Action):
                 f"{len(vector)}; valid: sites of one width (a hook per width)"
             )
         self.vector = self._direction(vector, key)
+        self.digests = self.digests or digests(self.source)
 
     def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
         return vector
@@ -242,7 +244,7 @@ class _Directed(Action):
         return self.vector.to(tensor.device, tensor.dtype)
 
     def sources(self) -> dict[str, str]:
-        return digests(self.source) if self.source is not None else {}
+        return self.digests
 
     def describe(self) -> str:
         if self.source is None:
@@ -268,7 +270,10 @@ class Add(_Directed):
             return vector
         norm = float(vector.norm())
         if norm == 0:
-            raise HookrunError(f"{key}.args.vector: a zero vector cannot be normalized")
+            raise HookrunError(
+                f"{key}.args.vector: a zero vector cannot be normalized; valid: a non-zero "
+                "vector, or normalize: false"
+            )
         return vector / norm
 
     @classmethod
@@ -298,7 +303,9 @@ class AblateDirection(_Directed):
     def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
         norm = float(vector.norm())
         if norm == 0:
-            raise HookrunError(f"{key}.args.vector: a zero vector has no direction")
+            raise HookrunError(
+                f"{key}.args.vector: a zero vector has no direction; valid: a non-zero vector"
+            )
         return vector / norm
 
     @classmethod

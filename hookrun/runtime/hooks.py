@@ -32,7 +32,7 @@ from hookrun.models.adapter import adapt
 from hookrun.runtime.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
 from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.runtime.leaves import leaves, rebuild
-from hookrun.runtime.plan import HookPlan, PlannedHook
+from hookrun.runtime.plan import HookPlan, PlannedHook, acts_on
 from hookrun.runtime.positions import act_at
 from hookrun.runtime.selectors import INPUT_LAYER
 from hookrun.runtime.sites import Site
@@ -152,21 +152,13 @@ def _hook_gradient(
 
 
 def _forward_site(
-    layer: str,
-    site: Site,
-    hooks: list[PlannedHook],
-    recorder: Recorder,
-    value: Any,
-    call: int,
-    first_changes: bool = False,
+    layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
 ) -> Any:
-    """Each floating-point leaf of `value` through `hooks`; with `first_changes`, the hooks
-    that change values act on the first leaf only (captures on every one)."""
+    """Each floating-point leaf of `value` through the hooks that act on it (acts_on)."""
     found = leaves(value)
-    stores = [h for h in hooks if h.action.captures]
     new = {
         leaf: _apply(
-            hooks if i == 0 or not first_changes else stores,
+            [h for h in hooks if acts_on(h, i)],
             t,
             recorder,
             capture_key(layer, site, call, leaf=leaf),
@@ -211,10 +203,7 @@ def _pre_hook(layer: str, plan: HookPlan, recorder: Recorder):
         call = recorder.calls[layer]
         recorder.calls[layer] += 1
         if on_input:
-            # A module's first floating-point input is the one it transforms; those after it
-            # are what it is told (a transformer block's additive attention mask, -3.4e38
-            # where masked): scaled, clamped or noised, the mask would unmask tokens.
-            args = _forward_site(layer, Site.input, on_input, recorder, args, call, True)
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad and torch.is_grad_enabled():
             args = _grad_input_clones(layer, call, args, on_grad, recorder)
         return args if (on_input or on_grad) else None
@@ -255,10 +244,7 @@ def _call_site(plan: HookPlan, recorder: Recorder):
         recorder.calls[layer] += 1
         original = args[0] if args else None
         if on_input:
-            # A module's first floating-point input is the one it transforms; those after it
-            # are what it is told (a transformer block's additive attention mask, -3.4e38
-            # where masked): scaled, clamped or noised, the mask would unmask tokens.
-            args = _forward_site(layer, Site.input, on_input, recorder, args, call, True)
+            args = _forward_site(layer, Site.input, on_input, recorder, args, call)
         if on_grad_in and torch.is_grad_enabled():
             args = _grad_input_clones(layer, call, args, on_grad_in, recorder)
         output = func(*args, **kwargs)

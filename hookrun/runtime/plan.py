@@ -80,6 +80,15 @@ class CallShapes:
         return self.inputs if site in (Site.input, Site.grad_input) else self.outputs
 
 
+def acts_on(hook: PlannedHook, leaf: int) -> bool:
+    """Whether `hook` acts on the `leaf`-th floating-point tensor at its site. An action that
+    changes values acts on the first input only: the one a module or function transforms;
+    those after it are what it is told (a transformer block's additive attention mask, −3.4e38
+    where masked: scaled, clamped or noised, it would unmask tokens; a linear's weight).
+    Captures store every tensor; at other sites every hook acts on every tensor."""
+    return leaf == 0 or hook.site != Site.input or hook.action.captures
+
+
 @dataclass
 class HookPlan:
     """The ordered hooks of a run; file order is registration order."""
@@ -142,8 +151,8 @@ class HookPlan:
             for layer in hook.layers:
                 for call, call_shapes in enumerate(shapes.get(layer, [])):
                     for i, leaf in enumerate(call_shapes.at(hook.site)):
-                        if i and hook.site == Site.input and not hook.action.captures:
-                            continue  # acts on a module's first input only (runtime/hooks.py)
+                        if not acts_on(hook, i):
+                            continue
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
                         if hook.action.captures and leaf.refused:
                             raise HookrunError(

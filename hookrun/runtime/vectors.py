@@ -81,7 +81,9 @@ def _file_source(given: dict, key: str) -> VectorSource:
         raise HookrunError(f"{key}: {given}; valid: {_VALID}")
     path = Path(str(given["file"])).expanduser()
     if not path.is_file():
-        raise HookrunError(f"{key}.file: {str(path)!r} does not exist (from {Path.cwd()})")
+        raise HookrunError(
+            f"{key}.file: {str(path)!r} does not exist (from {Path.cwd()}); valid: {_VALID}"
+        )
     suffix = path.suffix.lower()
     if suffix in _TENSOR_FILES:
         extra = set(given) - {"file", "key"}
@@ -133,7 +135,9 @@ def read_vector(source: VectorSource, key: str, width: int, site: str = "") -> t
             "vector's width"
         )
     if not bool(torch.isfinite(vector).all()):
-        raise HookrunError(f"{key}: {source.file} holds a value that is not finite")
+        raise HookrunError(
+            f"{key}: {source.file} holds a value that is not finite; valid: finite values"
+        )
     return vector.double()
 
 
@@ -169,7 +173,9 @@ def _tensor_file(source: VectorSource, key: str) -> torch.Tensor:
     elif source.key is not None:
         raise HookrunError(f"{key}.key: {source.key!r}, but {path} holds one tensor; valid: no key")
     if not isinstance(found, torch.Tensor) or not found.is_floating_point():
-        raise HookrunError(f"{key}: {path} holds no floating-point tensor")
+        raise HookrunError(
+            f"{key}: {path} holds no floating-point tensor; valid: one (D,) float vector"
+        )
     return found.detach().double()
 
 
@@ -179,14 +185,20 @@ def _run_mean(source: VectorSource, key: str) -> torch.Tensor:
     assert path is not None and record is not None
     state, shape, datasets = stored_record(path, record)
     if state.status != "complete":
-        raise HookrunError(f"{key}.file: {path} is not complete (status {state.status})")
+        raise HookrunError(
+            f"{key}.file: {path} is not complete (status {state.status}); valid: a finished "
+            "run's file (resume=true finishes it)"
+        )
     if shape is None:
         raise HookrunError(
             f"{key}.record: '/{record}' is not in {path}; valid: "
             + ", ".join(f"/{d}" for d in datasets if d.startswith(f"{layout.CAPTURES}/"))
         )
     if record_rows(path, record):
-        raise HookrunError(f"{key}.record: '/{record}' is not stored one row per sample")
+        raise HookrunError(
+            f"{key}.record: '/{record}' is not stored one row per sample; valid: a capture "
+            "with one row per sample"
+        )
     rows = np.arange(state.completed)
     values = read_rows(path, record, rows)
     if not np.issubdtype(values.dtype, np.floating):  # token ids, masks: no activations

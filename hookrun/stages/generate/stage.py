@@ -135,7 +135,10 @@ class GenerateStage(Stage):
     def plan(cls, config: GenerateConfig, setup: Setup) -> Plan:
         language = setup.causal_language("generate")
         if language.tokenizer is None:
-            raise HookrunError("generate: the model has no tokenizer to write the text with")
+            raise HookrunError(
+                "generate: the model has no tokenizer to write the text with; valid: "
+                "LanguageModel(model, tokenizer), or model=hf with its tokenizer files"
+            )
         hooks = _generation_hooks(setup.plan)
         # Every token row has the padded width of sample 0's: no prompt is longer.
         _check_positions(config, language, int(setup.sample.shape[-1]))
