@@ -37,6 +37,7 @@ from hookrun.models.hf import load_tokenizer
 from hookrun.models.sources import build_model, model_label
 from hookrun.pipeline.camlayer import resolve_cam_layer
 from hookrun.pipeline.claim import Claim
+from hookrun.pipeline.measure import measure_vectors
 from hookrun.pipeline.plan_text import FileShape, describe_plan
 from hookrun.pipeline.tokencheck import check_token_model, check_token_run
 from hookrun.runtime.layouts import axis_facts
@@ -133,8 +134,10 @@ def prepare(
         spec, plan = probed.spec, probed.plan
         check_token_run(spec, plan, probed.shapes, data, tokens)
         check_target(spec.target, probed.output, has_labels(data))
+        # A vector from prompt sets: the model reads them now, before any work.
+        measured = measure_vectors(plan, probed.shapes, model, spec.batch_size, device)
         for hook, site, leaf in plan.sites(probed.shapes):  # a patch: its source file
-            hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data))
+            hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data), measured)
         captures = plan.capture_shapes(probed.shapes)
         setup = Setup(
             spec=spec,

@@ -52,6 +52,10 @@ class SiteContext(Protocol):
     def rows(self) -> torch.Tensor:
         """The dataset index (N,) of each row of the current batch."""
 
+    @property
+    def key(self) -> str:
+        """The capture path of the tensor it acts on (the same at every decoding step)."""
+
 
 class Action:
     """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
@@ -75,9 +79,12 @@ class Action:
     def check(cls, args: Any, key: str) -> None:
         """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
 
-    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+    def prepare(
+        self, shape: tuple[int, ...], site: str, key: str, rows: int, measured: Any = None
+    ) -> None:
         """Check against the model, before any work: called once per site the probe saw
-        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1."""
+        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1;
+        `measured`: what the run's model read for its vector sources (runtime/vectors.py)."""
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         raise NotImplementedError
@@ -210,15 +217,18 @@ class Scale(Action):
 
 
 class _Directed(Action):
-    """An action along a vector of the site's last axis, read before any work."""
+    """An action along a vector of the site's last axis, read before any work: one vector
+    for every site, or each site's own where it was measured there (a prompts source)."""
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
         self.source = None if args.vector is None else parse_vector(args.vector, "vector")
-        self.vector: torch.Tensor | None = None
+        self.vectors: dict[str, torch.Tensor] = {}  # capture path → direction, float64
         self.digests: dict[str, str] = {}  # its files' provenance, hashed once
 
-    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+    def prepare(
+        self, shape: tuple[int, ...], site: str, key: str, rows: int, measured: Any = None
+    ) -> None:
         if self.source is None or not shape:
             return
         if len(shape) > 2:  # (C, H, W): the last axis is the image's width, not a feature
@@ -226,22 +236,26 @@ class _Directed(Action):
                 f"{key}.args.vector: /{site} holds {list(shape)} per sample; valid: a site of "
                 "(tokens, width) or (width,) per sample, a vector along its width"
             )
-        vector = read_vector(self.source, f"{key}.args.vector", shape[-1], site)
-        if self.vector is not None and len(self.vector) != len(vector):
+        vector = read_vector(self.source, f"{key}.args.vector", shape[-1], site, measured)
+        widths = {len(v) for v in self.vectors.values()}
+        if widths and len(vector) not in widths:
             raise HookrunError(
-                f"{key}.args.vector: one vector for sites of widths {len(self.vector)} and "
+                f"{key}.args.vector: one vector for sites of widths {widths.pop()} and "
                 f"{len(vector)}; valid: sites of one width (a hook per width)"
             )
-        self.vector = self._direction(vector, key)
+        self.vectors[site] = self._direction(vector, key)
         self.digests = self.digests or digests(self.source)
 
     def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
         return vector
 
-    def _on(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.vector is None:
-            raise RuntimeError(f"{self.name}: its vector was not read before the first batch")
-        return self.vector.to(tensor.device, tensor.dtype)
+    def _on(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        vector = self.vectors.get(ctx.key)
+        if vector is None:
+            if not self.vectors or self.source is None or self.source.measured():
+                raise RuntimeError(f"{self.name}: no vector was read for /{ctx.key}")
+            vector = next(iter(self.vectors.values()))  # a file's: the same at every site
+        return vector.to(tensor.device, tensor.dtype)
 
     def sources(self) -> dict[str, str]:
         return self.digests
@@ -256,14 +270,14 @@ class _Directed(Action):
 @_action("add")
 class Add(_Directed):
     """Add `value` to every element (the seeds' `grad + 2`), or `scale` × a vector along the
-    site's last axis (steering)."""
+    site's last axis (activation addition)."""
 
     Args = AddArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         if self.source is None:
             return tensor + self.args.value
-        return tensor + self.args.scale * self._on(tensor)
+        return tensor + self.args.scale * self._on(tensor, ctx)
 
     def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:
         if not self.args.normalize:
@@ -297,7 +311,7 @@ class AblateDirection(_Directed):
     Args = AblateArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
-        unit = self._on(tensor)
+        unit = self._on(tensor, ctx)
         return tensor - (tensor @ unit)[..., None] * unit
 
     def _direction(self, vector: torch.Tensor, key: str) -> torch.Tensor:

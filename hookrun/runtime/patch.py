@@ -1,5 +1,5 @@
 """The `patch` action: a site's tensor replaced by (or added to) one read from a stored
-captures.h5 — a stored activation put back, mean ablation and steering, declared like any
+captures.h5 — a stored activation put back, mean ablation and activation addition, declared like any
 hook:
 
     hooks:
@@ -11,7 +11,8 @@ hook:
 - `reduce: none | mean` (the mean over every stored row: mean ablation);
 - `row: same` (the source row with this sample's dataset index, /samples/index) or an
   integer (that row for every sample);
-- `mode: replace` (the site becomes scale × stored) `| add` (site + scale × stored: steering).
+- `mode: replace` (the site becomes scale × stored) `| add` (site + scale × stored:
+  activation addition).
 
 Everything about the source is checked before the first batch (`prepare`, once per site the
 probe saw): the file exists and is complete, the record exists with the site's shape, the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,7 +96,9 @@ class Patch(Action):
                 "captures.h5 of a finished run"
             )
 
-    def prepare(self, shape: tuple[int, ...], site: str, key: str, rows: int) -> None:
+    def prepare(
+        self, shape: tuple[int, ...], site: str, key: str, rows: int, measured: Any = None
+    ) -> None:
         """Check the source for the site `site` (per-sample `shape`) of a run over dataset
         rows 0..rows-1; HookrunError naming `key.args.<x>` before any work."""
         args, file = self.args, self.path

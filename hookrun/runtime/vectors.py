@@ -1,5 +1,5 @@
 """Directions in a site's feature space (its last axis: a language model's width), for
-`action: add` with `args.vector` (steering: ActAdd, Turner et al. 2023; contrastive
+`action: add` with `args.vector` (activation addition: ActAdd, Turner et al. 2023; contrastive
 activation addition, Rimsky et al. 2024) and `action: ablate_direction` (Arditi et al.
 2024). A vector is data, from one of:
 
@@ -7,8 +7,12 @@ activation addition, Rimsky et al. 2024) and `action: ablate_direction` (Arditi 
     vector: {file: steer.safetensors, key: layer_1}          # one tensor of several
     vector: {file: happy/captures.h5, record: captures/transformer.h.1/output,
              positions: last, reduce: mean}                  # the mean of a stored run's rows
+    vector: {prompts: happy.jsonl, positions: last}          # this run's model over prompts
     vector: {plus: SOURCE, minus: SOURCE}                     # the difference of two sources
 
+A prompts file ({prompt: ...} rows, as dataset=prompts reads them) gives the mean of the
+hook's own site over its rows, measured with the run's model and tokenizer before any work
+(pipeline/measure.py), one vector per site: a hook over several layers adds each layer's own.
 A stored run gives the mean over its rows of the record at `positions`: `last` (each row's
 last real token, by /samples/mask), `all` (every real token), or a record already of one
 vector per row ((N, D): a capture with `args.positions: last`). Everything is read and
@@ -35,17 +39,20 @@ __all__ = ["VectorSource", "parse_vector", "read_vector"]
 
 _TENSOR_FILES = (".npy", ".pt", ".safetensors")
 _RUN_FILES = (".h5", ".hdf5")
+_PROMPT_FILES = (".jsonl",)
 _POSITIONS = ("last", "all")
 _VALID = (
     "a .npy, .pt or .safetensors file of one (D,) vector, {file, key}, a stored run "
-    "{file: captures.h5, record, positions: last|all, reduce: mean}, or {plus: ..., minus: ...}"
+    "{file: captures.h5, record, positions: last|all, reduce: mean}, {prompts: a .jsonl of "
+    "{prompt} rows, positions: last|all}, or {plus: ..., minus: ...}"
 )
 
 
 @dataclass(frozen=True)
 class VectorSource:
     """Where a vector comes from: a tensor file (`key`: which tensor), a stored run's record
-    (`record`, `positions`), or plus − minus."""
+    (`record`, `positions`), a prompts file the run's model reads (`prompts`, `positions`),
+    or plus − minus."""
 
     file: Path | None = None
     key: str | None = None
@@ -53,11 +60,18 @@ class VectorSource:
     positions: str = "last"
     plus: VectorSource | None = None
     minus: VectorSource | None = None
+    prompts: bool = False  # `file` is a prompts .jsonl, measured at the hook's site
 
     def files(self) -> list[Path]:
         if self.plus is not None and self.minus is not None:
             return [*self.plus.files(), *self.minus.files()]
         return [self.file] if self.file is not None else []
+
+    def measured(self) -> list[VectorSource]:
+        """Its prompts sources: what the run's model must read before any work."""
+        if self.plus is not None and self.minus is not None:
+            return [*self.plus.measured(), *self.minus.measured()]
+        return [self] if self.prompts else []
 
 
 def parse_vector(value: Any, key: str) -> VectorSource:
@@ -73,7 +87,32 @@ def parse_vector(value: Any, key: str) -> VectorSource:
         plus = parse_vector(given["plus"], f"{key}.plus")
         minus = parse_vector(given["minus"], f"{key}.minus")
         return VectorSource(plus=plus, minus=minus)
+    if "prompts" in given:
+        return _prompts_source(given, key)
     return _file_source(given, key)
+
+
+def _prompts_source(given: dict, key: str) -> VectorSource:
+    extra = set(given) - {"prompts", "positions"}
+    if extra:
+        raise HookrunError(
+            f"{key}.{sorted(extra)[0]}: not a key of a prompts source; valid: prompts, positions"
+        )
+    path = Path(str(given["prompts"])).expanduser()
+    if not path.is_file() or path.suffix.lower() not in _PROMPT_FILES:
+        said = "does not exist" if not path.is_file() else "is not a .jsonl file"
+        raise HookrunError(
+            f"{key}.prompts: {str(path)!r} {said} (from {Path.cwd()}); valid: a .jsonl of "
+            "{prompt: ...} rows"
+        )
+    return VectorSource(file=path, positions=_positions(given, key), prompts=True)
+
+
+def _positions(given: dict, key: str) -> str:
+    positions = str(given.get("positions", "last"))
+    if positions not in _POSITIONS:
+        raise HookrunError(f"{key}.positions: {positions!r}; valid: {', '.join(_POSITIONS)}")
+    return positions
 
 
 def _file_source(given: dict, key: str) -> VectorSource:
@@ -105,9 +144,7 @@ def _file_source(given: dict, key: str) -> VectorSource:
                 f"{key}.record: missing; valid: a dataset of {path}, e.g. "
                 f"{layout.capture_key('<module>', 'output')}"
             )
-        positions = str(given.get("positions", "last"))
-        if positions not in _POSITIONS:
-            raise HookrunError(f"{key}.positions: {positions!r}; valid: {', '.join(_POSITIONS)}")
+        positions = _positions(given, key)
         if str(given.get("reduce", "mean")) != "mean":
             raise HookrunError(f"{key}.reduce: {given['reduce']!r}; valid: mean")
         return VectorSource(file=path, record=str(given["record"]).lstrip("/"), positions=positions)
@@ -117,14 +154,27 @@ def _file_source(given: dict, key: str) -> VectorSource:
     )
 
 
-def read_vector(source: VectorSource, key: str, width: int, site: str = "") -> torch.Tensor:
-    """The (width,) float64 vector of `source` for the site `site`; HookrunError naming `key`
-    when it is not one vector of the site's width."""
+Measured = Mapping[tuple[VectorSource, str], torch.Tensor]
+
+
+def read_vector(
+    source: VectorSource, key: str, width: int, site: str = "", measured: Measured | None = None
+) -> torch.Tensor:
+    """The (width,) float64 vector of `source` for the site `site` (its capture path);
+    `measured`: each prompts source's mean at each site, (source, site) → vector. HookrunError
+    naming `key` when it is not one vector of the site's width."""
     if source.plus is not None and source.minus is not None:
-        plus = read_vector(source.plus, f"{key}.plus", width, site)
-        return plus - read_vector(source.minus, f"{key}.minus", width, site)
+        plus = read_vector(source.plus, f"{key}.plus", width, site, measured)
+        return plus - read_vector(source.minus, f"{key}.minus", width, site, measured)
     assert source.file is not None
-    vector = _run_mean(source, key) if source.record is not None else _tensor_file(source, key)
+    if source.prompts:
+        if measured is None or (source, site) not in measured:
+            raise RuntimeError(f"{key}: {source.file} was not measured at /{site}")
+        vector = measured[(source, site)]
+    elif source.record is not None:
+        vector = _run_mean(source, key)
+    else:
+        vector = _tensor_file(source, key)
     if vector.dim() > 1 and max(vector.shape) == vector.numel():  # (1, D) and the like
         vector = vector.reshape(-1)
     if vector.dim() != 1 or len(vector) != width:

@@ -238,3 +238,108 @@ def test_noise_draws_anew_at_each_decoding_step_and_the_prompts_pass_as_before()
 
     want = torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(b"n|k|8"))
     assert torch.equal(first, torch.randn(4, generator=want))
+
+
+def _hand_block_outputs(model, ids: list[int], blocks: list[str], added: dict) -> dict:
+    """Each block's output over one row alone (no padding), with `added` (block → vector)
+    added to the blocks' outputs as a forward hook would."""
+    modules = dict(model.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook_for(name):
+        def hook(module, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            if name in added:
+                first = first + torch.as_tensor(added[name], dtype=first.dtype)
+            seen[name] = first[0].double()
+            return (first, *output[1:]) if isinstance(output, tuple) else first
+
+        return hook
+
+    handles = [modules[b].register_forward_hook(hook_for(b)) for b in blocks]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_a_vector_measured_from_two_prompt_sets_is_each_layers_own(lm, tmp_path, positions):
+    """`{plus: {prompts}, minus: {prompts}}` over two blocks: each block gets the difference
+    of the two sets' mean output at that block (each prompt read alone by hand, no padding),
+    and the steered captures equal a hand forward with both vectors added."""
+    from lm_models import tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lm / "lm", attn_implementation="eager").eval()
+    tok = tokenizer()
+    blocks = ["transformer.h.0", "transformer.h.1"]
+
+    def mean(rows: list[dict]) -> dict:
+        parts: dict[str, list] = {b: [] for b in blocks}
+        for row in rows:
+            seen = _hand_block_outputs(model, tok(row["prompt"])["input_ids"], blocks, {})
+            for b in blocks:
+                parts[b].append(seen[b][-1:] if positions == "last" else seen[b])
+        return {b: torch.cat(parts[b]).mean(0).numpy() for b in blocks}
+
+    plus, minus = mean(HAPPY), mean(SAD)
+    want = {b: 2.0 * (plus[b] - minus[b]) for b in blocks}
+    vector = {
+        "plus": {"prompts": str(lm / "happy.jsonl"), "positions": positions},
+        "minus": {"prompts": str(lm / "sad.jsonl"), "positions": positions},
+    }
+    steer = [
+        "++hooks.s.select.regex='^transformer\\.h\\.[01]$'",
+        "++hooks.s.at=output",
+        "++hooks.s.action=add",
+        f"++hooks.s.args.vector={_hydra(vector)}",
+        "++hooks.s.args.scale=2.0",
+    ]
+    capture = ["++hooks.c.select.name=transformer.h.1", "++hooks.c.at=output"]
+    capture.append("++hooks.c.action=capture")
+    path = _run(lm, tmp_path / "steered", "targets", *steer, *capture)
+    with h5py.File(path) as f:
+        got = f["captures/transformer.h.1/output"][()].astype(np.float64)
+        mask = f["samples/mask"][()].astype(bool)
+        read = json.loads(f.attrs["patch_sources"])["hooks.s"]
+    for r, row in enumerate(TARGETS):
+        hand = _hand_block_outputs(model, tok(row["prompt"])["input_ids"], blocks, want)
+        np.testing.assert_allclose(got[r][mask[r]], hand["transformer.h.1"].numpy(), atol=1e-5)
+    assert read["file"] == f"{(lm / 'happy.jsonl').resolve()}, {(lm / 'sad.jsonl').resolve()}"
+
+
+def test_a_prompts_source_is_refused_where_it_cannot_be_read(lm, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt here"}\n')
+    bad = {
+        "plus": {"prompts": str(tmp_path / "bad.jsonl")},
+        "minus": {"prompts": str(lm / "sad.jsonl")},
+    }
+    with pytest.raises(HookrunError) as err:
+        _run(lm, tmp_path / "r", "targets", *_hook("s", "add", vector=bad))
+    said = str(err.value)
+    assert said.startswith("hooks.s.args.vector.prompts: ") and "has no 'prompt'" in said, said
+    assert not (tmp_path / "r" / "captures.h5").exists()
+    with pytest.raises(
+        HookrunError, match=r"hooks.s.args.vector.plus.prompts: '.*nope.jsonl' does"
+    ):
+        _run(
+            lm,
+            tmp_path / "r",
+            "targets",
+            *_hook(
+                "s",
+                "add",
+                vector={"plus": {"prompts": "nope.jsonl"}, "minus": {"prompts": "nope.jsonl"}},
+            ),
+        )
+    with pytest.raises(HookrunError, match="hooks.s.args.vector.positions: 'first'"):
+        _run(
+            lm,
+            tmp_path / "r",
+            "targets",
+            *_hook("s", "add", vector={"prompts": str(lm / "sad.jsonl"), "positions": "first"}),
+        )
