@@ -32,7 +32,7 @@ from hookrun.models.adapter import adapt
 from hookrun.runtime.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
 from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.runtime.leaves import leaves, rebuild
-from hookrun.runtime.plan import HookPlan, PlannedHook, acts_on
+from hookrun.runtime.plan import HookPlan, PlannedHook, acts_at_step, acts_on
 from hookrun.runtime.positions import act_at
 from hookrun.runtime.selectors import INPUT_LAYER
 from hookrun.runtime.sites import Site
@@ -130,7 +130,9 @@ def _apply(
     hooks: list[PlannedHook], tensor: torch.Tensor, recorder: Recorder, key: str
 ) -> torch.Tensor:
     for hook in hooks:
-        tensor = act_at(hook.action, tensor, _Context(recorder, hook.name, key), recorder.mask)
+        if acts_at_step(hook, recorder.step):
+            ctx = _Context(recorder, hook.name, key)
+            tensor = act_at(hook.action, tensor, ctx, recorder.mask)
     return tensor
 
 

@@ -89,6 +89,15 @@ def acts_on(hook: PlannedHook, leaf: int) -> bool:
     return leaf == 0 or hook.site != Site.input or hook.action.captures
 
 
+def acts_at_step(hook: PlannedHook, step: int) -> bool:
+    """Whether `hook` acts at decoding step `step` of a generation (0: the prompt's pass, the
+    run's own; after it one new token per row). A hook tied to the prompt's tokens — its
+    `args.positions`, or stored rows put back (`patch`) — acts at the prompt's pass only
+    (through the key-value cache every later token sees what it did: ActAdd's injection at
+    the front positions); every other hook acts at every step."""
+    return step == 0 or (hook.action.positions is None and not hook.action.reads_rows)
+
+
 @dataclass
 class HookPlan:
     """The ordered hooks of a run; file order is registration order."""

@@ -226,13 +226,11 @@ def test_killed_and_resumed_gives_the_same_file(tmp_path):
         (["generate.max_new_tokens=60"], "generate.max_new_tokens: 60 after a prompt of"),
         (
             [
-                "++hooks.p.select.name=transformer.h.0",
-                "++hooks.p.at=output",
-                "++hooks.p.action=add",
-                "++hooks.p.args.value=1.0",
-                "++hooks.p.args.positions=last",
+                "++hooks.p.select.name=transformer.h.0.attn",
+                "++hooks.p.at=pattern",
+                "++hooks.p.action=zero",
             ],
-            "hooks.p.args.positions: last with generate",
+            "hooks.p.at: pattern with generate; valid:",
         ),
     ],
 )
@@ -325,3 +323,80 @@ def test_a_hook_at_a_block_input_leaves_its_attention_mask_alone(tmp_path):
     for r, (want, want_lp) in enumerate(hand):
         assert tokens[r].tolist() == want, r
         np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_patch_and_positions_act_at_the_prompts_pass_as_a_hand_written_loop(tmp_path, family):
+    """A `patch` of block 0's output from a stored run and an `add` at block 1's output at
+    position 0 act at the prompt's pass (the run's own pass: the stored rows fit it), and
+    every later token sees them through the cache: as a hand loop whose hooks act while
+    the prompt goes through and not after."""
+    model, _ = save_lm(tmp_path / "lm", family)
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    block0, block1 = BLOCK[family].format(0), BLOCK[family].format(1)
+    source = [
+        "generate={}",  # a plain run: block 0's output, shifted by 0.5, captured
+        f"++hooks.s.select.name={block0}",
+        "++hooks.s.at=output",
+        "++hooks.s.action=add",
+        "++hooks.s.args.value=0.5",
+        f"++hooks.c.select.name={block0}",
+        "++hooks.c.at=output",
+        "++hooks.c.action=capture",
+    ]
+    clean = run_config(tmp_path / "clean", _args(tmp_path, *source)).path
+    hooks = [
+        f"++hooks.p.select.name={block0}",
+        "++hooks.p.at=output",
+        "++hooks.p.action=patch",
+        f"++hooks.p.args.file={clean}",
+        f"++hooks.a.select.name={block1}",
+        "++hooks.a.at=output",
+        "++hooks.a.action=add",
+        "++hooks.a.args.value=3.0",
+        "++hooks.a.args.positions=[0]",
+    ]
+    result = run_config(tmp_path / "run", _args(tmp_path, *hooks))
+    tokens, _, logprobs, _ = _generated(result.path)
+    with h5py.File(clean) as f:
+        stored = torch.from_numpy(f[f"captures/{block0}/output"][()])
+    modules = dict(model.named_modules())
+    state = {"row": 0, "prompt": True}
+
+    def patch(module, args, output):
+        if not state["prompt"]:
+            return None
+        first = _first(output)
+        first = stored[state["row"], : first.shape[1]][None].to(first.dtype)
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+    def add_first(module, args, output):
+        if not state["prompt"]:
+            return None
+        first = _first(output).clone()
+        first[:, 0] += 3.0
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+    handles = [
+        modules[block0].register_forward_hook(patch),
+        modules[block1].register_forward_hook(add_first),
+    ]
+    try:
+        for r, row in enumerate(PROMPTS):
+            state.update(row=r, prompt=True)
+            ids = _prompt_ids(row)
+            with torch.no_grad():
+                out = model(torch.tensor([ids]), use_cache=True)
+                state["prompt"] = False
+                want, want_lp = [], []
+                for _ in range(STEPS):
+                    logits = out.logits[0, -1].float()
+                    token = int(logits.argmax())
+                    want.append(token)
+                    want_lp.append(float(logits.log_softmax(-1)[token]))
+                    out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            assert tokens[r].tolist() == want, (family, r)
+            np.testing.assert_allclose(logprobs[r], want_lp, atol=1e-5, rtol=0)
+    finally:
+        for handle in handles:
+            handle.remove()

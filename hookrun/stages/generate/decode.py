@@ -1,11 +1,13 @@
 """The decoding loop: each row's prompt continued token by token with the key-value cache,
 every step a forward pass of the Hugging Face model under whatever hooks are attached.
 
-Rows of different lengths are decoded together left-aligned: each prompt moved to the end of
-a (N, longest) block with the padding in front, masked, and the positions counted from each
-row's first real token — as Hugging Face's `generate` does — so a row is continued as it
-would be alone (to float rounding). A row that has given its end token stops: later steps
-still run it (the batch moves together) but nothing of it is kept.
+The prompt's pass is the run's own pass: the rows as the data gave them, right-padded to
+the run's width and masked, so a hook sees at step 0 the very tensor it sees in the run
+(stored rows patch in, `args.positions` count as there). Each new token goes after the
+padding, masked out of every row's attention, with its position counted from its row's
+real tokens — so a row is continued as it would be alone (to float rounding), as Hugging
+Face's left-padded `generate` continues it. A row that has given its end token stops: later
+steps still run it (the batch moves together) but nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from hookrun.stages.generate.keys import NO_TOKEN
 
-__all__ = ["Sampling", "Decoded", "decode", "left_aligned", "choose", "rescore"]
+__all__ = ["Sampling", "Decoded", "decode", "prompt_positions", "choose", "rescore"]
 
 
 @dataclass(frozen=True)
@@ -41,20 +43,9 @@ class Decoded:
         return self.tokens != NO_TOKEN
 
 
-def left_aligned(
-    ids: torch.Tensor, lengths: torch.Tensor, pad: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompts `ids` (N, T) of `lengths` (N,) as (ids, mask, positions), each
-    (N, longest): the prompt at the end of its row, padding (`pad`, masked) in front, and
-    each token's position counted from its row's first token."""
-    longest = int(lengths.max())
-    columns = torch.arange(longest, device=ids.device)
-    start = longest - lengths  # (N,): where each prompt begins
-    real = columns[None, :] >= start[:, None]
-    source = (columns[None, :] - start[:, None]).clamp(min=0)
-    left = torch.where(real, ids.gather(1, source), torch.full_like(source, pad))
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)
-    return left, real.long(), positions
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(N, T): each real token's position in its row (padding after it: its last)."""
+    return (mask.long().cumsum(1) - 1).clamp(min=0)
 
 
 def rescore(
@@ -62,19 +53,25 @@ def rescore(
 ) -> torch.Tensor:
     """(N, steps): each generated token's log probability under whatever hooks are attached
     now (none: the plain model), in one pass over each prompt and its generated tokens
-    (left-aligned as decoding was); NaN after a row's end."""
-    ids, lengths = prompts
+    (laid out as decoding laid them); NaN after a row's end."""
+    ids, mask = prompts
     new = torch.where(decoded.mask, decoded.tokens, torch.full_like(decoded.tokens, pad))
-    inputs, mask, positions = left_aligned(ids, lengths, pad)
-    steps = new.shape[1]
-    inputs = torch.cat([inputs, new], dim=1)
-    mask = torch.cat([mask, decoded.mask.long()], dim=1)
-    positions = torch.cat(
-        [positions, positions[:, -1:] + 1 + torch.arange(steps, device=ids.device)], 1
+    steps, lengths = new.shape[1], mask.sum(1)
+    inputs = torch.cat([ids, new], dim=1)
+    full = torch.cat([mask.long(), decoded.mask.long()], dim=1)
+    after = lengths[:, None] + torch.arange(steps, device=ids.device)
+    positions = torch.cat([prompt_positions(mask), after], 1)
+    out = language(input_ids=inputs, attention_mask=full, position_ids=positions, use_cache=False)
+    # Token 0 is predicted at the prompt's last real token, token s at column T + s - 1.
+    width = ids.shape[1]
+    columns = torch.cat(
+        [
+            lengths[:, None] - 1,
+            width + torch.arange(steps - 1, device=ids.device).expand(len(ids), -1),
+        ],
+        1,
     )
-    out = language(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=False)
-    # The token at step s is predicted at the column before it: the prompt's last, then s-1.
-    logits = out.logits[:, -steps - 1 : -1].float()
+    logits = out.logits.gather(1, columns[..., None].expand(-1, -1, out.logits.shape[-1])).float()
     logp = logits.log_softmax(-1).gather(2, new[..., None])[..., 0]
     return torch.where(decoded.mask, logp, torch.full_like(logp, float("nan")))
 
@@ -111,13 +108,14 @@ def decode(
     generator: torch.Generator | None = None,
     before_step: Callable[[], None] = lambda: None,
 ) -> Decoded:
-    """Up to `steps` tokens after each prompt (`prompts`: right-padded ids (N, T) and each
-    row's prompt length (N,)); `stop`: the end-token ids (empty: none) and the pad id fed
-    to rows that stopped. `before_step` runs before each forward pass (the hooks' call
-    counts start again there)."""
-    (ids, lengths), (ends, pad) = prompts, stop
-    rows = len(lengths)
-    inputs, mask, positions = left_aligned(ids, lengths, pad)
+    """Up to `steps` tokens after each prompt (`prompts`: right-padded ids (N, T) and their
+    mask); `stop`: the end-token ids (empty: none) and the pad id fed to rows that stopped.
+    `before_step` runs before each forward pass (the hooks' call counts start again
+    there)."""
+    (inputs, mask), (ends, pad) = prompts, stop
+    rows, lengths = len(inputs), mask.sum(1)
+    mask, positions = mask.long(), prompt_positions(mask)
+    ids = inputs
     tokens = torch.full((rows, steps), NO_TOKEN, dtype=torch.int64, device=ids.device)
     logprobs = torch.full((rows, steps), float("nan"), dtype=torch.float32, device=ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
@@ -139,7 +137,9 @@ def decode(
             **{cache_key: cache},
         )
         cache = getattr(out, cache_key)
-        logits = out.logits[:, -1].float()
+        # The prompt's pass: each row's last real token; later passes: the one new token.
+        last = lengths - 1 if step == 0 else torch.zeros_like(lengths)
+        logits = out.logits[torch.arange(rows, device=ids.device), last].float()
         chosen = choose(logits, sampling, generator)
         logp = logits.log_softmax(-1).gather(1, chosen[:, None])[:, 0]
         tokens[:, step] = torch.where(done, NO_TOKEN, chosen)
@@ -149,5 +149,5 @@ def decode(
             break
         inputs = torch.where(done, pad, chosen)[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        positions = positions[:, -1:] + 1
+        positions = (lengths + step)[:, None]
     return Decoded(tokens, logprobs)
