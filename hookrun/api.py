@@ -24,7 +24,7 @@ from torch import nn
 import hookrun.stages  # noqa: F401  (registers every stage before a config is built)
 from hookrun.config.build import RunSpec, build_spec, release_model_keys
 from hookrun.config.schema import conf_dir, register_configs
-from hookrun.data.inline import INLINE_FILE, inline_rows, write_rows
+from hookrun.data.inline import INLINE_FILE, inline_rows, token_tensors, write_rows
 from hookrun.errors import HookrunError
 from hookrun.models.config import ModelConfig
 from hookrun.pipeline.finish import Result
@@ -134,9 +134,10 @@ def run(
 
     `model`: any nn.Module to run instead of the config's (the selectors apply to it); a
     Hugging Face model with its `tokenizer` runs as model=hf would (models/language.py);
-    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs, or a list
-    of strings (documents, as dataset=text) or of prompt dicts (as dataset=prompts), instead
-    of the config's; `run_dir`: where captures.h5 and the pictures go (default: the CLI's
+    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs, a list of
+    strings (documents, as dataset=text) or of prompt dicts (as dataset=prompts), or token
+    ids made already ({input_ids, attention_mask}: a tokenizer's output), instead of the
+    config's; `run_dir`: where captures.h5 and the pictures go (default: the CLI's
     outputs/<date>/<time>/, relative to the current directory).
     """
     if model is not None and not isinstance(model, nn.Module):
@@ -145,6 +146,7 @@ def run(
         model = _language_model(model, tokenizer)
     if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
         raise HookrunError(f"run_dir: {run_dir!r}; valid: a folder path (str or Path)")
+    dataset = token_tensors(dataset) or dataset  # token ids made already: rows in memory
     inline = inline_rows(dataset)
     if inline is not None:  # written into the run dir, read by the kind from there
         kind, rows = inline

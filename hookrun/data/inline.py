@@ -3,7 +3,11 @@ strings (documents, read as dataset=text reads a .jsonl's `text` field) or of pr
 (`prompt`, and `answer`, `counterfactual`, `counterfactual_answer` where used, read as
 dataset=prompts reads a .jsonl). They are written to `<run dir>/dataset.jsonl` and read from
 there by the kind itself, so the run's file is the file of the same rows given as a .jsonl,
-and the run directory keeps the data it was made from."""
+and the run directory keeps the data it was made from.
+
+Token ids already made — a tokenizer's output, `{input_ids, attention_mask}` (N, T), padded
+on either side — become token rows in memory (token_tensors), as dataset=prompts lays out
+the same prompts: each row's real tokens first, right-padded, read at its last one."""
 
 from __future__ import annotations
 
@@ -12,9 +16,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from hookrun.data.tokens import Numbered, TokenRows
 from hookrun.errors import HookrunError
 
-__all__ = ["inline_rows", "write_rows", "INLINE_FILE"]
+__all__ = ["inline_rows", "write_rows", "token_tensors", "INLINE_FILE"]
 
 INLINE_FILE = "dataset.jsonl"
 _PROMPT_KEYS = ("prompt", "answer", "counterfactual", "counterfactual_answer")
@@ -62,3 +70,62 @@ def write_rows(rows: list[dict], path: Path) -> None:
     part = path.with_suffix(".jsonl.part")
     part.write_text(text, encoding="utf-8")
     part.replace(path)
+
+
+_TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def token_tensors(dataset: Any) -> TokenRows | None:
+    """Token rows of `{input_ids, attention_mask}` (a tokenizer's output: tensors, arrays or
+    lists, (N, T)); None for any other dataset."""
+    if not isinstance(dataset, Mapping) or "input_ids" not in dataset:
+        return None
+    unknown = [k for k in dataset if k not in _TOKEN_KEYS]
+    if unknown:
+        raise HookrunError(
+            f"dataset.{unknown[0]}: not a key of token rows; valid: {', '.join(_TOKEN_KEYS)}"
+        )
+    ids = _integers(dataset["input_ids"], "input_ids")
+    given = dataset.get("attention_mask")
+    mask = np.ones_like(ids) if given is None else _integers(given, "attention_mask")
+    if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+        raise HookrunError(
+            f"dataset.attention_mask: shape {list(mask.shape)} of values "
+            f"{sorted(set(np.unique(mask).tolist()))[:4]}; valid: 0s and 1s of input_ids' "
+            f"shape {list(ids.shape)}"
+        )
+    types = dataset.get("token_type_ids")
+    if types is not None and _integers(types, "token_type_ids").any():
+        raise HookrunError(
+            "dataset.token_type_ids: not all 0; valid: one segment per row (or leave it out)"
+        )
+    lengths = mask.sum(1)
+    # Each row's real tokens must be one run (left or right padding), and at least one.
+    starts = mask.argmax(1)
+    ends = starts + lengths
+    columns = np.arange(ids.shape[1])[None]
+    held = (columns >= starts[:, None]) & (columns < ends[:, None])
+    bad = np.flatnonzero((lengths == 0) | (held != mask.astype(bool)).any(1))
+    if len(bad):
+        raise HookrunError(
+            f"dataset.attention_mask: row {int(bad[0])} is not one run of real tokens; valid: "
+            "each row's 1s together (padding on the left or on the right), at least one"
+        )
+    pads = ids[mask == 0]
+    pad = int(pads[0]) if len(pads) else 0
+    right = np.full(ids.shape, pad, dtype=np.int64)
+    for r in range(len(ids)):
+        right[r, : lengths[r]] = ids[r, starts[r] : ends[r]]
+    rows = TokenRows(right, lengths, lengths - 1, None, Numbered("input_ids", len(ids)))
+    rows.from_files = False  # /samples/path says `input_ids`, from any folder
+    return rows
+
+
+def _integers(value: Any, key: str) -> np.ndarray:
+    array = value.cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer) or 0 in array.shape:
+        raise HookrunError(
+            f"dataset.{key}: {array.dtype} of shape {list(array.shape)}; valid: integers "
+            "(rows, tokens), as a tokenizer returns them (padding=True)"
+        )
+    return array.astype(np.int64)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from hookrun.data.kinds import DATASETS, NO_LABEL, check_image
-from hookrun.data.tokens import token_rows
+from hookrun.data.tokens import TokenData, token_rows
 from hookrun.errors import HookrunError
 
 __all__ = [
@@ -107,6 +107,8 @@ def wrap_dataset(data: Any, limit: int | None) -> Dataset:
     A map-style dataset is read lazily; any other iterable is read (up to `limit`) into a
     list first, since the run needs its length before the first batch.
     """
+    if isinstance(data, TokenData):  # token rows made from a caller's ids (data/inline.py)
+        return _limited(data, limit)
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         if not isinstance(data, Iterable):
             raise HookrunError(

@@ -105,3 +105,49 @@ def test_rows_never_replace_an_earlier_runs_file(lm, tmp_path):
     with pytest.raises(HookrunError, match="holds other rows than the ones given"):
         hookrun.run(["model=hf", f"model.path={lm}", *CAPTURE], dataset=DOCUMENTS, run_dir=tmp_path)
     assert (tmp_path / "dataset.jsonl").read_text() == '{"text": "earlier"}\n'
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_ids_made_already_give_the_file_of_the_same_prompts(lm, tmp_path, side):
+    """A tokenizer's output, padded on either side, runs as the same prompts from a .jsonl:
+    every dataset equal but the rows' source names."""
+    rows = [{"prompt": p["prompt"]} for p in PROMPTS]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    base = ["model=hf", f"model.path={lm}", "target.kind=predicted", *CAPTURE]
+    want = hookrun.run(
+        [*base, "dataset=prompts", f"dataset.path={tmp_path / 'p.jsonl'}"], run_dir=tmp_path / "f"
+    )
+    tok = tokenizer()
+    tok.padding_side = side
+    given = tok([r["prompt"] for r in rows], padding=True, return_tensors="pt")
+    got = hookrun.run(base, dataset=given, run_dir=tmp_path / side)
+    a, b = read(got.path), read(want.path)
+    assert a.keys() == b.keys()
+    for key in b:
+        if key in ("samples/path", "samples/line"):
+            continue
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert {bytes(p).decode() for p in a["samples/path"]} == {"input_ids"}
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"input_ids": [[1, 2], [3, 4]], "labels": [[1, 2], [3, 4]]}, "dataset.labels: not a key"),
+        ({"input_ids": [1.5, 2.0]}, "dataset.input_ids: float64 of shape [2]; valid: integers"),
+        (
+            {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 0, 1]]},
+            "dataset.attention_mask: row 0 is not one run of real tokens",
+        ),
+        (
+            {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1]]},
+            "dataset.attention_mask: shape [1, 2] of values [1]; valid: 0s and 1s",
+        ),
+    ],
+)
+def test_bad_token_ids_are_refused_before_any_work(lm, tmp_path, given, said):
+    base = ["model=hf", f"model.path={lm}", "target.kind=predicted", *CAPTURE]
+    with pytest.raises(HookrunError) as err:
+        hookrun.run(base, dataset=given, run_dir=tmp_path / "r")
+    assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "r" / "captures.h5").exists()
