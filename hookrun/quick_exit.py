@@ -27,6 +27,11 @@ OWN_LIBRARIES = frozenset(
     {
         "hookrun",
         "torch",
+        # torch's own dependencies, which torch._dynamo imports when torchvision's ops load
+        # (now when a run needs torchvision, no longer at `import hookrun`).
+        "sympy",
+        "mpmath",
+        "triton",
         "torchvision",
         "timm",
         "huggingface_hub",

@@ -18,7 +18,6 @@ import torch
 from omegaconf import MISSING
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision import datasets, transforms
 
 from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
@@ -228,18 +227,25 @@ class ConstantData(Dataset):
         return torch.full(tuple(self.cfg.shape), float(self.cfg.value)), NO_LABEL, index
 
 
-class _IndexedImageFolder(datasets.ImageFolder):
-    """ImageFolder that adds the index and names the file it cannot read."""
+class _IndexedImageFolder(Dataset):
+    """torchvision's ImageFolder (imported when a folder is read: a language-model run never
+    pays for torchvision), with the index added and the file it cannot read named."""
 
     has_labels = True
 
     def __init__(self, root: str, transform: Any) -> None:
-        super().__init__(root, transform=transform, loader=_eight_bit_rgb)
+        from torchvision import datasets
+
+        self.folder = datasets.ImageFolder(root, transform=transform, loader=_eight_bit_rgb)
+        self.samples = self.folder.samples  # (path, class) per row: /samples/path, resume
+
+    def __len__(self) -> int:
+        return len(self.folder)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         path = self.samples[index][0]
         try:
-            image, label = super().__getitem__(index)
+            image, label = self.folder[index]
         except HookrunError:
             raise
         except (OSError, ValueError, Image.DecompressionBombError) as err:
@@ -279,7 +285,9 @@ def check_image(path: str) -> None:
     _refuse_mode(path, mode)
 
 
-def _photo_transform(cfg: PhotoTransformConfig) -> transforms.Compose:
+def _photo_transform(cfg: PhotoTransformConfig) -> Any:
+    from torchvision import transforms
+
     return transforms.Compose(
         [
             transforms.Resize(cfg.resize),

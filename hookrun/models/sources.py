@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 from hookrun.errors import HookrunError, nearest
@@ -35,6 +34,14 @@ __all__ = [
     "class_names",
     "model_label",
 ]
+
+
+def _vision_models() -> Any:
+    """torchvision.models, imported when a torchvision model is asked for (about 1 s that a
+    language-model run never pays)."""
+    import torchvision.models
+
+    return torchvision.models
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ def _source(name: str):
 @_source("torchvision")
 class _Torchvision(ModelSource):
     def check(self, cfg: ModelConfig) -> None:
-        known = sorted(torchvision.models.list_models(module=torchvision.models))
+        known = sorted(_vision_models().list_models(module=_vision_models()))
         if not cfg.name or cfg.name not in known:
             hint = ", ".join(nearest(str(cfg.name), known + list(SEED_MODELS)))
             raise HookrunError(
@@ -106,21 +113,21 @@ class _Torchvision(ModelSource):
 
     def construct(self, cfg: ModelConfig) -> nn.Module:
         try:
-            return torchvision.models.get_model(str(cfg.name), weights=None, **cfg.kwargs)
+            return _vision_models().get_model(str(cfg.name), weights=None, **cfg.kwargs)
         except (TypeError, ValueError) as err:
             raise HookrunError(
                 f"model.kwargs: {cfg.name}({dict(cfg.kwargs)}) failed: {err}"
             ) from None
 
     def weights_names(self, cfg: ModelConfig) -> list[str]:
-        enum = torchvision.models.get_model_weights(str(cfg.name))
+        enum = _vision_models().get_model_weights(str(cfg.name))
         return [w.name for w in enum] + ["DEFAULT"]
 
     def class_names(self, cfg: ModelConfig) -> list[str] | None:
         if not cfg.weights:
             return None
         try:
-            enum = torchvision.models.get_model_weights(str(cfg.name))
+            enum = _vision_models().get_model_weights(str(cfg.name))
             weights = enum.DEFAULT if cfg.weights == "DEFAULT" else enum[cfg.weights]
         except (KeyError, ValueError):
             return None  # weights from a file: the classes are the user's

@@ -7,14 +7,23 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 from hookrun.errors import HookrunError
 
 __all__ = ["find_checkpoint", "load_weights", "sha256_of"]
+
+
+def _vision_models() -> Any:
+    """torchvision.models, imported when a torchvision model is asked for (about 1 s that a
+    language-model run never pays)."""
+    import torchvision.models
+
+    return torchvision.models
+
 
 # torchvision names checkpoints `<name>-<sha256 prefix>.pth` (torch.hub's convention).
 _HASH_IN_NAME = re.compile(r"-([a-f0-9]{6,})\.")
@@ -52,7 +61,7 @@ def find_checkpoint(filename: str, folders: list[str]) -> Path | None:
 def _torchvision_state_dict(
     model_name: str, weights_name: str, folders: list[str]
 ) -> tuple[dict, Path]:
-    enum = torchvision.models.get_model_weights(model_name)
+    enum = _vision_models().get_model_weights(model_name)
     weights = enum.DEFAULT if weights_name == "DEFAULT" else enum[weights_name]
     filename = os.path.basename(weights.url)
     found = find_checkpoint(filename, folders)
@@ -113,7 +122,7 @@ def load_weights(
     returns the file the weights came from."""
     names: list[str] = []
     if torchvision_name is not None:
-        names = [w.name for w in torchvision.models.get_model_weights(torchvision_name)]
+        names = [w.name for w in _vision_models().get_model_weights(torchvision_name)]
         names.append("DEFAULT")
     if weights in names:
         state, path = _torchvision_state_dict(str(torchvision_name), weights, folders)

@@ -13,7 +13,6 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchvision.utils import make_grid
 
 __all__ = [
     "MIN_SIDE",
@@ -68,6 +67,8 @@ def feature_grid(maps: np.ndarray) -> np.ndarray:
     """(C, h, w) feature maps → one grid image (3, H, W) in [0, 1], each map scaled alone."""
     tiles = torch.from_numpy(maps.astype(np.float32))[:, None]
     nrow = math.ceil(math.sqrt(len(tiles)))
+    from torchvision.utils import make_grid  # image pictures only
+
     return make_grid(tiles, nrow=nrow, normalize=True, scale_each=True, pad_value=1.0).numpy()
 
 

@@ -7,11 +7,15 @@ Same config + same seed → the same numbers in every dataset: torch, numpy and 
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import random
+import re
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +23,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-import torchvision
 
 from hookrun.config.build import RunSpec
 from hookrun.io.layout import Provenance
@@ -27,6 +30,27 @@ from hookrun.models.weights import sha256_of
 from hookrun.version import __version__
 
 __all__ = ["reproducible", "provenance"]
+
+
+def _torchvision_version() -> str:
+    """torchvision's `__version__` (its local build tag too, e.g. 0.29.1+cu130) without
+    importing it: a language-model run never loads torchvision (about 1 s)."""
+    loaded = sys.modules.get("torchvision")
+    if loaded is not None:
+        return str(loaded.__version__)
+    spec = importlib.util.find_spec("torchvision")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", _text(Path(folder) / "version.py"))
+        if found:
+            return found.group(1)
+    return importlib.metadata.version("torchvision")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 @contextmanager
@@ -90,7 +114,7 @@ def provenance(
         hookrun_version=__version__,
         hookrun_git_commit=_git_commit(),
         torch_version=str(torch.__version__),
-        torchvision_version=str(torchvision.__version__),
+        torchvision_version=_torchvision_version(),
         h5py_version=h5py.__version__,
         seed=spec.seed,
         weights_file=str(weights_file or ""),

@@ -33,6 +33,8 @@ REFUSED = {
     ("vit", "induction"): "matches no module",
     ("resnet18", "generate"): "valid: a causal language model",
     ("vit", "generate"): "valid: a causal language model",
+    ("resnet18", "steering"): "matches no module",
+    ("vit", "steering"): "matches no module",
 }
 
 

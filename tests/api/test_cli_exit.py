@@ -193,3 +193,14 @@ def test_a_language_model_run_imports_nothing_that_keeps_the_ordinary_exit(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "foreign: []" in proc.stdout, proc.stdout
     assert (tmp_path / "run" / "images" / "lm_cache" / "residual_norms.png").is_file()
+
+
+def test_import_hookrun_loads_no_torchvision():
+    """torchvision costs about 1 s to import: `import hookrun` (to read a file with
+    hookrun.open, or to start a language-model run) leaves it to what needs it: an image
+    dataset, a torchvision model, an image picture. (transformers' modeling code imports it
+    itself where it is installed.)"""
+    code = "import sys, hookrun\nprint('torchvision loaded:', 'torchvision' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torchvision loaded: False" in proc.stdout, proc.stdout

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
@@ -85,6 +84,8 @@ def baseline_of(baseline: str, x: torch.Tensor) -> torch.Tensor:
     if baseline == "blur":
         sigma = BLUR_SIGMA * min(x.shape[-2:])
         size = 2 * math.ceil(3 * sigma) + 1
+        from torchvision.transforms.functional import gaussian_blur  # with an image run only
+
         return gaussian_blur(x, [size, size], [sigma, sigma])
     return torch.full_like(x, float(baseline))
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, FRACTIONS, evaluate_key
@@ -57,6 +56,8 @@ def baseline_image(baseline: str, x: torch.Tensor) -> torch.Tensor:
     if baseline == "zeros":
         return torch.zeros_like(x)
     if baseline == "blur":
+        from torchvision.transforms.functional import gaussian_blur  # with an image run only
+
         return gaussian_blur(x, [11, 11], [5.0, 5.0])
     return x.mean(dim=(2, 3), keepdim=True).expand_as(x)  # mean: each channel's, per image
 
