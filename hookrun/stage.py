@@ -23,6 +23,8 @@ A stage's life in a run:
    `Stage.draw(f, out_dir, rows, config)` and `Stage.damage(f, complete)` read the file
    alone, so the summary, `python -m hookrun.render` and `python -m hookrun.verify` work
    without the run.
+6. At a sweep's end, `Stage.columns(f, rows)` gave each job's numbers to sweep_summary.csv
+   and `Stage.rank(sweep_dir, jobs)` writes the stage's ranking of the jobs.
 
 Adding a stage is its folder, one line in hookrun/stages/__init__.py, and its conf group
 (and, for the wheel, its package in pyproject.toml).
@@ -290,6 +292,12 @@ class Stage:
     @classmethod
     def draw(cls, f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
         """Its pictures of the file, into `out_dir`; the files written."""
+        return []
+
+    @classmethod
+    def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
+        """At a sweep's end: its ranking of the jobs (each row: job, overrides, status, file
+        and `evaluation` with the columns' `means`) into `sweep_dir`; the files written."""
         return []
 
 

@@ -3,8 +3,10 @@
 A job that fails in a multirun records its traceback in its own log and a `failed` row, and
 the sweep carries on; when every job is done, `sweep_summary.csv` in the sweep directory has
 one row per job (overrides, status, rows, file, and one column per evaluation metric and
-attribution: the mean over samples its file holds), the jobs that evaluated their
-attributions are ranked (stages/evaluate/ranking.py), and the sweep exits non-zero if any failed.
+attribution, each stage's columns: the mean over samples its file holds), each stage ranks
+the jobs it ran in (Stage.rank: the evaluated attributions, stages/evaluate/ranking.py; the
+steered layers and scales, stages/steering/ranking.py), and the sweep exits non-zero if any
+failed.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from hookrun.io.layout import open_readonly, read_state
-from hookrun.stage import stage_columns
-from hookrun.stages.evaluate.ranking import job_means, write_ranking
+from hookrun.stage import stage_columns, stages
+from hookrun.stages.evaluate.ranking import job_means
 
 __all__ = ["JOB_FILE", "write_job_summary", "SweepSummary"]
 
@@ -80,9 +82,10 @@ class SweepSummary(Callback):
             writer = csv.DictWriter(f, columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows({**r, **m} for r, m in zip(rows, means, strict=True))
-        ranked = write_ranking(sweep_dir, rows)
-        if ranked:
-            log.info("sweep: ranking in %s", ranked[1])
+        for stage in stages():
+            ranked = stage.rank(sweep_dir, rows)
+            if ranked:
+                log.info("sweep: %s ranking in %s", stage.name, ranked[1])
         failed = [r for r in rows if r["status"] != "complete"]
         log.info("sweep: %d job(s), %d failed; summary in %s", len(rows), len(failed), target)
         if failed:

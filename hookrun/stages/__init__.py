@@ -9,3 +9,4 @@ from hookrun.stages import lens as lens
 from hookrun.stages import metrics as metrics
 from hookrun.stages import patching as patching
 from hookrun.stages import sanity as sanity
+from hookrun.stages import steering as steering

@@ -140,12 +140,21 @@ def test_a_head_ablation_sweep_has_a_loss_change_column_per_job(tmp_path):
         np.testing.assert_allclose(float(job["metrics:loss_change"]), change, rtol=1e-6)
         assert float(job["metrics:kl"]) > 0
     assert jobs[0]["metrics:loss_change"] != jobs[1]["metrics:loss_change"]
+    # The heads ranked: the larger loss change (the head the model needs more) first.
+    with open(tmp_path / "s" / "metrics_ranking.csv") as f:
+        ranked = list(csv.DictReader(f))
+    by_job = {job["job"]: float(job["metrics:loss_change"]) for job in jobs}
+    want = sorted(by_job, key=by_job.get, reverse=True)
+    assert [r["job"] for r in ranked] == want and [r["rank"] for r in ranked] == ["1", "2"]
+    assert [float(r["change"]) for r in ranked] == [by_job[j] for j in want]
+    assert "heads=[" in ranked[0]["overrides"]
 
 
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
         (["++metrics.names=[loss,perplexity]"], "metrics.names[1]: 'perplexity'"),
+        (["++metrics.rank_by=kl"], "metrics.rank_by: 'kl'; valid: one of metrics.names with"),
         (["++metrics.names=[logit_diff]", "target.kind=answer"], "metrics.names: logit_diff with"),
         (
             ["++metrics.names=[answer_logprob]", "target.kind=none"],

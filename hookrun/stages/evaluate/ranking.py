@@ -2,8 +2,8 @@
 
 Each job's summary row carries the mean over samples of every per-sample number its
 captures.h5 holds under /evaluate (a deletion or insertion AUC, a ROAD score: column
-`<metric>:<attribution path>`) and each sanity-checked method's verdict score (column
-`sanity:<method>`), read from the complete file. The sweep then writes `sweep_ranking.csv`
+`<metric>:<attribution path>`), read from the complete file (the sanity check's verdict
+scores join as its stage's columns, `sanity:<method>`). The sweep then writes `sweep_ranking.csv`
 and `.md` — one row per job and attribution, best first by `evaluate.rank_by` — and
 `sweep_ranking.png`, a layer × method heat map of the ranking metric.
 """
@@ -24,7 +24,6 @@ from hookrun.io import layout, walk
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.keys import EVALUATE
 from hookrun.stages.evaluate.registry import METRICS
-from hookrun.stages.sanity.verdicts import read_verdicts
 
 __all__ = ["job_means", "write_ranking"]
 
@@ -56,9 +55,6 @@ def job_means(path: Path) -> dict[str, Any]:
                 values = ds[:rows].astype(np.float64)
                 out["means"][f"{metric}:{attribution}"] = float(np.mean(values))
                 out["attributions"][attribution] = _split(attribution, state.experiment)
-        for method, verdict in read_verdicts(f).items():
-            if verdict is not None:
-                out["means"][f"sanity:{method}"] = verdict[1]
         config = OmegaConf.to_container(OmegaConf.create(state.config or "{}"))
     spec = parse_evaluate((config or {}).get("evaluate")) if out["attributions"] else None
     out["rank_by"] = spec.rank_by if spec else None

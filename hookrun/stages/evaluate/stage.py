@@ -5,6 +5,7 @@ bare model, at /evaluate/<metric>/<attribution path>; the metrics are a registry
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -27,6 +28,7 @@ from hookrun.stage import (
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, EVALUATE, SCORE_SUFFIX
+from hookrun.stages.evaluate.ranking import write_ranking
 
 __all__ = ["EvaluateStage"]
 
@@ -105,6 +107,10 @@ class EvaluateStage(Stage):
                             f"{what} {value:.3f}"
                         )
         return [f"evaluate {a}: {', '.join(v)} (mean of {rows})" for a, v in means.items()]
+
+    @classmethod
+    def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
+        return write_ranking(sweep_dir, jobs)
 
     @classmethod
     def draw(cls, f: h5py.File, out_dir: Any, rows: int, config: dict) -> list:

@@ -3,11 +3,12 @@ causal language model with the run's hooks acting at every decoding step — the
 pass and each new token's, through the key-value cache (decode.py) — and what it gave
 stored per row (keys.py); the summary shows the first rows' text.
 
-Every hook that changes values (add, scale, zero, clamp, noise, on module inputs and
-outputs, heads included) acts at each step as in the run's own pass. Captures are the run's
-pass over the prompt (its datasets as without `generate`); hooks that need positions,
-stored rows or attention patterns are refused before any work (the prompt's positions
-would not say where a new token is).
+Every hook that changes values (add, scale, zero, clamp, noise, ablate_direction, on module
+inputs and outputs, heads included) acts at each step as in the run's own pass; the prompt's
+pass is the run's own (decode.py), so hooks tied to the prompt's tokens — `args.positions`,
+`patch` — act there, and through the cache on everything after. Captures are the run's
+pass over the prompt (its datasets as without `generate`); attention-pattern actions are
+refused before any work.
 """
 
 from __future__ import annotations
@@ -81,10 +82,17 @@ class GeneratePlan(Plan):
         c = self.config
         steps = iter(range(c.max_new_tokens))
 
+        # Each row's prompt: its real tokens up to its read position.
+        upto = (
+            torch.arange(batch.tokens.shape[1], device=batch.tokens.device) <= batch.read[:, None]
+        )
+        prompts = (batch.tokens, (batch.mask.bool() & upto).to(batch.mask.dtype))
+
         def before_step() -> None:  # each step is a forward pass of its own: calls from 0
             recorder.begin(first)
-            recorder.rows = batch.index
+            recorder.rows = batch.index  # stored rows to patch in (the prompt's pass)
             recorder.step = next(steps)  # noise draws anew at each step
+            recorder.mask = prompts[1] if recorder.step == 0 else None  # args.positions count here
 
         sampling = Sampling(c.temperature, c.top_k, c.top_p)
         device = batch.inputs.device
@@ -93,7 +101,6 @@ class GeneratePlan(Plan):
         generator = work.generator("generate", device) if c.temperature > 0 else None
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(attach(self.hooks, work.model, recorder))
-            prompts = (batch.tokens, batch.read + 1)
             out = decode(
                 language, prompts, c.max_new_tokens, sampling, (ends, pad), generator, before_step
             )
@@ -154,38 +161,38 @@ class GenerateStage(Stage):
         texts = [t.decode("utf-8") for t in f[TEXT][:shown]]
         lines = [f"generated, sample {i}: {t!r}" for i, t in enumerate(texts)]
         if LOGPROBS_UNHOOKED in f:
-            hooked = float(np.nanmean(read_floats(f[LOGPROBS], slice(0, rows))))
-            plain = float(np.nanmean(read_floats(f[LOGPROBS_UNHOOKED], slice(0, rows))))
+            hooked, plain = _mean_logprobs(f, rows)
             lines.append(
                 f"generated tokens' mean log probability: {hooked:.3f} under the hooked model, "
                 f"{plain:.3f} under the model without hooks (fluency)"
             )
         return lines
 
+    @classmethod
+    def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
+        if LOGPROBS_UNHOOKED not in f:
+            return {}
+        hooked, plain = _mean_logprobs(f, rows)
+        return {"generate:logprob": hooked, "generate:fluency": plain}
+
+
+def _mean_logprobs(f: h5py.File, rows: int) -> tuple[float, float]:
+    """The generated tokens' mean log probability under the hooked model and under the
+    model without hooks (fluency), over every real token of the first `rows` rows."""
+    hooked = float(np.nanmean(read_floats(f[LOGPROBS], slice(0, rows))))
+    plain = float(np.nanmean(read_floats(f[LOGPROBS_UNHOOKED], slice(0, rows))))
+    return hooked, plain
+
 
 def _generation_hooks(plan: HookPlan) -> HookPlan:
-    """The run's hooks that act at each decoding step: those that change values; captures
-    and gradient sites keep to the run's pass over the prompt. Refused: hooks whose
-    positions, stored rows or attention patterns are the prompt's."""
+    """The run's hooks that act during decoding: those that change values (captures and
+    gradient sites keep to the run's pass over the prompt). Those tied to the prompt's
+    tokens (`args.positions`, `patch`) act at the prompt's pass only (plan.acts_at_step).
+    Refused: attention-pattern actions."""
     for hook in plan.hooks:
-        where = f"hooks.{hook.name}"
-        if hook.action.captures or hook.site.is_grad:
-            continue
-        if hook.action.positions is not None:
+        if hook.site == Site.pattern and not hook.action.captures:
             raise HookrunError(
-                f"{where}.args.positions: {hook.action.positions.describe()} with generate: "
-                "positions count over the prompt, not the generated tokens; valid: no "
-                "positions (the hook acts at every token of every step)"
-            )
-        if hook.action.reads_rows:
-            raise HookrunError(
-                f"{where}.action: {hook.action.name} puts stored (tokens, width) rows back, which "
-                "a decoding step's one new token does not have; valid with generate: add, "
-                "scale, zero, clamp, noise"
-            )
-        if hook.site == Site.pattern:
-            raise HookrunError(
-                f"{where}.at: pattern with generate; valid: capture there (the prompt's "
+                f"hooks.{hook.name}.at: pattern with generate; valid: capture there (the prompt's "
                 "pass), or a module's input or output"
             )
     return plan.acting()

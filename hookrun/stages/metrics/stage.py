@@ -2,12 +2,14 @@
 language model under the run's value-changing hooks and one without them, each over every
 position; the metrics of both (compute.py) stored at /metrics/<name> and
 /metrics/<name>_unhooked, /metrics/kl between them. The summary prints each mean and its
-change; a sweep's summary gets a column per metric (and its change), so a multirun over heads
-ablated ranks them by the loss change with no code of the user's."""
+change; a sweep's summary gets a column per metric (and its change), and the sweep ranks its
+jobs by the change of `metrics.rank_by` (ranking.py), so a multirun over heads ablated ranks
+them by the loss change with no code of the user's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -24,6 +26,7 @@ from hookrun.runtime.targets import TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.metrics.compute import NAMES, PAIRED, kl, row_metrics
 from hookrun.stages.metrics.keys import METRICS_GROUP, UNHOOKED, metric_key
+from hookrun.stages.metrics.ranking import RANK_BY, write_metrics_ranking
 from hookrun.typed import Frozen, check_choices, parse_typed
 
 __all__ = ["MetricsStage", "MetricsConfig"]
@@ -40,6 +43,9 @@ _TOKEN_TARGETS = (
 class MetricsConfig(Frozen):
     # Any of loss, token_loss, answer_logprob, logit_diff, kl (compute.py).
     names: list[str] = field(default_factory=lambda: ["loss", "answer_logprob", "kl"])
+    # A sweep ranks its jobs by this metric's change, largest first (metrics_ranking.csv);
+    # null: loss, or the first of `names` with an unhooked twin.
+    rank_by: str | None = None
 
 
 def parse_metrics(raw: Any) -> MetricsConfig | None:
@@ -47,12 +53,23 @@ def parse_metrics(raw: Any) -> MetricsConfig | None:
         return None
     config = parse_typed(raw, MetricsConfig, "metrics")
     check_choices("metrics.names", config.names, NAMES, "a metric")
+    paired = [n for n in config.names if n in PAIRED and n != "token_loss"]
+    if config.rank_by is not None and config.rank_by not in paired:
+        raise HookrunError(
+            f"metrics.rank_by: {config.rank_by!r}; valid: one of metrics.names with a value "
+            f"per row hooked and unhooked: {', '.join(paired) or 'none (add loss)'}"
+        )
     return config
 
 
 class MetricsPlan(Plan):
-    def __init__(self, names: tuple[str, ...], hooks: HookPlan, tokens: int) -> None:
-        self.names, self.hooks, self.tokens = names, hooks, tokens
+    def __init__(self, config: MetricsConfig, hooks: HookPlan, tokens: int) -> None:
+        self.names, self.hooks, self.tokens = tuple(config.names), hooks, tokens
+        paired = [n for n in self.names if n in PAIRED and n != "token_loss"]
+        self.rank_by = config.rank_by or ("loss" if "loss" in paired else next(iter(paired), None))
+
+    def attrs(self) -> dict[str, dict]:
+        return {METRICS_GROUP: {RANK_BY: self.rank_by}} if self.rank_by else {}
 
     def stored(self) -> dict[str, Stored]:
         out = {}
@@ -122,7 +139,11 @@ class MetricsStage(Stage):
             3 * 4 * rows * tokens * vocab,
             f"the logits of metrics' two passes [{rows}, {tokens}, {vocab}]",
         )
-        return MetricsPlan(tuple(config.names), setup.plan.acting(), tokens)
+        return MetricsPlan(config, setup.plan.acting(), tokens)
+
+    @classmethod
+    def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
+        return write_metrics_ranking(sweep_dir, jobs)
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:

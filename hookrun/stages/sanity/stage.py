@@ -144,6 +144,12 @@ class SanityStage(Stage):
         return [f"/{SANITY}/{m}: no verdict (attributes passed, score)" for m in missing]
 
     @classmethod
+    def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
+        """Each sanity-checked method's verdict score (sweep_summary.csv `sanity:<method>`)."""
+        verdicts = read_verdicts(f).items()
+        return {f"sanity:{method}": v[1] for method, v in verdicts if v is not None}
+
+    @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
         """One line per checked method: its verdict."""
         lines = []

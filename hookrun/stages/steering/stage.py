@@ -1,0 +1,119 @@
+"""The steering stage (`steering:`, experiment=steering): the run's hook adds a vector —
+measured from two prompt sets at each layer (pipeline/measure.py) — while the metrics
+stage scores the rows with and without it (the effect: `steering.effect`'s change) and the
+generate stage writes text under it (fluency: its log probability under the plain model).
+
+This stage stores each vector the hooks used at /steering/vector/<site> with where it came
+from (keys.py), prints them in the summary, and ranks a sweep's jobs (ranking.py): the
+layer × scale multirun ends in steering_ranking.csv/.md and a picture of effect against
+fluency."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+from omegaconf import OmegaConf
+
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.runtime.plan import PlannedHook
+from hookrun.stage import ParseContext, Plan, Setup, Stage, register_stage
+from hookrun.stages.steering.config import SteeringConfig, parse_steering
+from hookrun.stages.steering.keys import STEERING, VECTORS, site_of, vector_key
+from hookrun.stages.steering.ranking import write_steering_ranking
+
+__all__ = ["SteeringStage"]
+
+
+class SteeringPlan(Plan):
+    def __init__(self, config: SteeringConfig, hooks: list[PlannedHook]) -> None:
+        self.config, self.hooks = config, hooks
+
+    def describe(self, itemsize: int) -> str:
+        sites = [site for hook in self.hooks for site in hook.action.vectors]
+        return f"/{VECTORS}: {len(sites)} vector(s), written when the run is complete"
+
+    def finish(self, path: Path) -> None:
+        """The vectors and what they came from, into the complete file (once: a resume of
+        a complete file finds them)."""
+        c = self.config
+        with h5py.File(path, "r+") as f:
+            if VECTORS in f:
+                return
+            attrs: dict[str, dict[str, Any]] = {}
+            for hook in self.hooks:
+                action = hook.action
+                said = {"hook": hook.name, "action": action.name, "source": _json(action)}
+                said |= {
+                    k: getattr(action.args, k)
+                    for k in ("scale", "normalize")
+                    if hasattr(action.args, k)
+                }
+                said |= action.sources()
+                for site, vector in action.vectors.items():
+                    f.create_dataset(vector_key(site), data=vector.numpy(), fletcher32=True)
+                    attrs[vector_key(site)] = said
+            layers = [c.layers] if isinstance(c.layers, str) else list(c.layers)
+            attrs[STEERING] = {"effect": c.effect, "scale": c.scale, "layers": layers}
+            layout.write_attrs(f, attrs)
+
+
+def _json(action: Any) -> str:
+    given = action.args.vector
+    return json.dumps(OmegaConf.to_container(OmegaConf.create({"v": given}))["v"], default=str)
+
+
+@register_stage
+class SteeringStage(Stage):
+    name = node = "steering"
+    order = 65
+    axes = {f"{VECTORS}/*": "feature"}
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        return parse_steering(raw)
+
+    @classmethod
+    def plan(cls, config: SteeringConfig, setup: Setup) -> Plan:
+        setup.causal_language("steering")
+        hooks = [h for h in setup.plan.hooks if getattr(h.action, "vectors", None)]
+        if not hooks:
+            raise HookrunError(
+                "steering: no hook adds or removes a vector; valid: a hook with action add or "
+                "ablate_direction and args.vector (experiment=steering's hooks.steer)"
+            )
+        metrics = setup.spec.stage("metrics")
+        if metrics is None or config.effect not in metrics.names:
+            names = list(metrics.names) if metrics is not None else []
+            raise HookrunError(
+                f"steering.effect: {config.effect} is not among the run's metrics ({names}); "
+                f"valid: metrics=lm with {config.effect} in metrics.names"
+            )
+        return SteeringPlan(config, hooks)
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        if VECTORS not in f:
+            return []
+        lines: list[str] = []
+
+        def line(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                norm = float(np.linalg.norm(obj[()]))
+                scale = layout.attr(obj, "scale")
+                times = f" x {float(scale):g}" if scale is not None else ""
+                lines.append(
+                    f"steering vector at {site_of(obj.name.lstrip('/'))}: norm {norm:.4g}{times} "
+                    f"({layout.attr(obj, 'action')}, /{obj.name.lstrip('/')})"
+                )
+
+        f[VECTORS].visititems(line)
+        return lines
+
+    @classmethod
+    def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
+        return write_steering_ranking(sweep_dir, jobs)
