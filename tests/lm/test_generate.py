@@ -400,3 +400,72 @@ def test_patch_and_positions_act_at_the_prompts_pass_as_a_hand_written_loop(tmp_
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_captures_at_every_step_are_what_a_hand_loop_sees(tmp_path, family):
+    """generate.captures: block 1's output at each step, at the position whose output chose
+    the step's token (the prompt's last token, then each new one), with block 0's MLP
+    zeroed at every step: as a hand loop's forward hook records it, row by row."""
+    model, _ = save_lm(tmp_path / "lm", family)
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    block1 = BLOCK[family].format(1)
+    hooks = [
+        "generate.captures=true",
+        f"++hooks.off.select.name={MLP[family]}",
+        "++hooks.off.at=output",
+        "++hooks.off.action=zero",
+        f"++hooks.c.select.name={block1}",
+        "++hooks.c.at=output",
+        "++hooks.c.action=capture",
+    ]
+    result = run_config(tmp_path / "run", _args(tmp_path, *hooks))
+    with h5py.File(result.path) as f:
+        stepped = f[f"generation/captures/{block1}/output"][()]
+        tokens = f["generation/tokens"][()]
+        prompt_pass = f[f"captures/{block1}/output"][()]
+    assert stepped.shape == (len(PROMPTS), STEPS, prompt_pass.shape[-1])
+    modules = dict(model.named_modules())
+    seen: list[torch.Tensor] = []
+
+    def capture(module, args, output):
+        seen.append(_first(output)[0, -1].clone())
+
+    handles = [
+        modules[MLP[family]].register_forward_hook(lambda m, a, o: torch.zeros_like(o)),
+        modules[block1].register_forward_hook(capture),
+    ]
+    try:
+        for r, row in enumerate(PROMPTS):
+            seen.clear()
+            with torch.no_grad():
+                want, _ = _hand_loop(model, _prompt_ids(row), STEPS)
+            assert tokens[r].tolist() == want, (family, r)
+            hand = torch.stack(seen[:STEPS]).numpy()  # the last step's pass is never run
+            np.testing.assert_allclose(stepped[r], hand, atol=1e-5, rtol=0)
+            # Step 0 is the prompt's pass: its last token's row of the run's own capture.
+            n = len(_prompt_ids(row))
+            np.testing.assert_allclose(stepped[r, 0], prompt_pass[r, n - 1], atol=1e-6)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_step_captures_need_a_capture_with_a_row_per_token(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    pooled = [
+        "generate.captures=true",
+        "++hooks.c.select.name=transformer.h.1",
+        "++hooks.c.at=output",
+        "++hooks.c.action=capture",
+        "++hooks.c.args.positions=last",
+    ]
+    for extra in ([], pooled):
+        with pytest.raises(HookrunError) as err:
+            run_config(tmp_path / "run", _args(tmp_path, "generate.captures=true", *extra))
+        said = str(err.value)
+        assert said.startswith("generate.captures: true, but the run captures no module") and (
+            "\n" not in said
+        )
+        assert not (tmp_path / "run" / "captures.h5").exists()

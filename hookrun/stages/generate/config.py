@@ -26,6 +26,10 @@ class GenerateConfig(Frozen):
     top_p: float | None = None
     # Stop a row at the model's end token (its config's eos_token_id), which is kept.
     stop_at_eos: bool = True
+    # true: each capture of the run (a module's input or output, one row per token) also
+    # stores what its site saw at every step, at the position whose output chose the step's
+    # token: /generation/captures/<module>/<site> (N, steps, ...).
+    captures: bool = False
 
 
 def parse_generate(raw: Mapping[str, Any] | None) -> GenerateConfig | None:

@@ -1,11 +1,22 @@
 """Where generation is stored in captures.h5: /generation/tokens (N, steps) int32 (-1 after a
 row stopped), /generation/mask (N, steps) bool, /generation/logprobs (N, steps) float32 (the
 chosen token's log probability under the hooked model, NaN after a row stopped) and
-/generation/text (N,) UTF-8, fixed width."""
+/generation/text (N,) UTF-8, fixed width; with generate.captures, each capture's site at
+every step under /generation/captures."""
 
 from __future__ import annotations
 
-__all__ = ["GENERATION", "TOKENS", "MASK", "LOGPROBS", "LOGPROBS_UNHOOKED", "TEXT", "NO_TOKEN"]
+__all__ = [
+    "GENERATION",
+    "TOKENS",
+    "MASK",
+    "LOGPROBS",
+    "LOGPROBS_UNHOOKED",
+    "TEXT",
+    "NO_TOKEN",
+    "STEP_CAPTURES",
+    "step_capture_key",
+]
 
 GENERATION = "generation"
 TOKENS = f"{GENERATION}/tokens"
@@ -16,3 +27,11 @@ LOGPROBS = f"{GENERATION}/logprobs"
 LOGPROBS_UNHOOKED = f"{GENERATION}/logprobs_unhooked"
 TEXT = f"{GENERATION}/text"
 NO_TOKEN = -1  # /generation/tokens after a row's end token
+# generate.captures: what a capture's site saw at each step (N, steps, ...), NaN after a
+# row's end: /generation/captures/<module>/<site>, beside the run's own /captures/...
+STEP_CAPTURES = f"{GENERATION}/captures"
+
+
+def step_capture_key(capture: str) -> str:
+    """/generation/captures/<module>/<site> of a capture path (captures/<module>/<site>)."""
+    return f"{STEP_CAPTURES}/{capture.split('/', 1)[1]}"

@@ -13,7 +13,11 @@ refused before any work.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import h5py
@@ -24,7 +28,7 @@ from hookrun.errors import HookrunError
 from hookrun.io.encoding import read_floats
 from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import attach
-from hookrun.runtime.plan import HookPlan
+from hookrun.runtime.plan import HookPlan, PlannedHook
 from hookrun.runtime.sites import Site
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.generate.config import GenerateConfig, parse_generate
@@ -34,8 +38,10 @@ from hookrun.stages.generate.keys import (
     LOGPROBS,
     LOGPROBS_UNHOOKED,
     MASK,
+    STEP_CAPTURES,
     TEXT,
     TOKENS,
+    step_capture_key,
 )
 
 __all__ = ["GenerateStage"]
@@ -43,27 +49,44 @@ __all__ = ["GenerateStage"]
 _SHOWN_ROWS = 3
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    """What decoding needs beyond the config: the hooks acting at each step, the captures
+    recorded at each step (capture path → row shape after the token axis), the end tokens,
+    the bytes of a row's text and the token fed to rows that stopped."""
+
+    hooks: HookPlan
+    steps_of: dict[str, tuple[int, ...]]
+    ends: list[int]
+    width: int
+    pad: int  # any token in the vocabulary will do: its outputs are never read
+
+
 class GeneratePlan(Plan):
-    def __init__(
-        self, config: GenerateConfig, hooks: HookPlan, ends: list[int], width: int, pad: int
-    ) -> None:
-        self.config, self.hooks, self.ends, self.width = config, hooks, ends, width
-        self.pad = pad  # fed to rows that stopped (any token in the vocabulary will do)
+    def __init__(self, config: GenerateConfig, decoding: _Decoding) -> None:
+        self.config, self.decoding = config, decoding
+        self.hooks, self.ends, self.width = decoding.hooks, decoding.ends, decoding.width
+        self.pad = decoding.pad
 
     def stored(self) -> dict[str, Stored]:
         steps = (self.config.max_new_tokens,)
-        return {
+        out = {
             TOKENS: Stored(steps),
             MASK: Stored(steps),
             LOGPROBS: Stored(steps),
             LOGPROBS_UNHOOKED: Stored(steps),
             TEXT: Stored((), {"encoding": "utf-8"}),
         }
+        for key, rest in self.decoding.steps_of.items():
+            out[step_capture_key(key)] = Stored((*steps, *rest))
+        return out
 
     def describe(self, itemsize: int) -> str:
         steps = self.config.max_new_tokens
         sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps}
         sizes |= {LOGPROBS_UNHOOKED: 4 * steps, TEXT: self.width}
+        for key, rest in self.decoding.steps_of.items():
+            sizes[step_capture_key(key)] = itemsize * steps * math.prod(rest)
         lines = [f"/{GENERATION}: {len(sizes)} dataset(s), {steps} steps"]
         lines += [f"    {size:>8} B/sample  /{key}" for key, size in sizes.items()]
         return "\n".join(lines)
@@ -88,7 +111,13 @@ class GeneratePlan(Plan):
         )
         prompts = (batch.tokens, (batch.mask.bool() & upto).to(batch.mask.dtype))
 
+        seen: list[dict[str, torch.Tensor]] = []  # each step's captures (generate.captures)
+        started = []
+
         def before_step() -> None:  # each step is a forward pass of its own: calls from 0
+            if started:  # the step before's captures, before begin() clears them
+                seen.append(_step_records(recorder, self.decoding.steps_of))
+            started.append(True)
             recorder.begin(first)
             recorder.rows = batch.index  # stored rows to patch in (the prompt's pass)
             recorder.step = next(steps)  # noise draws anew at each step
@@ -104,9 +133,16 @@ class GeneratePlan(Plan):
             out = decode(
                 language, prompts, c.max_new_tokens, sampling, (ends, pad), generator, before_step
             )
+            seen.append(_step_records(recorder, self.decoding.steps_of))
             stack.close()  # the hooks off: the plain model scores what the hooked one wrote
             plain = rescore(language, prompts, out, pad)
         tokens, mask = out.tokens.cpu(), out.mask.cpu()
+        lasts = prompts[1].sum(1).cpu() - 1
+        steps_of = self.decoding.steps_of
+        captured = {
+            step_capture_key(k): _by_step(seen, k, lasts, mask, rest)
+            for k, rest in steps_of.items()
+        }
         texts = [
             language.tokenizer.decode(row[keep].tolist(), skip_special_tokens=True)
             for row, keep in zip(tokens, mask, strict=True)
@@ -120,7 +156,38 @@ class GeneratePlan(Plan):
             TEXT: np.array(
                 [_fixed(t, self.width) for t in texts], dtype=h5py.string_dtype("utf-8", self.width)
             ),
+            **captured,
         }
+
+
+def _step_records(recorder: Any, keys: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The step's captures of `keys`, on the host (their copies finished)."""
+    for event in recorder.events:
+        event.synchronize()
+    return {k: recorder.records[k] for k in keys if k in recorder.records}
+
+
+def _by_step(
+    seen: list[dict[str, torch.Tensor]],
+    key: str,
+    lasts: torch.Tensor,
+    mask: torch.Tensor,
+    rest: tuple[int, ...],
+) -> torch.Tensor:
+    """(N, steps, *rest): at each step the row of the position whose output chose the
+    step's token — the prompt's last real token at step 0, the one new token after — NaN
+    where the row had stopped (and at steps never run: every row had stopped)."""
+    rows, steps = mask.shape
+    first = next(iter(seen[0].values())) if seen and seen[0] else None
+    dtype = first.dtype if first is not None else torch.float32
+    out = torch.full((rows, steps, *rest), float("nan"), dtype=dtype)
+    for step, records in enumerate(seen[:steps]):
+        if key not in records:
+            continue
+        values = records[key]
+        out[:, step] = values[torch.arange(rows), lasts] if step == 0 else values[:, 0]
+    out[~mask] = float("nan")
+    return out
 
 
 def _fixed(text: str, width: int) -> bytes:
@@ -132,7 +199,11 @@ def _fixed(text: str, width: int) -> bytes:
 class GenerateStage(Stage):
     name = node = "generate"
     order = 60
-    axes = {TEXT: "sample", f"{GENERATION}/*": "sample step"}
+    axes = {
+        TEXT: "sample",
+        f"{STEP_CAPTURES}/*": "sample step feature",
+        f"{GENERATION}/*": "sample step",
+    }
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
@@ -146,12 +217,14 @@ class GenerateStage(Stage):
                 "generate: the model has no tokenizer to write the text with; valid: "
                 "LanguageModel(model, tokenizer), or model=hf with its tokenizer files"
             )
-        hooks = _generation_hooks(setup.plan)
         # Every token row has the padded width of sample 0's: no prompt is longer.
-        _check_positions(config, language, int(setup.sample.shape[-1]))
+        tokens = int(setup.sample.shape[-1])
+        steps_of, stepped = _step_captures(config, setup, tokens)
+        hooks = _generation_hooks(setup.plan, stepped)
+        _check_positions(config, language, tokens)
         ends = _end_tokens(language) if config.stop_at_eos else []
         width = _text_width(language, config.max_new_tokens)
-        return GeneratePlan(config, hooks, ends, width, _pad(language))
+        return GeneratePlan(config, _Decoding(hooks, steps_of, ends, width, _pad(language)))
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
@@ -184,10 +257,12 @@ def _mean_logprobs(f: h5py.File, rows: int) -> tuple[float, float]:
     return hooked, plain
 
 
-def _generation_hooks(plan: HookPlan) -> HookPlan:
-    """The run's hooks that act during decoding: those that change values (captures and
-    gradient sites keep to the run's pass over the prompt). Those tied to the prompt's
-    tokens (`args.positions`, `patch`) act at the prompt's pass only (plan.acts_at_step).
+def _generation_hooks(plan: HookPlan, stepped: set[str]) -> HookPlan:
+    """The run's hooks that act during decoding: those that change values, and with
+    generate.captures the captures recorded at each step (the hooks named `stepped`;
+    gradient sites and the other captures keep to the run's pass over the prompt). Those
+    tied to the prompt's tokens
+    (`args.positions`, `patch`) act at the prompt's pass only (plan.acts_at_step).
     Refused: attention-pattern actions."""
     for hook in plan.hooks:
         if hook.site == Site.pattern and not hook.action.captures:
@@ -195,7 +270,41 @@ def _generation_hooks(plan: HookPlan) -> HookPlan:
                 f"hooks.{hook.name}.at: pattern with generate; valid: capture there (the prompt's "
                 "pass), or a module's input or output"
             )
-    return plan.acting()
+    keep = [
+        h for h in plan.hooks if not h.site.is_grad and (not h.action.captures or h.name in stepped)
+    ]
+    return dataclasses.replace(plan, hooks=keep)
+
+
+def _per_token(hook: PlannedHook) -> bool:
+    """Whether a capture stores its site whole at a module's input or output (not pooled,
+    not limited to positions, not a pattern): what a decoding step's one token has too."""
+    no_pool = not getattr(hook.action.args, "pool", None)
+    at_module = hook.site in (Site.input, Site.output)
+    return at_module and hook.action.positions is None and no_pool
+
+
+def _step_captures(
+    config: GenerateConfig, setup: Setup, tokens: int
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """With generate.captures: each capture path recorded at every step → its row shape
+    after the token axis, and the names of their hooks; HookrunError when the run captures
+    nothing a step has."""
+    if not config.captures:
+        return {}, set()
+    out, hooks = {}, set()
+    for hook, key, leaf in setup.plan.sites(setup.shapes):
+        per_token = bool(leaf.shape) and leaf.shape[0] == tokens and leaf.fold == 1
+        if hook.action.captures and _per_token(hook) and per_token:
+            out[key] = tuple(leaf.shape[1:])
+            hooks.add(hook.name)
+    if not out:
+        raise HookrunError(
+            "generate.captures: true, but the run captures no module input or output with "
+            "a row per token; valid: a capture hook (e.g. at: output of a block, no "
+            "positions, no pool), or false"
+        )
+    return out, hooks
 
 
 def _check_positions(config: GenerateConfig, language: Any, longest: int) -> None:
