@@ -14,7 +14,7 @@ import numpy as np
 from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
-from hookrun.render.tokens import _token_texts, shown_lengths
+from hookrun.render.tokens import shown_lengths, token_texts
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -45,7 +45,7 @@ def render_attention(f: h5py.File, out_dir: Path, rows: int, config: dict) -> li
     ids = f[layout.SAMPLES_TOKENS]
     shown = min(rows, _ROWS)
     lengths = shown_lengths(f, shown, _TOKENS)
-    texts = [_token_texts(config, ids[r][: lengths[r]]) for r in range(shown)]
+    texts = [token_texts(config, ids[r][: lengths[r]]) for r in range(shown)]
     written = []
     for layer in sorted(patterns, key=_natural):
         ds = patterns[layer]

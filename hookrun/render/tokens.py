@@ -26,13 +26,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-__all__ = ["render_tokens", "render_token_attributions", "shown_lengths"]
+__all__ = ["render_tokens", "render_token_attributions", "shown_lengths", "token_texts"]
 
 _ROWS = 3  # rows drawn, one panel each
 _TOKENS = 48  # tokens labelled per row at most (the first ones)
 
 
-def _token_texts(config: dict, ids: np.ndarray) -> list[str]:
+def token_texts(config: dict, ids: np.ndarray) -> list[str]:
     """Each id as its text through the run's tokenizer; the ids themselves where it cannot
     be loaded (a file read on another machine)."""
     tokenizer = _tokenizer(json.dumps(config.get("model", {}), sort_keys=True, default=str))
@@ -158,7 +158,7 @@ class _Panels:
         for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
             image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
             ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
-            _label_tokens(ax, _token_texts(config, ids[row][:length]))
+            _label_tokens(ax, token_texts(config, ids[row][:length]))
             index = int(f[layout.SAMPLES_INDEX][row])
             ax.set_title(f"row {index}: {self.title}", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.02)

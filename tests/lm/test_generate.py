@@ -469,3 +469,16 @@ def test_step_captures_need_a_capture_with_a_row_per_token(tmp_path):
             "\n" not in said
         )
         assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_the_generation_is_drawn(tmp_path):
+    """images/generate/generation.png: a row per prompt, a cell per generated token."""
+    from PIL import Image
+
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    args = [a for a in _args(tmp_path) if a != "render=false"]
+    run_config(tmp_path / "run", args, experiment="generate")
+    picture = tmp_path / "run" / "images" / "generate" / "generation.png"
+    with Image.open(picture) as image:
+        assert image.size[0] > 400 and len(np.unique(np.asarray(image.convert("L")))) > 10

@@ -242,6 +242,12 @@ class GenerateStage(Stage):
         return lines
 
     @classmethod
+    def draw(cls, f: h5py.File, out_dir: Any, rows: int, config: dict) -> list:
+        from hookrun.stages.generate.draw import render_generation  # matplotlib: when drawing
+
+        return render_generation(f, out_dir, rows, config)
+
+    @classmethod
     def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
         if LOGPROBS_UNHOOKED not in f:
             return {}

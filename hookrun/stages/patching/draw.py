@@ -14,7 +14,7 @@ import numpy as np
 from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.render.pictures import save_figure
-from hookrun.render.tokens import _token_texts
+from hookrun.render.tokens import token_texts
 from hookrun.stages.patching.config import SITE_KINDS
 from hookrun.stages.patching.keys import PATCHING, patching_key, read_patching
 
@@ -27,7 +27,7 @@ __all__ = ["render_patching"]
 def _labels(f: h5py.File, positions: np.ndarray, config: dict) -> list[str]:
     """Each patched position as `<position> <the first row's token there>`."""
     ids = f[layout.SAMPLES_TOKENS][0]
-    texts = _token_texts(config, ids[positions])
+    texts = token_texts(config, ids[positions])
     return [f"{p} {t}" for p, t in zip(positions.tolist(), texts, strict=True)]
 
 
