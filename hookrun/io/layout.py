@@ -39,7 +39,7 @@ __all__ = [
     "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
     "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension",
     "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
-    "attr", "has_attrs", "set_attrs",
+    "attr", "has_attrs", "set_attrs", "modify_attrs",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -337,3 +337,10 @@ def has_attrs(obj: h5py.Dataset | h5py.Group, *names: str) -> bool:
 def set_attrs(obj: h5py.Dataset | h5py.Group, values: Mapping[str, Any]) -> None:
     """Attributes onto a dataset or group (before SWMR, or when a file is closed)."""
     obj.attrs.update(values)
+
+
+def modify_attrs(obj: h5py.Dataset | h5py.Group, values: Mapping[str, Any]) -> None:
+    """New values of attributes a dataset or group has already, in place: what SWMR allows
+    (it refuses a new attribute on a dataset, and `attrs[name] =` makes a new one)."""
+    for name, value in values.items():
+        obj.attrs.modify(name, value)

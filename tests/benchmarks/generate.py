@@ -101,7 +101,7 @@ def _times(language, plan, prompts, tokens: int, steer) -> dict[str, list[float]
             # Each step a forward pass of its own: the hooks' call counts start again.
             out = decode(
                 language,
-                (right, lengths),
+                (right, torch.arange(right.shape[1])[None] < lengths[:, None]),
                 tokens,
                 Sampling(),
                 (ends, 0),

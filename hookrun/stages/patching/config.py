@@ -10,11 +10,22 @@ from typing import Any
 from hookrun.errors import HookrunError
 from hookrun.typed import Frozen, check_choices, check_range, freeze, parse_typed
 
-__all__ = ["PatchingConfig", "SITE_KINDS", "parse_patching", "chosen_layers"]
+__all__ = [
+    "PatchingConfig",
+    "SITE_KINDS",
+    "METHODS",
+    "APPROXIMATIONS",
+    "parse_patching",
+    "chosen_layers",
+]
 
 # resid: each block's output; attn: each attention module's output; mlp: each MLP's output;
 # heads: each attention head's output (its slice of the output projection's input).
 SITE_KINDS = ("resid", "attn", "mlp", "heads")
+# exact: a patched pass per cell; atp: attribution patching (first order, one backward);
+# atp_ig: its gradient averaged from the corrupted to the clean input (attribution.py).
+METHODS = ("exact", "atp", "atp_ig")
+APPROXIMATIONS = ("atp", "atp_ig")
 
 
 @dataclass
@@ -35,6 +46,15 @@ class PatchingConfig(Frozen):
     # as `memory_mib` of activations allow (grid.py says the estimate).
     batch_size: int | None = None
     memory_mib: int = 256
+    # How each cell is found: exact | atp | atp_ig, or a list of them (each its own grid;
+    # with exact, each approximation's error and correlation with it are stored too).
+    method: Any = "exact"
+    # atp_ig: the points between the corrupted and the clean input (1: atp itself).
+    ig_steps: int = 8
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
 
 def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
@@ -58,6 +78,13 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
     _check_layers(config.layer)
     check_range("patching.batch_size", config.batch_size, 1, allow_none=True)
     check_range("patching.memory_mib", config.memory_mib, 1)
+    methods = [config.method] if isinstance(config.method, str) else config.method
+    if not isinstance(methods, list | tuple) or not all(isinstance(m, str) for m in methods):
+        raise HookrunError(
+            f"patching.method: {config.method!r}; valid: {', '.join(METHODS)}, or a list of them"
+        )
+    check_choices("patching.method", methods, METHODS, "a method")
+    check_range("patching.ig_steps", config.ig_steps, 1)
     return freeze(config)
 
 

@@ -37,14 +37,19 @@ from hookrun.memory import format_bytes
 from hookrun.models.adapter import adapt
 from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, architecture_of
 from hookrun.stage import Stored
+from hookrun.stages.patching.attribution import attribution_grids
 from hookrun.stages.patching.clean import StoredClean, open_clean
-from hookrun.stages.patching.config import PatchingConfig, chosen_layers
+from hookrun.stages.patching.config import APPROXIMATIONS, PatchingConfig, chosen_layers
 from hookrun.stages.patching.keys import (
+    CELLS,
     CLEAN_TOLERANCE,
+    ERROR_SUFFIX,
     LOGIT_DIFF_SUFFIX,
     PATCHING,
     PATCHING_CLEAN,
     PATCHING_CORRUPTED,
+    PEARSON,
+    SPEARMAN,
     flat_rows,
     patching_key,
 )
@@ -83,6 +88,7 @@ class PatchingGrid:
             patching_key(PATCHING_CLEAN): Stored((), {}),
             patching_key(PATCHING_CORRUPTED): Stored((), {}),
         }
+        methods = self.config.methods
         for kind, names in self.modules.items():
             attrs = {
                 "layers": np.array(names, dtype=h5py.string_dtype()),
@@ -91,8 +97,17 @@ class PatchingGrid:
             grid = (self.layers, len(self.positions))
             if kind == HEADS:
                 grid, attrs["heads"] = (self.layers, self.heads, len(self.positions)), self.heads
-            out[patching_key(kind)] = Stored(grid, attrs)
-            out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = Stored(grid, attrs)
+            if "exact" in methods:
+                out[patching_key(kind)] = Stored(grid, attrs)
+                out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = Stored(grid, attrs)
+            for method in (m for m in methods if m in APPROXIMATIONS):
+                said = attrs | ({"ig_steps": self.config.ig_steps} if method == "atp_ig" else {})
+                # Its agreement with exact, known when the file is complete: made now (SWMR
+                # lets a later write change an attribute, not add one).
+                agrees = {PEARSON: np.nan, SPEARMAN: np.nan, CELLS: 0} if "exact" in methods else {}
+                out[patching_key(kind, f"_{method}")] = Stored(grid, said | agrees)
+                if "exact" in methods:
+                    out[patching_key(kind, f"_{method}{ERROR_SUFFIX}")] = Stored(grid, said)
         return out
 
     def attrs(self) -> dict[str, dict[str, Any]]:
@@ -155,7 +170,8 @@ class PatchingGrid:
                 clean = Pass(seen, rows.diff(logits, every))
             else:
                 clean = record(hf, self.modules, replace(rows, ids=batch.tokens), False)
-            corrupted = record(hf, self.modules, rows, True)
+            exact = "exact" in self.config.methods
+            corrupted = record(hf, self.modules, rows, exact)
             sites = Sites(
                 modules=self.modules,
                 last=self.last,
@@ -165,7 +181,8 @@ class PatchingGrid:
                 heads=self.heads,
                 resumes=self.resumes,
             )
-            grids = patched_grids(hf, sites, rows, clean, corrupted)
+            grids = patched_grids(hf, sites, rows, clean, corrupted) if exact else {}
+        grids |= self._approximations(hf, sites, rows, (batch.tokens, clean), corrupted)
         tolerance = self.clean.tolerance if self.clean is not None else 0.0
         diffs = clean.diff.float().cpu().numpy(), corrupted.diff.float().cpu().numpy()
         flat = flat_rows(*diffs, own, tolerance)
@@ -180,11 +197,33 @@ class PatchingGrid:
         flat_on_device = torch.from_numpy(flat).to(device)
         return self._records(grids, (clean.diff, corrupted.diff), flat_on_device, batch.mask.sum(1))
 
+    def _approximations(
+        self,
+        hf: nn.Module,
+        sites: Sites,
+        rows: Rows,
+        clean: tuple[torch.Tensor, Pass],
+        corrupted: Pass,
+    ) -> dict[str, torch.Tensor]:
+        """Each approximate method's estimated patched logit differences, keyed
+        `<kind>_<method>` like the exact grids' kinds, at the patched positions."""
+        out = {}
+        at = torch.tensor(self.positions, device=rows.ids.device)
+        for method in (m for m in self.config.methods if m in APPROXIMATIONS):
+            steps = self.config.ig_steps if method == "atp_ig" else 1
+            found = attribution_grids(hf, sites, rows, clean, corrupted, steps)
+            for kind, cells in found.items():
+                out[f"{kind}_{method}"] = (
+                    corrupted.diff.view(-1, *[1] * (cells.dim() - 1)) + cells[..., at]
+                )
+        return out
+
     def _records(
         self, grids: dict, diffs: tuple, flat: torch.Tensor, lengths: torch.Tensor
     ) -> dict[str, np.ndarray]:
         """The stored arrays: the raw logit differences and the scores, NaN past each row's
-        tokens and in the `flat` rows (clean = corrupted)."""
+        tokens and in the `flat` rows (clean = corrupted); an approximation's scores and,
+        beside the exact grid, their error."""
         clean, corrupted = diffs
         out = {
             patching_key(PATCHING_CLEAN): clean,
@@ -193,14 +232,24 @@ class PatchingGrid:
         positions = torch.tensor(self.positions, device=lengths.device)
         past_row = positions[None, :] >= lengths[:, None]  # (N, P): no token there
         gap = clean - corrupted
+        scores = {}
         for kind, patched in grids.items():
             patched = patched.clone()  # out of inference mode
             per_row = (-1,) + (1,) * (patched.dim() - 1)  # (N, 1, …) against (N, L, [H,] P)
             patched[past_row.view(len(lengths), *per_row[2:], -1).expand_as(patched)] = torch.nan
             score = (patched - corrupted.view(per_row)) / gap.view(per_row)
             score[flat.view(per_row).expand_as(score)] = torch.nan
-            out[patching_key(kind)] = score
-            out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = patched
+            scores[kind] = score
+            if kind in self.modules:
+                out[patching_key(kind)] = score
+                out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = patched
+            else:  # <site kind>_<approximation>
+                out[patching_key(kind)] = score
+        for kind in self.modules:
+            for method in (m for m in self.config.methods if m in APPROXIMATIONS):
+                if kind in scores:
+                    error = scores[f"{kind}_{method}"] - scores[kind]
+                    out[patching_key(kind, f"_{method}{ERROR_SUFFIX}")] = error
         return {k: v.float().cpu().numpy() for k, v in out.items()}
 
 

@@ -1,6 +1,7 @@
 """Where the patching grid's datasets are in captures.h5: /patching/<site kind> (N, layers,
 positions; heads: N, layers, heads, positions) with its modules and positions as attributes,
-<kind>_logit_diff, and the runs' logit differences /patching/clean and /patching/corrupted
+<kind>_logit_diff, the approximations <kind>_atp, <kind>_atp_ig (and their _error against
+the exact grid), and the runs' logit differences /patching/clean and /patching/corrupted
 (N,); the /patching group's attribute `unscorable`."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __all__ = [
     "PATCHING_CLEAN",
     "PATCHING_CORRUPTED",
     "LOGIT_DIFF_SUFFIX",
+    "ERROR_SUFFIX",
     "UNSCORABLE",
     "patching_key",
     "CLEAN_TOLERANCE",
@@ -22,10 +24,19 @@ __all__ = [
     "mark_unscorable",
     "read_unscorable",
     "read_patching",
+    "PEARSON",
+    "SPEARMAN",
+    "CELLS",
+    "agreement",
 ]
 
 PATCHING, PATCHING_CLEAN, PATCHING_CORRUPTED = "patching", "clean", "corrupted"
 LOGIT_DIFF_SUFFIX = "_logit_diff"
+# /patching/<kind>_<atp|atp_ig>: an approximation's scores; <kind>_<method>_error: minus the
+# exact grid's (with exact in the same run; its `pearson`, `spearman` attributes over every
+# scored cell, written when the file is complete).
+ERROR_SUFFIX = "_error"
+PEARSON, SPEARMAN, CELLS = "pearson", "spearman", "cells"
 # The /patching group's attribute: dataset indices of the rows whose clean − corrupted logit
 # difference is 0 (every cell of their grid NaN), written when the file is complete.
 UNSCORABLE = "unscorable"
@@ -66,3 +77,16 @@ def read_patching(ds: h5py.Dataset) -> tuple[list[str], np.ndarray]:
     """A patching grid's module per layer (attribute `layers`) and its `positions`."""
     layers = layout.attr(ds, "layers")
     return [str(x) for x in layers], np.asarray(layout.attr(ds, "positions"))
+
+
+def agreement(exact: np.ndarray, approximate: np.ndarray) -> dict[str, float | int]:
+    """An approximation's Pearson and Spearman correlations with the exact grid over every
+    cell both scored (NaN: fewer than two, or no spread), and how many cells that is."""
+    both = np.isfinite(exact) & np.isfinite(approximate)
+    a, b = exact[both].astype(np.float64), approximate[both].astype(np.float64)
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return {PEARSON: float("nan"), SPEARMAN: float("nan"), CELLS: int(len(a))}
+    from scipy.stats import spearmanr  # scipy: only when an approximation ran beside exact
+
+    pearson = float(np.corrcoef(a, b)[0, 1])
+    return {PEARSON: pearson, SPEARMAN: float(spearmanr(a, b).statistic), CELLS: int(len(a))}

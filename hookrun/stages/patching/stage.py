@@ -13,14 +13,18 @@ from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import MODEL_OUTPUT, SAMPLES_INDEX
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
-from hookrun.stages.patching.config import parse_patching
+from hookrun.stages.patching.config import APPROXIMATIONS, SITE_KINDS, parse_patching
 from hookrun.stages.patching.grid import PatchingGrid, plan_patching
 from hookrun.stages.patching.keys import (
+    CELLS,
     CLEAN_TOLERANCE,
     PATCHING,
     PATCHING_CLEAN,
     PATCHING_CORRUPTED,
+    PEARSON,
+    SPEARMAN,
     UNSCORABLE,
+    agreement,
     flat_rows,
     mark_unscorable,
     patching_key,
@@ -54,6 +58,13 @@ class PatchingPlan(Plan):
     def batch(self, work: Work) -> dict[str, Any]:
         logits = np.asarray(work.records[MODEL_OUTPUT], dtype=np.float32)
         return self.grid.batch(work.model, work.on_device, logits)
+
+
+def _rows_of(f: h5py.File, shards: list[h5py.File] | None, key: str, rows: int) -> np.ndarray:
+    """Every row of dataset `key`: the file's first `rows`, or the shards' joined."""
+    if shards:
+        return np.concatenate([read_floats(s[key]) for s in shards])
+    return read_floats(f[key], slice(0, rows))
 
 
 @register_stage
@@ -95,16 +106,35 @@ class PatchingStage(Stage):
         )
         tolerance = float(layout.attr(f[PATCHING], CLEAN_TOLERANCE, 0.0))
         mark_unscorable(f, index[flat_rows(clean, corrupted, logits, tolerance)])
+        for kind in SITE_KINDS:
+            for method in APPROXIMATIONS:
+                key, approx = patching_key(kind), patching_key(kind, f"_{method}")
+                if key in f and approx in f:
+                    exact, found = (_rows_of(f, shards, k, rows) for k in (key, approx))
+                    layout.modify_attrs(f[approx], agreement(exact, found))
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
-        """A warning naming the rows patching could not score (clean = corrupted)."""
+        """How far each approximation is from the exact grid, and a warning naming the rows
+        patching could not score (clean = corrupted)."""
+        lines = []
+        for kind in SITE_KINDS:
+            for method in APPROXIMATIONS:
+                key = patching_key(kind, f"_{method}")
+                said = layout.attr(f[key], PEARSON) if key in f else None
+                if said is not None:
+                    spearman = layout.attr(f[key], SPEARMAN)
+                    cells = layout.attr(f[key], CELLS)
+                    lines.append(
+                        f"patching: {kind} {method} against exact: Pearson {float(said):.3f}, "
+                        f"Spearman {float(spearman):.3f} over {int(cells)} cells"
+                    )
         found = read_unscorable(f)
         if found is None or not len(found):
-            return []
+            return lines
         shown = ", ".join(map(str, found[:_SHOWN_ROWS].tolist()))
         more = f" and {len(found) - _SHOWN_ROWS} more" if len(found) > _SHOWN_ROWS else ""
-        return [
+        return lines + [
             f"warning: patching could not score {len(found)} of {rows} rows (clean − corrupted "
             f"logit difference 0, or within the stored clean logits' rounding: every cell of "
             f"their grid is NaN): samples {shown}{more} "
