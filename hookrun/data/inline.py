@@ -86,6 +86,12 @@ def token_tensors(dataset: Any) -> TokenRows | None:
             f"dataset.{unknown[0]}: not a key of token rows; valid: {', '.join(_TOKEN_KEYS)}"
         )
     ids = _integers(dataset["input_ids"], "input_ids")
+    if (ids < 0).any():
+        row, column = (int(i[0]) for i in np.nonzero(ids < 0))
+        raise HookrunError(
+            f"dataset.input_ids: {int(ids[row, column])} at row {row}, token {column}; valid: "
+            "token ids of the model's vocabulary (0 or more)"
+        )
     given = dataset.get("attention_mask")
     mask = np.ones_like(ids) if given is None else _integers(given, "attention_mask")
     if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
@@ -122,7 +128,15 @@ def token_tensors(dataset: Any) -> TokenRows | None:
 
 
 def _integers(value: Any, key: str) -> np.ndarray:
-    array = value.cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    try:
+        array = value.cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    except ValueError:  # rows of different lengths: a tokenizer's output without padding
+        raise HookrunError(
+            f"dataset.{key}: rows of different lengths; valid: rows of one length, as a "
+            "tokenizer returns them with padding=True"
+        ) from None
+    if array.dtype == np.bool_ and key == "attention_mask":
+        array = array.astype(np.int64)
     if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer) or 0 in array.shape:
         raise HookrunError(
             f"dataset.{key}: {array.dtype} of shape {list(array.shape)}; valid: integers "

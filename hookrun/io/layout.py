@@ -17,6 +17,7 @@ every row up to `completed` intact, and io/stored.py copies them into a fresh fi
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,14 +127,16 @@ WHOLE_RUN: set[str] = set()
 
 
 def whole_run(*paths: str) -> None:
-    """Register datasets a stage writes once for the whole run (no sample axis)."""
+    """Register datasets a stage writes once for the whole run (no sample axis): paths, or
+    fnmatch patterns (`*` crosses `/`) for those named at run time."""
     WHOLE_RUN.update(paths)
 
 
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
     """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
     (a whole-run dataset, WHOLE_RUN, holds the rows it has: it has no sample axis)."""
-    if ds.name.lstrip("/") in WHOLE_RUN:
+    name = ds.name.lstrip("/")
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in WHOLE_RUN):
         return ds.shape[0]
     size = per_batch(ds)
     return -(-completed // size) if size else completed

@@ -35,11 +35,12 @@ def measure_vectors(
     plan: HookPlan,
     shapes: Mapping[str, list[CallShapes]],
     model: nn.Module,
-    batch_size: int,
+    spec: Any,
     device: torch.device,
 ) -> Measured:
     """(prompts source, capture path) → the source's float64 mean at that site, for every
-    site of every hook whose vector names a prompts file; {} when none does."""
+    site of every hook whose vector names a prompts file; {} when none does. `spec`: the
+    run's RunSpec (its batch size, and its prompts' `prepend_bos`, which the files follow)."""
     wanted: dict[Path, list[tuple[VectorSource, PlannedHook, str]]] = defaultdict(list)
     for hook, site, _ in plan.sites(shapes):
         source = getattr(hook.action, "source", None)
@@ -56,7 +57,8 @@ def measure_vectors(
             "(model=hf, model=tiny_lm, LanguageModel(model, tokenizer))"
         )
     out: Measured = {}
-    reading = _Reading(plan, model, language, batch_size, device)
+    bos = bool(getattr(spec.dataset, "prepend_bos", False))
+    reading = _Reading(plan, model, language, (spec.batch_size, bos), device)
     for file, uses in wanted.items():
         sums = reading.sums(file, uses)
         for source, _, site in uses:
@@ -77,14 +79,23 @@ def _capture_plan(plan: HookPlan, hooks: list[PlannedHook]) -> HookPlan:
     return replace(plan, hooks=captures)
 
 
-def _rows(file: Path, language: Any, key: str) -> TokenRows:
-    """The file's prompts as token rows, as dataset=prompts reads them (refusals name `key`)."""
+def _rows(file: Path, language: Any, key: str, bos: bool) -> TokenRows:
+    """The file's prompts as token rows, as dataset=prompts reads them (a BOS first with
+    `bos`); refusals name `key`."""
     limit = language.max_positions()
-    cfg = PromptsDatasetConfig(path=str(file), context=limit[0] if limit else 1 << 20)
+    most = limit[0] if limit else 1 << 20
+    cfg = PromptsDatasetConfig(path=str(file), context=most, prepend_bos=bos)
     try:
         return prompt_rows(prompt_texts(json_rows(file), file), cfg, language.tokenizer)
     except HookrunError as err:
-        raise HookrunError(str(err).replace("dataset.path", key, 1)) from None
+        said = str(err)
+        if said.startswith("dataset.context:"):  # a prompt past the model's positions
+            where = said.split(" is shorter than the ", 1)[-1].split("; valid:")[0]
+            raise HookrunError(
+                f"{key}: the {where} is longer than the model's {most} positions; valid: "
+                f"prompts of at most {most} tokens"
+            ) from None
+        raise HookrunError(said.replace("dataset.path", key, 1)) from None
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class _Reading:
     plan: HookPlan
     model: nn.Module
     language: Any  # its LanguageModel (models/language.py)
-    batch_size: int
+    batches: tuple[int, bool]  # rows per pass, and whether each prompt starts with a BOS
     device: torch.device
 
     def sums(
@@ -103,15 +114,11 @@ class _Reading:
         """(site, positions) → (sum of the rows' vectors, how many), in one pass of `file`."""
         capture = _capture_plan(self.plan, [hook for _, hook, _ in uses])
         sites = {site for _, _, site in uses}
-        rows = _rows(file, self.language, f"{_key(uses, next(iter(sites)))}.prompts")
+        batch_size, bos = self.batches
+        rows = _rows(file, self.language, f"{_key(uses, next(iter(sites)))}.prompts", bos)
         sums: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
         recorder = Recorder(0, torch.float32)
-        model, language, batch_size, device = (
-            self.model,
-            self.language,
-            self.batch_size,
-            self.device,
-        )
+        model, language, device = self.model, self.language, self.device
         with run_mode(model), torch.inference_mode():
             for start in range(0, len(rows), batch_size):
                 ids = rows.ids[start : start + batch_size]

@@ -135,7 +135,7 @@ def prepare(
         check_token_run(spec, plan, probed.shapes, data, tokens)
         check_target(spec.target, probed.output, has_labels(data))
         # A vector from prompt sets: the model reads them now, before any work.
-        measured = measure_vectors(plan, probed.shapes, model, spec.batch_size, device)
+        measured = measure_vectors(plan, probed.shapes, model, spec, device)
         for hook, site, leaf in plan.sites(probed.shapes):  # a patch: its source file
             hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data), measured)
         captures = plan.capture_shapes(probed.shapes)

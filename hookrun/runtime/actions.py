@@ -238,7 +238,8 @@ class _Directed(Action):
             )
         vector = read_vector(self.source, f"{key}.args.vector", shape[-1], site, measured)
         widths = {len(v) for v in self.vectors.values()}
-        if widths and len(vector) not in widths:
+        # One vector for every site must fit them all; a measured one is each site's own.
+        if widths and len(vector) not in widths and not self.source.measured():
             raise HookrunError(
                 f"{key}.args.vector: one vector for sites of widths {widths.pop()} and "
                 f"{len(vector)}; valid: sites of one width (a hook per width)"

@@ -93,6 +93,8 @@ def parse_vector(value: Any, key: str) -> VectorSource:
 
 
 def _prompts_source(given: dict, key: str) -> VectorSource:
+    if given["prompts"] is None:
+        raise HookrunError(f"{key}.prompts: null; valid: a .jsonl of {{prompt: ...}} rows")
     extra = set(given) - {"prompts", "positions"}
     if extra:
         raise HookrunError(

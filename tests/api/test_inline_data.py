@@ -119,7 +119,8 @@ def test_token_ids_made_already_give_the_file_of_the_same_prompts(lm, tmp_path, 
     )
     tok = tokenizer()
     tok.padding_side = side
-    given = tok([r["prompt"] for r in rows], padding=True, return_tensors="pt")
+    given = dict(tok([r["prompt"] for r in rows], padding=True, return_tensors="pt"))
+    given["attention_mask"] = given["attention_mask"].bool()  # a bool mask is a mask too
     got = hookrun.run(base, dataset=given, run_dir=tmp_path / side)
     a, b = read(got.path), read(want.path)
     assert a.keys() == b.keys()
@@ -143,6 +144,8 @@ def test_token_ids_made_already_give_the_file_of_the_same_prompts(lm, tmp_path, 
             {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1]]},
             "dataset.attention_mask: shape [1, 2] of values [1]; valid: 0s and 1s",
         ),
+        ({"input_ids": [[1, 2, 3], [4, 5]]}, "dataset.input_ids: rows of different lengths; "),
+        ({"input_ids": [[1, 2], [-1, 4]]}, "dataset.input_ids: -1 at row 1, token 0; valid:"),
     ],
 )
 def test_bad_token_ids_are_refused_before_any_work(lm, tmp_path, given, said):

@@ -57,11 +57,13 @@ def _block_output(model, ids: list[int], layer: str, added=None) -> torch.Tensor
     return seen["out"], logits
 
 
-def _hand_vector(model, tok, layer: str) -> np.ndarray:
+def _hand_vector(model, tok, layer: str, bos: bool = False) -> np.ndarray:
     means = []
+    lead = [tok.bos_token_id] if bos else []
     for name in ("steering_plus.jsonl", "steering_minus.jsonl"):
         last = [
-            _block_output(model, tok(r["prompt"])["input_ids"], layer)[0][-1] for r in _rows(name)
+            _block_output(model, lead + tok(r["prompt"])["input_ids"], layer)[0][-1]
+            for r in _rows(name)
         ]
         means.append(torch.stack(last).mean(0))
     return (means[0] - means[1]).numpy()
@@ -101,6 +103,25 @@ def test_the_vector_is_measured_stored_and_added_as_by_hand(tiny, tmp_path):
             want_lp = float(logits[-1].double().log_softmax(-1)[answer])
             assert abs(float(stored[r]) - want_lp) < 1e-4, (r, added is None)
     assert float(np.mean(hooked - unhooked)) > 0.5  # the shipped sets steer toward " file"
+    # python -m hookrun.verify: the vectors (no sample axis) are no damage.
+    from hookrun.verify import verify
+
+    intact, said = verify(result.path)
+    assert intact and said[-1].strip() == "intact", said
+
+
+def test_prompts_with_a_bos_are_measured_with_it_and_the_scale_is_the_hooks(tiny, tmp_path):
+    """dataset.prepend_bos=true: the prompt sets are read with it too; the /steering
+    attributes say what the hook did (an override of hooks.steer's scale included)."""
+    model, tok = tiny
+    args = ["experiment=steering", "dataset.prepend_bos=true", "hooks.steer.args.scale=2.5"]
+    args += ["generate.max_new_tokens=1", "limit=2", "render=false"]
+    result = run_config(tmp_path / "run", args)
+    with h5py.File(result.path) as f:
+        got = f[f"steering/vector/{LAYER}/output"][()]
+        group = dict(f["steering"].attrs)
+    np.testing.assert_allclose(got, _hand_vector(model, tok, LAYER, bos=True), atol=1e-5)
+    assert group["scale"] == 2.5 and list(group["layers"]) == [LAYER]
 
 
 def test_a_layer_by_scale_sweep_is_ranked_by_effect(tmp_path):
@@ -153,6 +174,15 @@ def test_a_layer_by_scale_sweep_is_ranked_by_effect(tmp_path):
         (["steering.layers=[]"], "steering.layers: []; valid: one module name or a list"),
         (["metrics.names=[loss]"], "steering.effect: answer_logprob is not among the run's"),
         (["~hooks.steer"], "steering: no hook adds or removes a vector; valid:"),
+        (["steering.layers=3"], "steering.layers: 3; valid: one module name or a list"),
+        (["steering.plus=null"], "hooks.steer.args.vector.plus.prompts: null; valid: a .jsonl"),
+        (
+            [
+                "+hooks.again={select: {name: transformer.h.0}, at: output, action: add, "
+                "args: {vector: {prompts: ${steering.plus}}}}"
+            ],
+            "hooks.again: a second vector at /captures/transformer.h.0/output (hooks.steer",
+        ),
         (["steering.plus=nowhere.jsonl"], "hooks.steer.args.vector.plus.prompts: 'nowhere.jsonl'"),
     ],
 )

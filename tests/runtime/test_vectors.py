@@ -313,6 +313,19 @@ def test_a_vector_measured_from_two_prompt_sets_is_each_layers_own(lm, tmp_path,
 
 
 def test_a_prompts_source_is_refused_where_it_cannot_be_read(lm, tmp_path):
+    long = "word " * 80  # past the tests' GPT-2's 64 positions
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": long}) + "\n")
+    with pytest.raises(HookrunError) as err:
+        _run(
+            lm,
+            tmp_path / "r",
+            "targets",
+            *_hook("s", "add", vector={"prompts": str(tmp_path / "long.jsonl")}),
+        )
+    said = str(err.value)
+    assert said.startswith("hooks.s.args.vector.prompts: the prompt at ") and (
+        "is longer than the model's 64 positions; valid: prompts of at most 64 tokens" in said
+    ), said
     (tmp_path / "bad.jsonl").write_text('{"text": "no prompt here"}\n')
     bad = {
         "plus": {"prompts": str(tmp_path / "bad.jsonl")},

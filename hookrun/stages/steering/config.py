@@ -41,7 +41,8 @@ def parse_steering(raw: Mapping[str, Any] | None) -> SteeringConfig | None:
     if not raw:
         return None
     config = parse_typed(raw, SteeringConfig, "steering")
-    layers = [config.layers] if isinstance(config.layers, str) else list(config.layers)
+    given = config.layers
+    layers = [given] if isinstance(given, str) else given if isinstance(given, list | tuple) else []
     if not layers or not all(isinstance(x, str) and x for x in layers):
         raise HookrunError(
             f"steering.layers: {config.layers!r}; valid: one module name or a list of them "

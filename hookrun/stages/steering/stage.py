@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
+from hookrun.io.dimensions import attach
 from hookrun.runtime.plan import PlannedHook
 from hookrun.stage import ParseContext, Plan, Setup, Stage, register_stage
 from hookrun.stages.steering.config import SteeringConfig, parse_steering
@@ -27,6 +28,8 @@ from hookrun.stages.steering.keys import STEERING, VECTORS, site_of, vector_key
 from hookrun.stages.steering.ranking import write_steering_ranking
 
 __all__ = ["SteeringStage"]
+
+layout.whole_run(f"{VECTORS}/*")  # one vector per site for the run: no sample axis
 
 
 class SteeringPlan(Plan):
@@ -40,11 +43,11 @@ class SteeringPlan(Plan):
     def finish(self, path: Path) -> None:
         """The vectors and what they came from, into the complete file (once: a resume of
         a complete file finds them)."""
-        c = self.config
         with h5py.File(path, "r+") as f:
             if VECTORS in f:
                 return
             attrs: dict[str, dict[str, Any]] = {}
+            names: dict[str, tuple[str, ...]] = {}
             for hook in self.hooks:
                 action = hook.action
                 said = {"hook": hook.name, "action": action.name, "source": _json(action)}
@@ -57,9 +60,24 @@ class SteeringPlan(Plan):
                 for site, vector in action.vectors.items():
                     f.create_dataset(vector_key(site), data=vector.numpy(), fletcher32=True)
                     attrs[vector_key(site)] = said
-            layers = [c.layers] if isinstance(c.layers, str) else list(c.layers)
-            attrs[STEERING] = {"effect": c.effect, "scale": c.scale, "layers": layers}
+                    names[vector_key(site)] = ("feature",)
+            attach(f, names)
+            attrs[STEERING] = self._said()
             layout.write_attrs(f, attrs)
+
+    def _said(self) -> dict[str, Any]:
+        """The run's steering as its hooks did it (an override of hooks.steer included):
+        the effect metric, the first vector hook's scale and the modules steered."""
+        first = self.hooks[0].action.args
+        modules = [
+            site_of(vector_key(s)).rsplit("/", 1)[0] for h in self.hooks for s in h.action.vectors
+        ]
+        scale = float(getattr(first, "scale", 1.0))
+        return {
+            "effect": self.config.effect,
+            "scale": scale,
+            "layers": list(dict.fromkeys(modules)),
+        }
 
 
 def _json(action: Any) -> str:
@@ -81,6 +99,16 @@ class SteeringStage(Stage):
     def plan(cls, config: SteeringConfig, setup: Setup) -> Plan:
         setup.causal_language("steering")
         hooks = [h for h in setup.plan.hooks if getattr(h.action, "vectors", None)]
+        seen: dict[str, str] = {}
+        for hook in hooks:
+            for site in hook.action.vectors:
+                if site in seen:
+                    raise HookrunError(
+                        f"hooks.{hook.name}: a second vector at /{site} (hooks.{seen[site]} adds "
+                        f"one there); valid: one vector hook per site under steering (one "
+                        f"vector, e.g. their sum in a file)"
+                    )
+                seen[site] = hook.name
         if not hooks:
             raise HookrunError(
                 "steering: no hook adds or removes a vector; valid: a hook with action add or "
