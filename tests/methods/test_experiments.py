@@ -92,6 +92,7 @@ def test_every_experiment_file_is_tested():
                 "saliency",
                 "sanity_check",
                 "smoothgrad",
+                "steering",  # tests/lm/test_steering.py
             ]
         )
         == EXPERIMENTS
@@ -281,7 +282,7 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
 
 
 # The language-model experiments draw their own pictures (tests/lm/); generate writes text.
-LANGUAGE = ("generate", "induction", "lm_cache", "lm_patching", "logit_lens")
+LANGUAGE = ("generate", "induction", "lm_cache", "lm_patching", "logit_lens", "steering")
 
 
 @pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])
