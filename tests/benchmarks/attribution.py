@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="attribution_bench_"))
-    for name, model in _setups(work, args.rows).items():
+    for number, (name, model) in enumerate(_setups(work, args.rows).items()):
         base = [
             "experiment=lm_patching",
             *model,
@@ -95,12 +95,12 @@ def main() -> None:
             "render=false",
             "progress=false",
         ]
-        runs = {"off": ["patching={}"], "exact": [], "atp": ["patching.method=atp"]}
+        runs = {"off": ["~patching"], "exact": [], "atp": ["patching.method=atp"]}
         times: dict[str, list[float]] = {k: [] for k in runs}
         paths: dict[str, Path] = {}
         for rep in range(args.reps):  # interleaved: the machine's drift hits all three
             for key, extra in runs.items():
-                seconds, paths[key] = _run(base, extra, work / f"{key}{rep}")
+                seconds, paths[key] = _run(base, extra, work / f"{number}-{key}{rep}")
                 times[key].append(seconds)
         with h5py.File(paths["exact"]) as f, h5py.File(paths["atp"]) as g:
             exact = np.stack([f[f"patching/{s}"][()] for s in SITES])
