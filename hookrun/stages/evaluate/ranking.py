@@ -10,8 +10,6 @@ and `.md` — one row per job and attribution, best first by `evaluate.rank_by` 
 
 from __future__ import annotations
 
-import csv
-import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +19,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from hookrun.io import layout, walk
+from hookrun.render.tables import ranked, write_table
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.keys import EVALUATE
 from hookrun.stages.evaluate.registry import METRICS
@@ -66,10 +65,6 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _format(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)
-
-
 def write_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
     """sweep_ranking.csv, .md and .png from the jobs' rows (each: job, overrides, status
     and its `evaluation` from job_means); nothing when no job evaluated anything."""
@@ -86,25 +81,12 @@ def write_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
             row |= {"layer": layer, "attribution": attribution}
             row |= {m: ev["means"].get(f"{m}:{attribution}", float("nan")) for m in metrics}
             rows.append(row)
-    better = 1 if METRICS.get(rank_by, "evaluate.rank_by").higher_is_better else -1
-    rows.sort(key=lambda r: (math.isnan(r[rank_by]), -better * r[rank_by]))
-    for place, row in enumerate(rows, 1):
-        row["rank"] = place
+    higher = METRICS.get(rank_by, "evaluate.rank_by").higher_is_better
+    rows = ranked(rows, rank_by, higher)
     columns = ["rank", "job", "method", "layer", *metrics, "attribution", "overrides"]
-    csv_path, md_path = sweep_dir / f"{RANKING}.csv", sweep_dir / f"{RANKING}.md"
-    with csv_path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    order = "higher" if better > 0 else "lower"
-    lines = [
-        f"# Sweep ranking by {rank_by} (mean over samples; {order} is better)",
-        "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-    ]
-    lines += ["| " + " | ".join(_format(r[c]) for c in columns) + " |" for r in rows]
-    md_path.write_text("\n".join(lines) + "\n")
+    order = "higher" if higher else "lower"
+    title = f"Sweep ranking by {rank_by} (mean over samples; {order} is better)"
+    csv_path, md_path = write_table(sweep_dir, RANKING, rows, columns, title)
     return [csv_path, md_path, _heat_map(sweep_dir / f"{RANKING}.png", rows, rank_by, order)]
 
 

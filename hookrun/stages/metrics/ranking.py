@@ -5,12 +5,11 @@ most come first. Written as metrics_ranking.csv and .md in the sweep directory."
 
 from __future__ import annotations
 
-import csv
-import math
 from pathlib import Path
 from typing import Any
 
 from hookrun.io.layout import attr, open_readonly
+from hookrun.render.tables import ranked, write_table
 from hookrun.stages.metrics.keys import METRICS_GROUP
 
 __all__ = ["write_metrics_ranking", "RANK_BY"]
@@ -50,29 +49,9 @@ def write_metrics_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[P
         )
     if not rows:
         return []
-    rows.sort(
-        key=lambda r: (math.isnan(r["change"]), -r["change"] if r["change"] == r["change"] else 0)
-    )
-    for place, row in enumerate(rows, 1):
-        row["rank"] = place
     columns = ["rank", "job", "change", "hooked", "unhooked", "kl", "overrides"]
-    csv_path, md_path = sweep_dir / f"{RANKING}.csv", sweep_dir / f"{RANKING}.md"
-    with csv_path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = [
-        f"# Metrics ranking by the change of {metric} (hooked - unhooked, mean over rows; "
-        "largest first)",
-        "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-    ]
-    for r in rows:
-        cells = [
-            f"{r[c]:.4f}" if isinstance(r[c], float) and math.isfinite(r[c]) else str(r[c])
-            for c in columns
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    md_path.write_text("\n".join(lines) + "\n")
-    return [csv_path, md_path]
+    title = (
+        f"Metrics ranking by the change of {metric} (hooked - unhooked, mean over rows; "
+        "largest first)"
+    )
+    return write_table(sweep_dir, RANKING, ranked(rows, "change"), columns, title)

@@ -7,13 +7,12 @@ one line per layer through its scales."""
 
 from __future__ import annotations
 
-import csv
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from hookrun.io.layout import attr, open_readonly
+from hookrun.render.tables import ranked, write_table
 from hookrun.stages.steering.keys import STEERING, VECTORS
 
 __all__ = ["write_steering_ranking", "RANKING"]
@@ -51,32 +50,15 @@ def write_steering_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[
     rows = [row for job in done if (row := _job_row(job)) is not None]
     if not rows:
         return []
-    rows.sort(
-        key=lambda r: (math.isnan(r["effect"]), -r["effect"] if r["effect"] == r["effect"] else 0)
-    )
-    for place, row in enumerate(rows, 1):
-        row["rank"] = place
-    csv_path, md_path = sweep_dir / f"{RANKING}.csv", sweep_dir / f"{RANKING}.md"
-    with csv_path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, _COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    rows = ranked(rows, "effect")
     metric = rows[0]["metric"]
-    lines = [
-        f"# Steering ranking by effect: the change of {metric} (mean over rows; higher is "
+    title = (
+        f"Steering ranking by effect: the change of {metric} (mean over rows; higher is "
         "stronger); fluency: the generated tokens' mean log probability under the model "
-        "without hooks (higher is more fluent)",
-        "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "---|" * len(_COLUMNS),
-    ]
-    lines += ["| " + " | ".join(_format(r[c]) for c in _COLUMNS) + " |" for r in rows]
-    md_path.write_text("\n".join(lines) + "\n")
+        "without hooks (higher is more fluent)"
+    )
+    csv_path, md_path = write_table(sweep_dir, RANKING, rows, _COLUMNS, title)
     return [csv_path, md_path, _picture(sweep_dir / f"{RANKING}.png", rows, metric)]
-
-
-def _format(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
 def _picture(target: Path, rows: list[dict[str, Any]], metric: str) -> Path:
