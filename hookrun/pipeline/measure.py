@@ -129,6 +129,8 @@ class _Reading:
                 recorder.mask = mask.to(device)
                 with attach(capture, model, recorder):
                     language(input_ids=ids.to(device), attention_mask=mask.to(device).long())
+                for event in recorder.events:  # a CUDA copy to the host still under way
+                    event.synchronize()
                 for site in sites:
                     values = recorder.records[site].double()
                     if values.dim() != 3 or values.shape[1] != ids.shape[1]:

@@ -143,9 +143,10 @@ def test_beside_exact_the_error_and_the_correlations_are_stored(tmp_path):
     [
         (
             ["patching.method=fast"],
-            "patching.method[0]: 'fast' (did you mean 'atp'?); valid: exact, atp",
+            "patching.method: 'fast' (did you mean 'atp'?); valid: exact, atp",
         ),
         (["patching.method=[atp,atp]"], "patching.method: ['atp', 'atp'] names a method twice"),
+        (["patching.method=[exact,fast]"], "patching.method[1]: 'fast'"),
         (["patching.ig_steps=0"], "patching.ig_steps: 0 is out of range; valid: an integer >= 1"),
     ],
 )

@@ -482,3 +482,20 @@ def test_the_generation_is_drawn(tmp_path):
     picture = tmp_path / "run" / "images" / "generate" / "generation.png"
     with Image.open(picture) as image:
         assert image.size[0] > 400 and len(np.unique(np.asarray(image.convert("L")))) > 10
+
+
+def test_a_prompt_and_its_tokens_may_fill_the_models_positions(tmp_path):
+    """The last token chosen is never fed back: a prompt of T tokens may have 64 − T + 1 new
+    ones on a model of 64 positions, and the plain model scores them all (rescore feeds
+    every token but the last, as decoding did)."""
+    save_lm(tmp_path / "lm", "gpt2")  # n_positions 64
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    longest = max(len(_prompt_ids(row)) for row in PROMPTS)
+    steps = 64 - longest + 1
+    args = [a for a in _args(tmp_path) if not a.startswith("generate.max_new_tokens")]
+    result = run_config(tmp_path / "run", [*args, f"generate.max_new_tokens={steps}"])
+    tokens, mask, logprobs, _ = _generated(result.path)
+    assert tokens.shape[1] == steps and mask.all()
+    np.testing.assert_allclose(_plain_logprobs(result.path), logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(HookrunError, match="generate.max_new_tokens: .* passes the model's 64"):
+        run_config(tmp_path / "over", [*args, f"generate.max_new_tokens={steps + 1}"])

@@ -57,9 +57,12 @@ def rescore(
     ids, mask = prompts
     new = torch.where(decoded.mask, decoded.tokens, torch.full_like(decoded.tokens, pad))
     steps, lengths = new.shape[1], mask.sum(1)
-    inputs = torch.cat([ids, new], dim=1)
-    full = torch.cat([mask.long(), decoded.mask.long()], dim=1)
-    after = lengths[:, None] + torch.arange(steps, device=ids.device)
+    # The last token is scored, never fed (decoding did not feed it either: a prompt and
+    # its tokens may fill the model's positions but for that one).
+    fed = new[:, :-1]
+    inputs = torch.cat([ids, fed], dim=1)
+    full = torch.cat([mask.long(), decoded.mask[:, :-1].long()], dim=1)
+    after = lengths[:, None] + torch.arange(steps - 1, device=ids.device)
     positions = torch.cat([prompt_positions(mask), after], 1)
     out = language(input_ids=inputs, attention_mask=full, position_ids=positions, use_cache=False)
     # Token 0 is predicted at the prompt's last real token, token s at column T + s - 1.
@@ -115,10 +118,10 @@ def decode(
     (inputs, mask), (ends, pad) = prompts, stop
     rows, lengths = len(inputs), mask.sum(1)
     mask, positions = mask.long(), prompt_positions(mask)
-    ids = inputs
-    tokens = torch.full((rows, steps), NO_TOKEN, dtype=torch.int64, device=ids.device)
-    logprobs = torch.full((rows, steps), float("nan"), dtype=torch.float32, device=ids.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    device = inputs.device
+    tokens = torch.full((rows, steps), NO_TOKEN, dtype=torch.int64, device=device)
+    logprobs = torch.full((rows, steps), float("nan"), dtype=torch.float32, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
     # transformers 5 names the key-value cache `cache`; earlier versions `past_key_values`.
     cache_key = (
         "cache"
@@ -139,7 +142,7 @@ def decode(
         cache = getattr(out, cache_key)
         # The prompt's pass: each row's last real token; later passes: the one new token.
         last = lengths - 1 if step == 0 else torch.zeros_like(lengths)
-        logits = out.logits[torch.arange(rows, device=ids.device), last].float()
+        logits = out.logits[torch.arange(rows, device=device), last].float()
         chosen = choose(logits, sampling, generator)
         logp = logits.log_softmax(-1).gather(1, chosen[:, None])[:, 0]
         tokens[:, step] = torch.where(done, NO_TOKEN, chosen)

@@ -112,12 +112,13 @@ class GeneratePlan(Plan):
         prompts = (batch.tokens, (batch.mask.bool() & upto).to(batch.mask.dtype))
 
         seen: list[dict[str, torch.Tensor]] = []  # each step's captures (generate.captures)
-        started = []
+        started = False
 
         def before_step() -> None:  # each step is a forward pass of its own: calls from 0
+            nonlocal started
             if started:  # the step before's captures, before begin() clears them
                 seen.append(_step_records(recorder, self.decoding.steps_of))
-            started.append(True)
+            started = True
             recorder.begin(first)
             recorder.rows = batch.index  # stored rows to patch in (the prompt's pass)
             recorder.step = next(steps)  # noise draws anew at each step

@@ -48,12 +48,17 @@ class MetricsConfig(Frozen):
     rank_by: str | None = None
 
 
+def _rankable(names: Any) -> list[str]:
+    """The metrics a sweep can rank by: one number per row, hooked and unhooked."""
+    return [n for n in names if n in PAIRED and n != "token_loss"]
+
+
 def parse_metrics(raw: Any) -> MetricsConfig | None:
     if not raw:
         return None
     config = parse_typed(raw, MetricsConfig, "metrics")
     check_choices("metrics.names", config.names, NAMES, "a metric")
-    paired = [n for n in config.names if n in PAIRED and n != "token_loss"]
+    paired = _rankable(config.names)
     if config.rank_by is not None and config.rank_by not in paired:
         raise HookrunError(
             f"metrics.rank_by: {config.rank_by!r}; valid: one of metrics.names with a value "
@@ -65,7 +70,7 @@ def parse_metrics(raw: Any) -> MetricsConfig | None:
 class MetricsPlan(Plan):
     def __init__(self, config: MetricsConfig, hooks: HookPlan, tokens: int) -> None:
         self.names, self.hooks, self.tokens = tuple(config.names), hooks, tokens
-        paired = [n for n in self.names if n in PAIRED and n != "token_loss"]
+        paired = _rankable(self.names)
         self.rank_by = config.rank_by or ("loss" if "loss" in paired else next(iter(paired), None))
 
     def attrs(self) -> dict[str, dict]:

@@ -33,15 +33,18 @@ def attribution_grids(
     sites: Sites,
     rows: Rows,
     clean: tuple[torch.Tensor, Pass],
-    corrupted: Pass,
+    corrupted: Pass | None,
     steps: int,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], Pass]:
     """Each site kind's estimated (patched − corrupted) logit difference at every cell:
-    (N, layers, T), (N, layers, heads, T) for `heads`. `clean`: the clean ids (N, T) and
-    the clean pass's outputs; `steps`: 1 for atp, ig_steps for atp_ig."""
+    (N, layers, T), (N, layers, heads, T) for `heads`; and the corrupted pass. `clean`: the
+    clean ids (N, T) and the clean pass's outputs; `corrupted`: the corrupted pass, or None
+    to take it from the first gradient run (it is the corrupted run: no forward of its
+    own); `steps`: 1 for atp, ig_steps for atp_ig."""
     clean_ids, clean_pass = clean
     modules, heads = sites.modules, sites.heads
-    grads = _mean_gradients(hf, modules, rows, clean_ids, steps)
+    grads, first = _mean_gradients(hf, modules, rows, clean_ids, steps)
+    corrupted = corrupted or first
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for kind, names in modules.items():
@@ -57,14 +60,15 @@ def attribution_grids(
                 else:
                     cells.append(product.sum(-1))
             out[kind] = torch.stack(cells, dim=1)
-    return out
+    return out, corrupted
 
 
 def _mean_gradients(
     hf: nn.Module, modules: dict[str, list[str]], rows: Rows, clean_ids: torch.Tensor, steps: int
-) -> dict[str, list[torch.Tensor]]:
+) -> tuple[dict[str, list[torch.Tensor]], Pass]:
     """∂ logit_diff / ∂ (each patched module's output; the output projection's input for
-    heads), averaged over the `steps` interpolated runs, float32 (N, T, D) each."""
+    heads), averaged over the `steps` interpolated runs, float32 (N, T, D) each; and the
+    first run (k = 0: the corrupted input itself) as a Pass."""
     embed = hf.get_input_embeddings()
     named = dict(hf.named_modules())
     total: dict[str, list[torch.Tensor]] = {}
@@ -89,9 +93,13 @@ def _mean_gradients(
                     input_ids=rows.ids, attention_mask=rows.mask, use_cache=False, return_dict=True
                 )
             every = torch.arange(len(rows.ids), device=rows.ids.device)
-            metric = rows.diff(out.logits[every, rows.read], every).sum()
+            diff = rows.diff(out.logits[every, rows.read], every)
+            if k == 0:
+                first = Pass(
+                    {kind: [t.detach() for t in ts] for kind, ts in seen.items()}, diff.detach()
+                )
             flat = [t for kind in modules for t in seen[kind]]
-            found = torch.autograd.grad(metric, flat, allow_unused=True)
+            found = torch.autograd.grad(diff.sum(), flat, allow_unused=True)
             at = 0
             for kind in modules:
                 got = [
@@ -103,4 +111,4 @@ def _mean_gradients(
                     total[kind] = got
                 else:
                     total[kind] = [a + b for a, b in zip(total[kind], got, strict=True)]
-    return {kind: [g / steps for g in grads] for kind, grads in total.items()}
+    return {kind: [g / steps for g in grads] for kind, grads in total.items()}, first

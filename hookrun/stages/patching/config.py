@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, did_you_mean
 from hookrun.typed import Frozen, check_choices, check_range, freeze, parse_typed
 
 __all__ = [
@@ -83,6 +83,9 @@ def parse_patching(raw: Mapping[str, Any] | None) -> PatchingConfig | None:
         raise HookrunError(
             f"patching.method: {config.method!r}; valid: {', '.join(METHODS)}, or a list of them"
         )
+    if isinstance(config.method, str) and config.method not in METHODS:
+        did = did_you_mean(config.method, METHODS)
+        raise HookrunError(f"patching.method: {config.method!r}{did}; valid: {', '.join(METHODS)}")
     check_choices("patching.method", methods, METHODS, "a method")
     check_range("patching.ig_steps", config.ig_steps, 1)
     return freeze(config)

@@ -146,6 +146,16 @@ class PatchingGrid:
             f"{', '.join(f'{n} {kind}' for kind, n in cells.items())} cells, batched "
             f"{self.rows_per_pass} rows per patched forward ({sized})"
         ]
+        approximations = [m for m in self.config.methods if m in APPROXIMATIONS]
+        if approximations:
+            lines.append(
+                f"Attribution patching ({', '.join(approximations)}): per batch of batch_size "
+                "rows, a forward and a backward pass with gradients, each patched site's "
+                "output and gradient kept at every position (not bounded by "
+                "patching.memory_mib: lower batch_size if it does not fit)"
+            )
+        if "exact" not in self.config.methods:
+            lines[0] = lines[0].split("; ", 1)[0] + "; no exact grid (patching.method)"
         for key, stored in self.stored().items():
             size = format_bytes(math.prod(stored.shape) * itemsize)
             lines.append(f"    {str(list(stored.shape)):<20} {size:>11}/sample  /{key}")
@@ -171,7 +181,8 @@ class PatchingGrid:
             else:
                 clean = record(hf, self.modules, replace(rows, ids=batch.tokens), False)
             exact = "exact" in self.config.methods
-            corrupted = record(hf, self.modules, rows, exact)
+            # Without exact, the approximations' first gradient run is the corrupted pass.
+            corrupted = record(hf, self.modules, rows, True) if exact else None
             sites = Sites(
                 modules=self.modules,
                 last=self.last,
@@ -182,7 +193,8 @@ class PatchingGrid:
                 resumes=self.resumes,
             )
             grids = patched_grids(hf, sites, rows, clean, corrupted) if exact else {}
-        grids |= self._approximations(hf, sites, rows, (batch.tokens, clean), corrupted)
+        found, corrupted = self._approximations(hf, sites, rows, (batch.tokens, clean), corrupted)
+        grids |= found
         tolerance = self.clean.tolerance if self.clean is not None else 0.0
         diffs = clean.diff.float().cpu().numpy(), corrupted.diff.float().cpu().numpy()
         flat = flat_rows(*diffs, own, tolerance)
@@ -203,20 +215,21 @@ class PatchingGrid:
         sites: Sites,
         rows: Rows,
         clean: tuple[torch.Tensor, Pass],
-        corrupted: Pass,
-    ) -> dict[str, torch.Tensor]:
+        corrupted: Pass | None,
+    ) -> tuple[dict[str, torch.Tensor], Pass]:
         """Each approximate method's estimated patched logit differences, keyed
         `<kind>_<method>` like the exact grids' kinds, at the patched positions."""
         out = {}
         at = torch.tensor(self.positions, device=rows.ids.device)
         for method in (m for m in self.config.methods if m in APPROXIMATIONS):
             steps = self.config.ig_steps if method == "atp_ig" else 1
-            found = attribution_grids(hf, sites, rows, clean, corrupted, steps)
+            found, corrupted = attribution_grids(hf, sites, rows, clean, corrupted, steps)
             for kind, cells in found.items():
                 out[f"{kind}_{method}"] = (
                     corrupted.diff.view(-1, *[1] * (cells.dim() - 1)) + cells[..., at]
                 )
-        return out
+        assert corrupted is not None  # a method ran: exact, or an approximation
+        return out, corrupted
 
     def _records(
         self, grids: dict, diffs: tuple, flat: torch.Tensor, lengths: torch.Tensor
@@ -240,11 +253,9 @@ class PatchingGrid:
             score = (patched - corrupted.view(per_row)) / gap.view(per_row)
             score[flat.view(per_row).expand_as(score)] = torch.nan
             scores[kind] = score
+            out[patching_key(kind)] = score  # <site kind>, or <site kind>_<approximation>
             if kind in self.modules:
-                out[patching_key(kind)] = score
                 out[patching_key(kind, LOGIT_DIFF_SUFFIX)] = patched
-            else:  # <site kind>_<approximation>
-                out[patching_key(kind)] = score
         for kind in self.modules:
             for method in (m for m in self.config.methods if m in APPROXIMATIONS):
                 if kind in scores:
