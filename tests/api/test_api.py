@@ -177,10 +177,12 @@ def test_compose_returns_the_frozen_validated_spec():
 def test_readme_from_python_example_runs(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()
     section = text.split("## From Python", 1)[1].split("\n## ", 1)[0]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2  # images, and a language model
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
-    assert list(tmp_path.glob("outputs/**/captures.h5"))
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {})
+    assert len(list(tmp_path.glob("outputs/**/captures.h5"))) >= 4
 
 
 @pytest.mark.parametrize(

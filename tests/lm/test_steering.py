@@ -106,6 +106,7 @@ def test_the_vector_is_measured_stored_and_added_as_by_hand(tiny, tmp_path):
     # python -m hookrun.verify: the vectors (no sample axis) are no damage.
     from hookrun.verify import verify
 
+    assert result.summary.count("steering vector at ") == 1, result.summary  # no scale
     intact, said = verify(result.path)
     assert intact and said[-1].strip() == "intact", said
 

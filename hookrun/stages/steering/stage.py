@@ -130,7 +130,7 @@ class SteeringStage(Stage):
         lines: list[str] = []
 
         def line(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
+            if isinstance(obj, h5py.Dataset) and not layout.is_dimension(obj):
                 norm = float(np.linalg.norm(obj[()]))
                 scale = layout.attr(obj, "scale")
                 times = f" x {float(scale):g}" if scale is not None else ""
