@@ -35,6 +35,13 @@ class Architecture:
     # the model's cache holds them plainly; sliding windows do not); "none": each patched
     # pass runs from position 0.
     cache: str = "kv"
+    # The norms whose inputs are what a block's attention and MLP read of the residual
+    # stream (edge attribution's receivers; None: not known), and whether both read the
+    # block's input (a parallel residual: GPT-NeoX) rather than the MLP reading it after
+    # the attention's output was added.
+    attention_norm: str | None = None
+    mlp_norm: str | None = None
+    parallel: bool = False
 
     def block(self, layer: int) -> str:
         return f"{self.blocks}.{layer}"
@@ -64,6 +71,9 @@ ARCHITECTURE_KEYS = (
     "unembedding",
     "causal",
     "cache",
+    "attention_norm",
+    "mlp_norm",
+    "parallel",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -77,6 +87,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         mlp="transformer.h.{}.mlp",
         final_norm="transformer.ln_f",
         unembedding=("lm_head",),
+        attention_norm="transformer.h.{}.ln_1",
+        mlp_norm="transformer.h.{}.ln_2",
     ),
     Architecture(
         family="Llama-family",
@@ -88,6 +100,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         mlp="model.layers.{}.mlp",
         final_norm="model.norm",
         unembedding=("lm_head",),
+        attention_norm="model.layers.{}.input_layernorm",
+        # Gemma 2's post_attention_layernorm normalises the attention's output instead: its
+        # MLP reads pre_feedforward_layernorm (the circuit stage refuses it by name).
+        mlp_norm="model.layers.{}.post_attention_layernorm",
     ),
     Architecture(
         family="GPT-NeoX",
@@ -100,6 +116,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         final_norm="gpt_neox.final_layer_norm",
         # `embed_out` before transformers 5, `lm_head` since.
         unembedding=("embed_out", "lm_head"),
+        attention_norm="gpt_neox.layers.{}.input_layernorm",
+        mlp_norm="gpt_neox.layers.{}.post_attention_layernorm",
+        parallel=True,  # config.use_parallel_residual (its default)
     ),
     Architecture(
         family="BERT",

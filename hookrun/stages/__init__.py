@@ -1,6 +1,7 @@
 """The stages: every capability of a run beyond capturing, each in its folder and registered
 when imported here."""
 
+from hookrun.stages import circuit as circuit
 from hookrun.stages import derive as derive
 from hookrun.stages import evaluate as evaluate
 from hookrun.stages import generate as generate

@@ -34,6 +34,8 @@ REFUSED = {
     ("resnet18", "generate"): "valid: a causal language model",
     ("vit", "generate"): "valid: a causal language model",
     ("resnet18", "steering"): "matches no module",
+    ("resnet18", "circuit"): "target.kind: answer",
+    ("vit", "circuit"): "target.kind: answer",
     ("vit", "steering"): "matches no module",
 }
 

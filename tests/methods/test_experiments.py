@@ -75,6 +75,7 @@ def test_every_experiment_file_is_tested():
             [
                 "cam",
                 "capture",
+                "circuit",  # tests/lm/test_circuit.py
                 "feature_maps",
                 "grad_cam",
                 "grad_cam_pp",
@@ -282,7 +283,15 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
 
 
 # The language-model experiments draw their own pictures (tests/lm/); generate writes text.
-LANGUAGE = ("generate", "induction", "lm_cache", "lm_patching", "logit_lens", "steering")
+LANGUAGE = (
+    "circuit",
+    "generate",
+    "induction",
+    "lm_cache",
+    "lm_patching",
+    "logit_lens",
+    "steering",
+)
 
 
 @pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e not in ("capture", *LANGUAGE)])

@@ -55,7 +55,7 @@ from hookrun.stages.patching.keys import (
 )
 from hookrun.stages.patching.resume import HEADS, Pass, Rows, Sites, patched_grids, record
 
-__all__ = ["PatchingGrid", "plan_patching"]
+__all__ = ["PatchingGrid", "plan_patching", "counterfactuals"]
 
 log = logging.getLogger("hookrun")
 
@@ -300,7 +300,7 @@ def _site_modules(config: PatchingConfig, model: nn.Module) -> tuple[dict, dict]
     return out, last
 
 
-def _counterfactuals(tokens: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def counterfactuals(tokens: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's counterfactual ids padded like its prompt (rows, T), and its counterfactual
     answer; refused naming the row: no counterfactual, no answers, another token length."""
     ids = getattr(tokens, "counterfactual_ids", None)
@@ -357,7 +357,7 @@ def plan_patching(
             "{prompt, answer, counterfactual, counterfactual_answer} rows"
         )
     modules, last = _site_modules(config, model)
-    counterfactual, wrong = _counterfactuals(tokens, rows)
+    counterfactual, wrong = counterfactuals(tokens, rows)
     length = int(tokens.ids.shape[1])
     positions = list(range(length)) if config.positions == "all" else list(config.positions)
     shortest = int(tokens.lengths[:rows].argmin())

@@ -1,0 +1,47 @@
+"""The `circuit:` config node (experiment=circuit), typed and checked before any work;
+errors name `circuit.<key>`. An empty node turns the stage off."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hookrun.errors import HookrunError, did_you_mean
+from hookrun.typed import Frozen, check_range, freeze, parse_typed
+
+__all__ = ["CircuitConfig", "parse_circuit", "METHODS"]
+
+METHODS = ("eap", "eap_ig")
+
+
+@dataclass
+class CircuitConfig(Frozen):
+    # eap: the gradient at the corrupted run; eap_ig: averaged over ig_steps runs from the
+    # corrupted input to the clean one (edges.py).
+    method: str = "eap"
+    ig_steps: int = 8
+    # Circuits of these sizes (the top-k edges by mean |score|), each run with every other
+    # edge ablated once the scores are known: /circuit/faithfulness. []: none; auto: 0, 1,
+    # 2, 5, 10, 20, 50, ... up to every edge of the model.
+    k: Any = field(default_factory=list)
+
+
+def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:
+    if not raw:
+        return None
+    config = parse_typed(raw, CircuitConfig, "circuit")
+    if config.method not in METHODS:
+        did = did_you_mean(str(config.method), METHODS)
+        raise HookrunError(f"circuit.method: {config.method!r}{did}; valid: {', '.join(METHODS)}")
+    check_range("circuit.ig_steps", config.ig_steps, 1)
+    if config.k == "auto":
+        return freeze(config)
+    sizes = list(config.k) if isinstance(config.k, list | tuple) else [config.k]
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in sizes):
+        raise HookrunError(
+            f"circuit.k: {config.k!r}; valid: a list of edge counts (ints >= 0), or auto"
+        )
+    if len(set(sizes)) != len(sizes):
+        raise HookrunError(f"circuit.k: {sizes} names a size twice; valid: each once")
+    return freeze(config)

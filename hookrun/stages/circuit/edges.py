@@ -1,0 +1,198 @@
+"""Edge attribution patching (EAP, Syed et al. 2023; EAP-IG, Hanna et al. 2024).
+
+The residual stream a node reads is the sum of what every node before it wrote: the
+embeddings, each attention head (its slice of the output projection's input times that
+slice of the projection's weight), each MLP. An edge u → v is u's write as v reads it, and
+its score is the first-order change of the logit difference were u's write the clean run's
+instead of the corrupted run's, on that edge alone:
+
+    (w_u(clean) − w_u(corrupted)) · ∂ logit_diff / ∂ (v's input)
+
+summed over positions and features, the gradient taken through v alone at the corrupted run
+(eap) or averaged over `ig_steps` runs whose input embeddings lie k/ig_steps of the way from
+the corrupted prompt to the clean one (eap_ig). A receiver's input is its norm's input
+(a block's attention, a block's MLP, the final norm before the logits): a pre-hook hands the
+norm a copy of it, so the gradient to that copy is the gradient through that receiver only.
+Receivers read every head of a layer's attention together (their queries, keys and values
+are not told apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hookrun.runtime.handles import ModuleHook, hooked
+
+__all__ = ["Graph", "edge_scores", "logit_diff", "head_writes", "writes"]
+
+
+def logit_diff(
+    logits: torch.Tensor, read: torch.Tensor, right: torch.Tensor, wrong: torch.Tensor
+) -> torch.Tensor:
+    """(N,) logit(answer) − logit(counterfactual answer) at each row's read position."""
+    at = logits[torch.arange(len(read), device=read.device), read].float()
+    return at.gather(1, right[:, None])[:, 0] - at.gather(1, wrong[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class Graph:
+    """The model's nodes, by module name (relative to the Hugging Face model)."""
+
+    heads: list[str]  # per layer: the attention's output projection
+    mlps: list[str]  # per layer: the MLP
+    attention_norms: list[str]  # per layer: the norm whose input the attention reads
+    mlp_norms: list[str]  # per layer: the norm whose input the MLP reads
+    final_norm: str  # the norm whose input the logits read
+    head_count: int
+
+    @property
+    def senders(self) -> list[str]:
+        out = ["embed"]
+        for layer in range(len(self.heads)):
+            out += [f"a{layer}.h{h}" for h in range(self.head_count)] + [f"m{layer}"]
+        return out
+
+    @property
+    def receivers(self) -> list[str]:
+        out = []
+        for layer in range(len(self.heads)):
+            out += [f"a{layer}", f"m{layer}"]
+        return [*out, "logits"]
+
+    def upstream(self) -> torch.Tensor:
+        """(senders, receivers) bool: whether the sender writes before the receiver reads."""
+        layers = len(self.heads)
+        sender_at = [-1.0]  # embed
+        for layer in range(layers):
+            sender_at += [layer] * self.head_count + [layer + 0.5]  # heads, then the MLP
+        receiver_at = []
+        for layer in range(layers):
+            receiver_at += [layer - 0.25, layer + 0.25]  # the attention reads, then the MLP
+        receiver_at.append(float(layers))
+        return torch.tensor(sender_at)[:, None] < torch.tensor(receiver_at)[None, :]
+
+
+def head_writes(projection: nn.Module, inputs: torch.Tensor, heads: int) -> torch.Tensor:
+    """(N, T, heads, D): each head's write into the residual stream, from the output
+    projection's input (N, T, heads × head width) and its weight (the bias is nobody's)."""
+    n, t, width = inputs.shape
+    z = inputs.view(n, t, heads, width // heads)
+    weight = projection.weight
+    if isinstance(projection, nn.Linear):  # (D, heads × head width)
+        per_head = weight.view(weight.shape[0], heads, width // heads).permute(1, 2, 0)
+    else:  # transformers' Conv1D: (heads × head width, D)
+        per_head = weight.view(heads, width // heads, weight.shape[1])
+    return torch.einsum("nthk,hkd->nthd", z.to(weight.dtype), per_head)
+
+
+def writes(hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Every sender's write of one run (no gradients): embed (N, T, D), per layer the heads
+    (N, T, heads, D) and the MLP (N, T, D)."""
+    named = dict(hf.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+
+    def block_input(module, args):  # the first attention's norm reads the embeddings' write
+        seen["embed"] = args[0].detach()
+
+    hooks = [ModuleHook(named[graph.attention_norms[0]], block_input, before=True)]
+    for layer, (proj, mlp) in enumerate(zip(graph.heads, graph.mlps, strict=True)):
+        hooks.append(
+            ModuleHook(
+                named[proj],
+                lambda m, a, k=f"z{layer}": seen.__setitem__(k, a[0].detach()),
+                before=True,
+            )
+        )
+        hooks.append(
+            ModuleHook(
+                named[mlp],
+                lambda m, a, o, k=f"m{layer}": seen.__setitem__(
+                    k, (o[0] if isinstance(o, tuple) else o).detach()
+                ),
+            )
+        )
+    with hooked(hooks), torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask, use_cache=False)
+        for layer, proj in enumerate(graph.heads):
+            seen[f"a{layer}"] = head_writes(named[proj], seen.pop(f"z{layer}"), graph.head_count)
+    return seen
+
+
+def _receiver_gradients(
+    hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor, target: tuple, steps: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each receiver's input gradient (N, T, D), averaged over `steps` interpolated runs,
+    in `graph.receivers` order; and the corrupted run's logit difference (N,). `target`:
+    (clean ids, read positions, answers, counterfactual answers)."""
+    clean_ids, read, right, wrong = target
+    named = dict(hf.named_modules())
+    embed = hf.get_input_embeddings()
+    norms = [
+        n
+        for layer in range(len(graph.heads))
+        for n in (graph.attention_norms[layer], graph.mlp_norms[layer])
+    ]
+    norms.append(graph.final_norm)
+    total: list[torch.Tensor] | None = None
+    first = None
+    with torch.inference_mode(False), torch.enable_grad():
+        corrupt = embed(ids).detach()
+        shift = embed(clean_ids).detach() - corrupt
+        for k in range(steps):
+            start = (corrupt + (k / steps) * shift).requires_grad_(True)
+            copies: list[torch.Tensor] = []
+
+            def copy(module, args, copies=copies):
+                mine = args[0] + 0  # a node of its own: its gradient flows through this norm only
+                copies.append(mine)
+                return (mine, *args[1:])
+
+            hooks = [ModuleHook(embed, lambda m, a, o, start=start: start)]
+            hooks += [ModuleHook(named[n], copy, before=True) for n in norms]
+            with hooked(hooks):
+                out = hf(input_ids=ids, attention_mask=mask, use_cache=False)
+            diff = logit_diff(out.logits, read, right, wrong)
+            if k == 0:
+                first = diff.detach()
+            grads = torch.autograd.grad(diff.sum(), copies)
+            grads = [g.float().detach() for g in grads]
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    assert total is not None and first is not None
+    return [g / steps for g in total], first
+
+
+def edge_scores(
+    hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, senders, receivers) scores, NaN where the sender is not upstream; and the clean
+    and corrupted runs' logit differences (N,). `rows`: corrupted ids, mask, read
+    positions, answers, counterfactual answers."""
+    ids, mask, read, right, wrong = rows
+    clean = writes(hf, graph, clean_ids, mask)
+    corrupted = writes(hf, graph, ids, mask)
+    grads, corrupted_diff = _receiver_gradients(
+        hf, graph, ids, mask, (clean_ids, read, right, wrong), steps
+    )
+    every = torch.arange(len(ids), device=ids.device)
+    with torch.no_grad():
+        logits = (
+            hf(input_ids=clean_ids, attention_mask=mask, use_cache=False)
+            .logits[every, read]
+            .float()
+        )
+    clean_diff = logits.gather(1, right[:, None])[:, 0] - logits.gather(1, wrong[:, None])[:, 0]
+    real = mask[..., None].float()  # padding writes nothing anyone reads
+    deltas = [(clean["embed"] - corrupted["embed"]).float() * real]
+    for layer in range(len(graph.heads)):
+        heads = (clean[f"a{layer}"] - corrupted[f"a{layer}"]).float() * real[..., None]
+        deltas += [heads[:, :, h] for h in range(graph.head_count)]
+        deltas.append((clean[f"m{layer}"] - corrupted[f"m{layer}"]).float() * real)
+    with torch.no_grad():
+        sent = torch.stack(deltas, 1)  # (N, S, T, D)
+        taken = torch.stack(grads, 1)  # (N, R, T, D)
+        scores = torch.einsum("nstd,nrtd->nsr", sent, taken)
+        scores[:, ~graph.upstream().to(scores.device)] = float("nan")
+    return scores, clean_diff, corrupted_diff

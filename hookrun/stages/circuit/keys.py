@@ -1,0 +1,28 @@
+"""Where edge attribution is stored in captures.h5: /circuit/edges (N, senders, receivers),
+each row's score of every edge (NaN where the sender is not upstream of the receiver), with
+the node names as the attributes `senders` and `receivers`; /circuit/clean and
+/circuit/corrupted (N,), the two runs' logit differences; /circuit/faithfulness and
+/circuit/faithfulness_logit_diff (sizes,), with the sizes as the attribute `k`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CIRCUIT",
+    "EDGES",
+    "CLEAN",
+    "CORRUPTED",
+    "SENDERS",
+    "RECEIVERS",
+    "FAITHFULNESS",
+    "FAITHFULNESS_DIFF",
+]
+
+CIRCUIT = "circuit"
+EDGES = f"{CIRCUIT}/edges"
+CLEAN = f"{CIRCUIT}/clean"
+CORRUPTED = f"{CIRCUIT}/corrupted"
+SENDERS, RECEIVERS = "senders", "receivers"
+# circuit.k: per circuit size (attribute `k`), the share of clean − corrupted left with every
+# other edge ablated, and the mean ablated logit difference; written once the file is complete.
+FAITHFULNESS = f"{CIRCUIT}/faithfulness"
+FAITHFULNESS_DIFF = f"{CIRCUIT}/faithfulness_logit_diff"

@@ -1,0 +1,274 @@
+"""The circuit stage (`circuit:`, experiment=circuit): each row's edge attribution scores
+between the embeddings, every attention head, every MLP and the logits (edges.py), stored
+at /circuit/edges; the summary names the edges with the largest mean score.
+
+The rows are prompts with counterfactuals of the same token length (dataset=prompts), as
+for the patching grid: clean = the prompt, corrupted = its counterfactual, the metric the
+logit difference answer − counterfactual_answer at the prompt's last token."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+from torch import nn
+
+from hookrun.errors import HookrunError
+from hookrun.io import layout
+from hookrun.io.dimensions import attach
+from hookrun.io.encoding import read_floats
+from hookrun.models.adapter import adapt
+from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, architecture_of
+from hookrun.runtime.hooks import run_mode
+from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
+from hookrun.stages.circuit.edges import Graph, edge_scores
+from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
+from hookrun.stages.circuit.keys import (
+    CIRCUIT,
+    CLEAN,
+    CORRUPTED,
+    EDGES,
+    FAITHFULNESS,
+    FAITHFULNESS_DIFF,
+    RECEIVERS,
+    SENDERS,
+)
+from hookrun.stages.patching.grid import counterfactuals
+
+__all__ = ["CircuitStage"]
+
+layout.whole_run(FAITHFULNESS, FAITHFULNESS_DIFF)  # one number per circuit size
+
+# Families whose norms the architecture table names for another role (Gemma 2 and 3 norm
+# the attention's output with post_attention_layernorm; their MLP reads another norm).
+_OTHER_NORMS = ("gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """What the faithfulness passes read again once the file is complete: the model, its
+    token rows and their counterfactuals, rows per pass and the device."""
+
+    model: nn.Module
+    tokens: Any  # TokenRows
+    count: int
+    batch_size: int
+    device: torch.device
+
+
+class CircuitPlan(Plan):
+    def __init__(
+        self,
+        config: CircuitConfig,
+        graph: Graph,
+        cf: tuple[torch.Tensor, torch.Tensor],
+        again: _Rows,
+    ) -> None:
+        self.config, self.graph, self.again = config, graph, again
+        self.counterfactual, self.wrong = cf
+
+    def finish(self, path: Path) -> None:
+        """The circuits of sizes circuit.k, each run with every other edge ablated over
+        every row: /circuit/faithfulness (once: a resume of a complete file finds it)."""
+        if not self.config.k:
+            return
+        with h5py.File(path, "r") as f:
+            if FAITHFULNESS in f or EDGES not in f:
+                return
+            rows = self.again.count
+            edges = read_floats(f[EDGES], slice(0, rows)).astype(np.float64)
+            clean = float(np.mean(read_floats(f[CLEAN], slice(0, rows))))
+            corrupted = float(np.mean(read_floats(f[CORRUPTED], slice(0, rows))))
+        with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = torch.from_numpy(np.nanmean(edges, axis=0))
+        ablated = [self._ablated_mean(circuit_of(mean, k)) for k in self.config.k]
+        gap = clean - corrupted
+        shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
+        with h5py.File(path, "r+") as f:
+            f.create_dataset(FAITHFULNESS, data=np.array(shares, np.float64), fletcher32=True)
+            f.create_dataset(FAITHFULNESS_DIFF, data=np.array(ablated, np.float64), fletcher32=True)
+            attach(f, {FAITHFULNESS: ("size",), FAITHFULNESS_DIFF: ("size",)})
+            layout.write_attrs(
+                f, {key: {"k": list(self.config.k)} for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
+            )
+
+    def _ablated_mean(self, kept: torch.Tensor) -> float:
+        """The mean over every row of the clean logit difference with the edges outside
+        `kept` ablated."""
+        again, tokens = self.again, self.again.tokens
+        hf = adapt(again.model).language.hf
+        total = 0.0
+        with run_mode(again.model), torch.inference_mode():
+            for lo in range(0, again.count, again.batch_size):
+                index = torch.arange(lo, min(lo + again.batch_size, again.count))
+                ids = tokens.ids[index]
+                mask = (torch.arange(ids.shape[1])[None] < tokens.lengths[index][:, None]).long()
+                rows = (ids, mask, tokens.reads[index], tokens.labels[index], self.wrong[index])
+                rows = tuple(t.to(again.device) for t in rows)
+                corrupt = self.counterfactual[index].to(again.device)
+                total += float(ablated_diff(hf, self.graph, rows, corrupt, kept).sum())
+        return total / again.count
+
+    def stored(self) -> dict[str, Stored]:
+        g = self.graph
+        said = {
+            SENDERS: np.array(g.senders, dtype=h5py.string_dtype()),
+            RECEIVERS: np.array(g.receivers, dtype=h5py.string_dtype()),
+            "method": self.config.method,
+            "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else 1,
+        }
+        return {
+            EDGES: Stored((len(g.senders), len(g.receivers)), said),
+            CLEAN: Stored(()),
+            CORRUPTED: Stored(()),
+        }
+
+    def batch(self, work: Work) -> dict[str, Any]:
+        batch = work.on_device
+        device, index = batch.tokens.device, batch.index.cpu()
+        hf = adapt(work.model).language.hf
+        rows = (
+            self.counterfactual[index].to(device),
+            batch.mask,
+            batch.read,
+            batch.labels.to(device),
+            self.wrong[index].to(device),
+        )
+        steps = self.config.ig_steps if self.config.method == "eap_ig" else 1
+        scores, clean, corrupted = edge_scores(hf, self.graph, rows, batch.tokens, steps)
+        return {EDGES: scores.cpu(), CLEAN: clean.cpu(), CORRUPTED: corrupted.cpu()}
+
+
+def _graph(setup: Setup) -> Graph:
+    """The model's nodes from the architecture table; refused where it cannot say them."""
+    model = setup.model
+    entry = architecture_of(model)
+    hf = adapt(model).language.hf
+    model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
+    known = [
+        t
+        for a in ARCHITECTURES
+        if a.causal and a.attention_norm and not a.parallel
+        for t in a.model_types
+    ]
+    if (
+        entry is None
+        or not entry.causal
+        or entry.attention_norm is None
+        or model_type in _OTHER_NORMS
+    ):
+        raise HookrunError(
+            f"circuit: a {model_type} model, whose attention and MLP inputs hookrun does not "
+            f"know; valid: a model of {', '.join(t for t in known if t not in _OTHER_NORMS)} "
+            f"(a new family is an entry of models/architectures.py: {', '.join(ARCHITECTURE_KEYS)})"
+        )
+    if entry.parallel and getattr(hf.config, "use_parallel_residual", True):
+        raise HookrunError(
+            f"circuit: a {model_type} model with a parallel residual (its attention and MLP both "
+            "read the block's input), which edge attribution here does not split; valid: "
+            "use_parallel_residual=false, or a model of "
+            + ", ".join(t for t in known if t not in _OTHER_NORMS)
+        )
+    named = dict(hf.named_modules())
+    layers = 0
+    while entry.heads.format(layers) in named:
+        layers += 1
+    graph = Graph(
+        heads=[entry.heads.format(i) for i in range(layers)],
+        mlps=[entry.mlp.format(i) for i in range(layers)],
+        attention_norms=[entry.attention_norm.format(i) for i in range(layers)],
+        mlp_norms=[str(entry.mlp_norm).format(i) for i in range(layers)],
+        final_norm=str(entry.final_norm),
+        head_count=int(getattr(hf.config, "num_attention_heads", 0) or 0),
+    )
+    missing = [
+        n for n in (*graph.attention_norms, *graph.mlp_norms, graph.final_norm) if n not in named
+    ]
+    if not layers or missing or not graph.head_count:
+        absent = missing[0] if missing else entry.heads.format(0)
+        raise HookrunError(
+            f"circuit: the {model_type} model has no module {absent}; valid: a {model_type} "
+            "model as transformers builds it"
+        )
+    return graph
+
+
+def _sizes(edges: int) -> list[int]:
+    """circuit.k=auto: 0, 1, 2, 5, 10, 20, 50, ... below the model's edges, and all of them."""
+    out, step = [0], 1
+    while step < edges:
+        out += [k for k in (step, 2 * step, 5 * step) if k < edges]
+        step *= 10
+    return [*out, edges]
+
+
+def _names(values: Any) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+@register_stage
+class CircuitStage(Stage):
+    name = node = "circuit"
+    order = 45
+    axes = {EDGES: "sample sender receiver", CLEAN: "sample", CORRUPTED: "sample"}
+    draws = (EDGES, f"{CIRCUIT}/faithfulness*")
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> Any:
+        return parse_circuit(raw)
+
+    @classmethod
+    def plan(cls, config: CircuitConfig, setup: Setup) -> Plan:
+        setup.causal_language("circuit")
+        graph = _graph(setup)
+        edges = int(graph.upstream().sum())
+        if config.k == "auto":
+            config = dataclasses.replace(config, k=_sizes(edges))
+        if config.k and max(config.k) > edges:
+            raise HookrunError(
+                f"circuit.k: {max(config.k)} is more than the model's {edges} edges; valid: "
+                f"sizes of 0 to {edges}"
+            )
+        again = _Rows(
+            setup.model, setup.tokens, len(setup.data), setup.spec.batch_size, setup.device
+        )
+        return CircuitPlan(config, graph, counterfactuals(setup.tokens, len(setup.data)), again)
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        if EDGES not in f or not rows:
+            return []
+        ds = f[EDGES]
+        senders = [str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, SENDERS)]
+        receivers = [
+            str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, RECEIVERS)
+        ]
+        with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(read_floats(ds, slice(0, rows)).astype(np.float64), axis=0)
+        order = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None)
+        shown = []
+        for flat in order[: int(min(10, np.isfinite(mean).sum()))]:
+            s, r = np.unravel_index(flat, mean.shape)
+            shown.append(f"{senders[s]} -> {receivers[r]} {mean[s, r]:+.4g}")
+        method = layout.attr(ds, "method")
+        lines = [f"{CIRCUIT}: the edges with the largest mean {method} score: " + ", ".join(shown)]
+        if FAITHFULNESS in f:
+            sizes, shares = layout.attr(f[FAITHFULNESS], "k"), f[FAITHFULNESS][()]
+            said = ", ".join(f"{int(k)} edges {s:.3f}" for k, s in zip(sizes, shares, strict=True))
+            lines.append(f"{CIRCUIT}: faithfulness (share of clean - corrupted kept): {said}")
+        return lines
+
+    @classmethod
+    def draw(cls, f: h5py.File, out_dir: Any, rows: int, config: dict) -> list:
+        from hookrun.stages.circuit.draw import render_circuit  # matplotlib: when drawing
+
+        return render_circuit(f, out_dir, rows)
