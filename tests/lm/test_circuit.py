@@ -304,3 +304,54 @@ def test_auto_sizes_run_up_to_every_edge():
     assert _sizes(21) == [0, 1, 2, 5, 10, 20, 21]
     assert _sizes(100) == [0, 1, 2, 5, 10, 20, 50, 100]
     assert _sizes(1) == [0, 1]
+
+
+def test_path_patching_equals_a_hand_loop(tmp_path):
+    """circuit.paths=[m1,logits]: the corrupted row alone, the named receivers' norms reading
+    each sender's clean write instead of its corrupted one (the others untouched)."""
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "p.jsonl")
+    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, "circuit.paths=[m1,logits]"))
+    with h5py.File(result.path) as f:
+        shares = f["circuit/paths"][()]
+        senders = [str(s) for s in f["circuit/paths"].attrs["senders"]]
+        assert [str(r) for r in f["circuit/paths"].attrs["receivers"]] == ["m1", "logits"]
+    names, named = NAMES["gpt2"], dict(model.named_modules())
+    targets = {"m1": names["norms"][1].format(1), "logits": names["final"]}
+    reaches = {"m1": {"embed", "a0.h0", "a0.h1", "m0", "a1.h0", "a1.h1"}}  # before m1 reads
+    tok = tokenizer()
+    for r, (prompt, answer, counterfactual, wrong) in enumerate(ROWS):
+        clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
+        answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
+        writes = zip(
+            _hand_writes(model, "gpt2", clean), _hand_writes(model, "gpt2", corrupt), strict=True
+        )
+        deltas = [mine - theirs for mine, theirs in writes]
+
+        def run(added, corrupt=corrupt, answers=answers):
+            hooks = [
+                named[targets[v]].register_forward_pre_hook(
+                    lambda m, args, d=d: (args[0] + d[None], *args[1:])
+                )
+                for v, d in added.items()
+            ]
+            try:
+                with torch.no_grad():
+                    logits = model(torch.tensor([corrupt])).logits[0, -1]
+            finally:
+                for h in hooks:
+                    h.remove()
+            return float(logits[answers[0]] - logits[answers[1]])
+
+        with torch.no_grad():
+            out = model(torch.tensor([clean])).logits[0, -1]
+        clean_diff = float(out[answers[0]] - out[answers[1]])
+        corrupt_diff = run({})
+        for s, sender in enumerate(senders):
+            added = {"logits": deltas[s]}
+            if sender in reaches["m1"]:
+                added["m1"] = deltas[s]
+            want = (run(added) - corrupt_diff) / (clean_diff - corrupt_diff)
+            assert shares[r, s] == pytest.approx(want, abs=1e-4), (r, sender)
+    with pytest.raises(HookrunError, match=r"circuit.paths: 'm9' is not a receiver of this model"):
+        run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.paths=[m9]"))

@@ -25,6 +25,10 @@ class CircuitConfig(Frozen):
     # edge ablated once the scores are known: /circuit/faithfulness. []: none; auto: 0, 1,
     # 2, 5, 10, 20, 50, ... up to every edge of the model.
     k: Any = field(default_factory=list)
+    # Path patching: each sender's clean write read by these receivers alone (names as in
+    # /circuit/edges' receivers: a0, m0, ..., logits), every other path corrupted:
+    # /circuit/paths. []: none.
+    paths: list[str] = field(default_factory=list)
 
 
 def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:

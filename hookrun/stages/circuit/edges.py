@@ -26,7 +26,16 @@ from torch import nn
 
 from hookrun.runtime.handles import ModuleHook, hooked
 
-__all__ = ["Graph", "edge_scores", "logit_diff", "head_writes", "writes"]
+__all__ = [
+    "Graph",
+    "edge_scores",
+    "path_patched",
+    "logit_diff",
+    "head_writes",
+    "writes",
+    "sender_deltas",
+    "receiver_norms",
+]
 
 
 def logit_diff(
@@ -130,12 +139,7 @@ def _receiver_gradients(
     clean_ids, read, right, wrong = target
     named = dict(hf.named_modules())
     embed = hf.get_input_embeddings()
-    norms = [
-        n
-        for layer in range(len(graph.heads))
-        for n in (graph.attention_norms[layer], graph.mlp_norms[layer])
-    ]
-    norms.append(graph.final_norm)
+    norms = receiver_norms(graph)
     total: list[torch.Tensor] | None = None
     first = None
     with torch.inference_mode(False), torch.enable_grad():
@@ -164,6 +168,26 @@ def _receiver_gradients(
     return [g / steps for g in total], first
 
 
+def sender_deltas(graph: Graph, clean: dict, corrupted: dict, mask: torch.Tensor) -> torch.Tensor:
+    """(N, senders, T, D) float32: each sender's clean write − its corrupted write (writes'
+    runs), zero at padding (it writes nothing anyone reads)."""
+    real = mask[..., None].float()
+    deltas = [(clean["embed"] - corrupted["embed"]).float() * real]
+    for layer in range(len(graph.heads)):
+        heads = (clean[f"a{layer}"] - corrupted[f"a{layer}"]).float() * real[..., None]
+        deltas += [heads[:, :, h] for h in range(graph.head_count)]
+        deltas.append((clean[f"m{layer}"] - corrupted[f"m{layer}"]).float() * real)
+    return torch.stack(deltas, 1)
+
+
+def receiver_norms(graph: Graph) -> list[str]:
+    """Each receiver's norm, in `graph.receivers` order."""
+    layers = range(len(graph.heads))
+    return [n for i in layers for n in (graph.attention_norms[i], graph.mlp_norms[i])] + [
+        graph.final_norm
+    ]
+
+
 def edge_scores(
     hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,23 +200,42 @@ def edge_scores(
     grads, corrupted_diff = _receiver_gradients(
         hf, graph, ids, mask, (clean_ids, read, right, wrong), steps
     )
-    every = torch.arange(len(ids), device=ids.device)
     with torch.no_grad():
-        logits = (
-            hf(input_ids=clean_ids, attention_mask=mask, use_cache=False)
-            .logits[every, read]
-            .float()
-        )
-    clean_diff = logits.gather(1, right[:, None])[:, 0] - logits.gather(1, wrong[:, None])[:, 0]
-    real = mask[..., None].float()  # padding writes nothing anyone reads
-    deltas = [(clean["embed"] - corrupted["embed"]).float() * real]
-    for layer in range(len(graph.heads)):
-        heads = (clean[f"a{layer}"] - corrupted[f"a{layer}"]).float() * real[..., None]
-        deltas += [heads[:, :, h] for h in range(graph.head_count)]
-        deltas.append((clean[f"m{layer}"] - corrupted[f"m{layer}"]).float() * real)
-    with torch.no_grad():
-        sent = torch.stack(deltas, 1)  # (N, S, T, D)
+        logits = hf(input_ids=clean_ids, attention_mask=mask, use_cache=False).logits
+        clean_diff = logit_diff(logits, read, right, wrong)
+        sent = sender_deltas(graph, clean, corrupted, mask)  # (N, S, T, D)
         taken = torch.stack(grads, 1)  # (N, R, T, D)
         scores = torch.einsum("nstd,nrtd->nsr", sent, taken)
         scores[:, ~graph.upstream().to(scores.device)] = float("nan")
     return scores, clean_diff, corrupted_diff
+
+
+def path_patched(
+    hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor, receivers: list[int]
+) -> torch.Tensor:
+    """Path patching (Wang et al. 2022): (N, senders) logit differences of the corrupted run
+    in which the `receivers` (indices into graph.receivers) read each sender's clean write
+    instead of its corrupted one — the sender's effect along its direct edges to them alone,
+    every other path corrupted; NaN where the sender reaches none of them."""
+    ids, mask, read, right, wrong = rows
+    with torch.no_grad():
+        clean = writes(hf, graph, clean_ids, mask)
+        corrupted = writes(hf, graph, ids, mask)
+        sent = sender_deltas(graph, clean, corrupted, mask)
+    named = dict(hf.named_modules())
+    norms = receiver_norms(graph)
+    upstream = graph.upstream()
+    out = torch.full((len(ids), len(graph.senders)), float("nan"), device=ids.device)
+    for s in range(len(graph.senders)):
+        targets = [r for r in receivers if upstream[s, r]]
+        if not targets:
+            continue
+
+        def add(module, args, s=s):
+            return (args[0] + sent[:, s].to(args[0].dtype), *args[1:])
+
+        hooks = [ModuleHook(named[norms[r]], add, before=True) for r in targets]
+        with hooked(hooks), torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out[:, s] = logit_diff(logits, read, right, wrong)
+    return out

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookrun.runtime.handles import ModuleHook, hooked
-from hookrun.stages.circuit.edges import Graph, head_writes, logit_diff, writes
+from hookrun.stages.circuit.edges import Graph, head_writes, logit_diff, receiver_norms, writes
 
 __all__ = ["circuit_of", "ablated_diff"]
 
@@ -78,12 +78,7 @@ def ablated_diff(
 
         return hook
 
-    norms = [
-        n
-        for layer in range(len(graph.heads))
-        for n in (graph.attention_norms[layer], graph.mlp_norms[layer])
-    ]
-    norms.append(graph.final_norm)
+    norms = receiver_norms(graph)
     hooks = [ModuleHook(named[graph.attention_norms[0]], keep_embed, before=True, prepend=True)]
     for layer, (proj, mlp) in enumerate(zip(graph.heads, graph.mlps, strict=True)):
         hooks.append(ModuleHook(named[proj], keep_heads(layer), before=True))

@@ -15,6 +15,8 @@ __all__ = [
     "RECEIVERS",
     "FAITHFULNESS",
     "FAITHFULNESS_DIFF",
+    "PATHS",
+    "PATHS_DIFF",
 ]
 
 CIRCUIT = "circuit"
@@ -26,3 +28,8 @@ SENDERS, RECEIVERS = "senders", "receivers"
 # other edge ablated, and the mean ablated logit difference; written once the file is complete.
 FAITHFULNESS = f"{CIRCUIT}/faithfulness"
 FAITHFULNESS_DIFF = f"{CIRCUIT}/faithfulness_logit_diff"
+# circuit.paths: per row and sender, (patched − corrupted) / (clean − corrupted) with the
+# named receivers reading its clean write (attribute `receivers`), and the patched logit
+# difference.
+PATHS = f"{CIRCUIT}/paths"
+PATHS_DIFF = f"{CIRCUIT}/paths_logit_diff"

@@ -28,7 +28,7 @@ from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, archi
 from hookrun.runtime.hooks import run_mode
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
-from hookrun.stages.circuit.edges import Graph, edge_scores
+from hookrun.stages.circuit.edges import Graph, edge_scores, path_patched
 from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
 from hookrun.stages.circuit.keys import (
     CIRCUIT,
@@ -37,6 +37,8 @@ from hookrun.stages.circuit.keys import (
     EDGES,
     FAITHFULNESS,
     FAITHFULNESS_DIFF,
+    PATHS,
+    PATHS_DIFF,
     RECEIVERS,
     SENDERS,
 )
@@ -125,11 +127,18 @@ class CircuitPlan(Plan):
             "method": self.config.method,
             "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else 1,
         }
-        return {
+        out = {
             EDGES: Stored((len(g.senders), len(g.receivers)), said),
             CLEAN: Stored(()),
             CORRUPTED: Stored(()),
         }
+        if self.config.paths:
+            named = {SENDERS: said[SENDERS], RECEIVERS: list(self.config.paths)}
+            out |= {
+                PATHS: Stored((len(g.senders),), named),
+                PATHS_DIFF: Stored((len(g.senders),), named),
+            }
+        return out
 
     def batch(self, work: Work) -> dict[str, Any]:
         batch = work.on_device
@@ -144,7 +153,15 @@ class CircuitPlan(Plan):
         )
         steps = self.config.ig_steps if self.config.method == "eap_ig" else 1
         scores, clean, corrupted = edge_scores(hf, self.graph, rows, batch.tokens, steps)
-        return {EDGES: scores.cpu(), CLEAN: clean.cpu(), CORRUPTED: corrupted.cpu()}
+        out = {EDGES: scores.cpu(), CLEAN: clean.cpu(), CORRUPTED: corrupted.cpu()}
+        if self.config.paths:
+            receivers = [self.graph.receivers.index(r) for r in self.config.paths]
+            patched = path_patched(hf, self.graph, rows, batch.tokens, receivers)
+            gap = (clean - corrupted)[:, None]
+            share = (patched - corrupted[:, None]) / gap
+            share[(gap == 0).expand_as(share)] = float("nan")
+            out |= {PATHS: share.cpu(), PATHS_DIFF: patched.cpu()}
+        return out
 
 
 def _graph(setup: Setup) -> Graph:
@@ -218,8 +235,13 @@ def _names(values: Any) -> list[str]:
 class CircuitStage(Stage):
     name = node = "circuit"
     order = 45
-    axes = {EDGES: "sample sender receiver", CLEAN: "sample", CORRUPTED: "sample"}
-    draws = (EDGES, f"{CIRCUIT}/faithfulness*")
+    axes = {
+        EDGES: "sample sender receiver",
+        f"{PATHS}*": "sample sender",
+        CLEAN: "sample",
+        CORRUPTED: "sample",
+    }
+    draws = (EDGES, f"{CIRCUIT}/faithfulness*", f"{PATHS}*")
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
@@ -236,6 +258,12 @@ class CircuitStage(Stage):
             raise HookrunError(
                 f"circuit.k: {max(config.k)} is more than the model's {edges} edges; valid: "
                 f"sizes of 0 to {edges}"
+            )
+        unknown = [r for r in config.paths if r not in graph.receivers]
+        if unknown:
+            raise HookrunError(
+                f"circuit.paths: {unknown[0]!r} is not a receiver of this model; valid: "
+                f"{', '.join(graph.receivers)}"
             )
         again = _Rows(
             setup.model, setup.tokens, len(setup.data), setup.spec.batch_size, setup.device
