@@ -355,3 +355,27 @@ def test_path_patching_equals_a_hand_loop(tmp_path):
             assert shares[r, s] == pytest.approx(want, abs=1e-4), (r, sender)
     with pytest.raises(HookrunError, match=r"circuit.paths: 'm9' is not a receiver of this model"):
         run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.paths=[m9]"))
+
+
+def test_one_size_or_receiver_alone_is_a_list_and_a_repeated_receiver_is_refused(tmp_path):
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "p.jsonl")
+    args = _args(tmp_path / "lm", data, "circuit.k=3", "circuit.paths=logits", "sink.dtype=float16")
+    result = run_config(tmp_path / "run", args)
+    with h5py.File(result.path) as f:
+        assert list(f["circuit/faithfulness"].attrs["k"]) == [3]
+        assert [str(r) for r in f["circuit/paths"].attrs["receivers"]] == ["logits"]
+    from hookrun.verify import verify
+
+    intact, said = verify(result.path)
+    assert intact and said[-1].strip() == "intact", said
+    every = run_config(
+        tmp_path / "all", _args(tmp_path / "lm", data, "circuit.k=[0,21]", "sink.dtype=float16")
+    )
+    with h5py.File(every.path) as f:  # the ends measured in float32, not read from float16
+        shares = f["circuit/faithfulness"][()]
+    assert shares[1] == pytest.approx(1.0, abs=1e-6) and abs(shares[0]) < 1e-5, shares
+    with pytest.raises(HookrunError, match=r"circuit.paths: \['m1', 'm1'\] names a receiver twice"):
+        run_config(tmp_path / "r", _args(tmp_path / "lm", data, "circuit.paths=[m1,m1]"))
+    with pytest.raises(HookrunError, match=r"circuit.k: 22 is more than the model's 21 edges"):
+        run_config(tmp_path / "r", _args(tmp_path / "lm", data, "circuit.k=22"))

@@ -28,7 +28,25 @@ class CircuitConfig(Frozen):
     # Path patching: each sender's clean write read by these receivers alone (names as in
     # /circuit/edges' receivers: a0, m0, ..., logits), every other path corrupted:
     # /circuit/paths. []: none.
-    paths: list[str] = field(default_factory=list)
+    paths: Any = field(default_factory=list)
+
+
+def _names(paths: Any) -> list[str]:
+    """circuit.paths as a list of receiver names (one name alone is a list of one)."""
+    names = (
+        [paths]
+        if isinstance(paths, str)
+        else list(paths)
+        if isinstance(paths, list | tuple)
+        else None
+    )
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise HookrunError(
+            f"circuit.paths: {paths!r}; valid: a list of receivers, e.g. [logits] or [a1, m1]"
+        )
+    if len(set(names)) != len(names):
+        raise HookrunError(f"circuit.paths: {names} names a receiver twice; valid: each once")
+    return names
 
 
 def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:
@@ -39,6 +57,7 @@ def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:
         did = did_you_mean(str(config.method), METHODS)
         raise HookrunError(f"circuit.method: {config.method!r}{did}; valid: {', '.join(METHODS)}")
     check_range("circuit.ig_steps", config.ig_steps, 1)
+    config.paths = _names(config.paths)
     if config.k == "auto":
         return freeze(config)
     sizes = list(config.k) if isinstance(config.k, list | tuple) else [config.k]
@@ -48,4 +67,5 @@ def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:
         )
     if len(set(sizes)) != len(sizes):
         raise HookrunError(f"circuit.k: {sizes} names a size twice; valid: each once")
+    config.k = sizes  # one size given alone is a list of one
     return freeze(config)

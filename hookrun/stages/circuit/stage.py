@@ -76,6 +76,16 @@ class CircuitPlan(Plan):
         self.config, self.graph, self.again = config, graph, again
         self.counterfactual, self.wrong = cf
 
+    def describe(self, itemsize: int) -> str:
+        lines = [super().describe(itemsize)]
+        if self.config.k:
+            lines.append(
+                f"Faithfulness once the file is complete: {len(self.config.k) + 2} more passes "
+                f"over every row (circuit sizes {list(self.config.k)}, and the clean and "
+                "corrupted ends), every edge outside each circuit ablated"
+            )
+        return "\n".join(lines)
+
     def finish(self, path: Path) -> None:
         """The circuits of sizes circuit.k, each run with every other edge ablated over
         every row: /circuit/faithfulness (once: a resume of a complete file finds it)."""
@@ -84,13 +94,15 @@ class CircuitPlan(Plan):
         with h5py.File(path, "r") as f:
             if FAITHFULNESS in f or EDGES not in f:
                 return
-            rows = self.again.count
-            edges = read_floats(f[EDGES], slice(0, rows)).astype(np.float64)
-            clean = float(np.mean(read_floats(f[CLEAN], slice(0, rows))))
-            corrupted = float(np.mean(read_floats(f[CORRUPTED], slice(0, rows))))
+            edges = read_floats(f[EDGES], slice(0, self.again.count)).astype(np.float64)
         with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = torch.from_numpy(np.nanmean(edges, axis=0))
+        # The ends measured again in float32 (not read back in sink.dtype): with every edge
+        # kept a circuit is the clean run to the bit, with none the corrupted run.
+        every = self.graph.upstream()  # nothing cut: the clean run, or the corrupted one
+        clean = self._ablated_mean(every)
+        corrupted = self._ablated_mean(every, corrupt=True)
         ablated = [self._ablated_mean(circuit_of(mean, k)) for k in self.config.k]
         gap = clean - corrupted
         shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
@@ -102,9 +114,9 @@ class CircuitPlan(Plan):
                 f, {key: {"k": list(self.config.k)} for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
             )
 
-    def _ablated_mean(self, kept: torch.Tensor) -> float:
+    def _ablated_mean(self, kept: torch.Tensor, corrupt: bool = False) -> float:
         """The mean over every row of the clean logit difference with the edges outside
-        `kept` ablated."""
+        `kept` ablated (`corrupt`: of the corrupted rows instead)."""
         again, tokens = self.again, self.again.tokens
         hf = adapt(again.model).language.hf
         total = 0.0
@@ -115,8 +127,10 @@ class CircuitPlan(Plan):
                 mask = (torch.arange(ids.shape[1])[None] < tokens.lengths[index][:, None]).long()
                 rows = (ids, mask, tokens.reads[index], tokens.labels[index], self.wrong[index])
                 rows = tuple(t.to(again.device) for t in rows)
-                corrupt = self.counterfactual[index].to(again.device)
-                total += float(ablated_diff(hf, self.graph, rows, corrupt, kept).sum())
+                corrupted = self.counterfactual[index].to(again.device)
+                if corrupt:
+                    rows = (corrupted, *rows[1:])
+                total += float(ablated_diff(hf, self.graph, rows, corrupted, kept).sum())
         return total / again.count
 
     def stored(self) -> dict[str, Stored]:
@@ -238,6 +252,8 @@ class CircuitStage(Stage):
     axes = {
         EDGES: "sample sender receiver",
         f"{PATHS}*": "sample sender",
+        FAITHFULNESS: "size",
+        FAITHFULNESS_DIFF: "size",
         CLEAN: "sample",
         CORRUPTED: "sample",
     }
