@@ -156,3 +156,52 @@ def test_bad_methods_are_refused_before_any_work(tmp_path, extra, said):
     with pytest.raises(HookrunError) as err:
         run_config(tmp_path / "run", _args(tmp_path / "lm", data, *extra))
     assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_where_the_model_is_linear_after_the_patched_site_atp_is_exact(tmp_path):
+    """A GPT-2 whose norms are linear (an epsilon so large that the variance does not count:
+    (x − mean) / 1e4) and whose MLPs are (activation `linear`): from the last block's
+    attention, heads, MLP or output to the logits every step is linear, so the first-order
+    estimate is the patched run itself — atp equals the exact grid there, to float rounding."""
+    import transformers
+
+    tok = tokenizer()
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=HEADS,
+        n_positions=64,
+        vocab_size=len(tok) + 4,
+        layer_norm_epsilon=1e6,
+        activation_function="linear",
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # each sublayer's write as large as the stream it is added to
+        for block in model.transformer.h:
+            block.attn.c_proj.weight *= 1e3
+            block.mlp.c_proj.weight *= 1e3
+    model.save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    # Prompts whose last token is the one changed: the read position's own stream differs,
+    # so clean − corrupted is large against float32's rounding of a near-linear model.
+    rows = [
+        ("A quick brown fox", " and", "A quick brown rat", " but"),
+        ("The cat sat on the hat", " but", "The cat sat on the bed", " and"),
+    ]
+    data = _prompts(tmp_path / "p.jsonl", rows)
+    args = _args(
+        tmp_path / "lm",
+        data,
+        "patching.sites=[resid,attn,mlp,heads]",
+        "patching.layer=1",
+        "patching.method=[exact,atp]",
+    )
+    with h5py.File(run_config(tmp_path / "run", args).path) as f:
+        for kind in SITES:
+            exact, atp = f[f"patching/{kind}"][()], f[f"patching/{kind}_atp"][()]
+            both = np.isfinite(exact)
+            assert (np.isfinite(atp) == both).all()
+            np.testing.assert_allclose(atp[both], exact[both], rtol=1e-4, atol=1e-6, err_msg=kind)
+            assert np.abs(exact[both]).max() > 1e-4, kind  # the cells move the logits
