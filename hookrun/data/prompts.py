@@ -22,6 +22,7 @@ from hookrun.errors import HookrunError
 from hookrun.typed import Frozen
 
 __all__ = [
+    "TooLong",
     "PROMPT_COLUMNS",
     "PromptsDatasetConfig",
     "Row",
@@ -33,6 +34,18 @@ __all__ = [
 PROMPT_COLUMNS = ("prompt", "answer", "counterfactual", "counterfactual_answer")
 _PROMPT_ROW = "rows {prompt, answer?, counterfactual?, counterfactual_answer?} of strings"
 Row = tuple[Source, list[str | None]]  # a row's source and its texts, in PROMPT_COLUMNS order
+
+
+class TooLong(HookrunError):
+    """A row longer than `dataset.context`; `where` (e.g. "prompt at file.jsonl:3") and
+    `length` let a caller that set the context for another reason say so its own way."""
+
+    def __init__(self, where: str, length: int, context: int) -> None:
+        super().__init__(
+            f"dataset.context: {context} is shorter than the {where} ({length} tokens); "
+            f"valid: a context of {length} or more"
+        )
+        self.where, self.length = where, length
 
 
 @dataclass
@@ -115,10 +128,7 @@ def _column(tokenizer: Any, rows: list[Row], column: int, limits: tuple) -> list
                 "of one token or more"
             )
         if context is not None and len(ids) > context:
-            raise HookrunError(
-                f"dataset.context: {context} is shorter than the {what} at {name}:{number} "
-                f"({len(ids)} tokens); valid: a context of {len(ids)} or more"
-            )
+            raise TooLong(f"{what} at {name}:{number}", len(ids), context)
         out.append(ids)
     return out
 

@@ -92,7 +92,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     Architecture(
         family="Llama-family",
-        model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"),
+        model_types=("llama", "mistral", "qwen2", "qwen3", "gemma"),
         embeddings="model.embed_tokens",
         blocks="model.layers",
         attention="model.layers.{}.self_attn",
@@ -101,9 +101,21 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         final_norm="model.norm",
         unembedding=("lm_head",),
         attention_norm="model.layers.{}.input_layernorm",
-        # Gemma 2's post_attention_layernorm normalises the attention's output instead: its
-        # MLP reads pre_feedforward_layernorm (the circuit stage refuses it by name).
         mlp_norm="model.layers.{}.post_attention_layernorm",
+    ),
+    Architecture(
+        family="Gemma 2",
+        model_types=("gemma2",),
+        embeddings="model.embed_tokens",
+        blocks="model.layers",
+        attention="model.layers.{}.self_attn",
+        heads="model.layers.{}.self_attn.o_proj",
+        mlp="model.layers.{}.mlp",
+        final_norm="model.norm",
+        unembedding=("lm_head",),
+        # No receivers: its post_attention_layernorm and post_feedforward_layernorm norm the
+        # sublayers' outputs before they are added, so a head's write is not its slice of
+        # the output projection (edge attribution refuses it).
     ),
     Architecture(
         family="GPT-NeoX",

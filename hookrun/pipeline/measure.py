@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookrun.data.corpus import json_rows
-from hookrun.data.prompts import PromptsDatasetConfig, prompt_rows, prompt_texts
+from hookrun.data.prompts import PromptsDatasetConfig, TooLong, prompt_rows, prompt_texts
 from hookrun.data.tokens import TokenRows
 from hookrun.errors import HookrunError
 from hookrun.models.adapter import adapt
@@ -87,15 +87,13 @@ def _rows(file: Path, language: Any, key: str, bos: bool) -> TokenRows:
     cfg = PromptsDatasetConfig(path=str(file), context=most, prepend_bos=bos)
     try:
         return prompt_rows(prompt_texts(json_rows(file), file), cfg, language.tokenizer)
-    except HookrunError as err:
-        said = str(err)
-        if said.startswith("dataset.context:"):  # a prompt past the model's positions
-            where = said.split(" is shorter than the ", 1)[-1].split("; valid:")[0]
-            raise HookrunError(
-                f"{key}: the {where} is longer than the model's {most} positions; valid: "
-                f"prompts of at most {most} tokens"
-            ) from None
-        raise HookrunError(said.replace("dataset.path", key, 1)) from None
+    except TooLong as err:  # the context is the model's positions here
+        raise HookrunError(
+            f"{key}: the {err.where} ({err.length} tokens) is longer than the model's {most} "
+            f"positions; valid: prompts of at most {most} tokens"
+        ) from None
+    except HookrunError as err:  # a bad row: named as the vector's file, not the dataset
+        raise HookrunError(str(err).replace("dataset.path", key, 1)) from None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import zlib
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 import hookrun
+from hookrun.stage import stage_columns
 from hookrun.stages.sanity.randomize import default_layers
 
 MOBILENET_LAYERS = ["classifier.1", *(f"features.{i}" for i in range(18, -1, -1))]
@@ -84,6 +86,12 @@ def test_cascade_equals_a_hand_written_one_and_guided_bp_fails_saliency_passes(t
     assert not verdicts["guided_bp"]["passed"] and verdicts["guided_bp"]["score"] > 0.6
     assert verdicts["saliency"]["passed"] and verdicts["saliency"]["score"] < 0.3
     assert "sanity guided_bp: FAILS" in result.summary
+    # A sweep's columns: each method's verdict score, from the file alone.
+    with h5py.File(result.path) as f:
+        columns = stage_columns(f, result.rows)
+    for method in expected:
+        score = np.mean(np.median(data[f"sanity/{method}/spearman_abs"][:, 1:], axis=0))
+        assert columns[f"sanity:{method}"] == pytest.approx(score)
 
 
 SMALL = ["sanity.methods=[saliency,grad_cam]", "model.cam_layer=layer3", "sanity.keep_maps=true"]

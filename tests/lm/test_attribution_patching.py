@@ -122,7 +122,11 @@ def test_beside_exact_the_error_and_the_correlations_are_stored(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "p.jsonl")
     args = _args(tmp_path / "lm", data, "patching.method=[exact,atp,atp_ig]", "patching.ig_steps=1")
-    result = run_config(tmp_path / "run", args)
+    args = [a for a in args if a != "render=false"]
+    result = run_config(tmp_path / "run", args, experiment="lm_patching")
+    drawn = tmp_path / "run" / "images" / "lm_patching"
+    for name in ("patching_resid_agreement.png", "patching_resid_atp.png", "patching_resid.png"):
+        assert (drawn / name).stat().st_size > 1000, name
     with h5py.File(result.path) as f:
         exact, atp, ig = (f[f"patching/resid{s}"][()] for s in ("", "_atp", "_atp_ig"))
         error = f["patching/resid_atp_error"][()]

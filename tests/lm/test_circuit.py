@@ -257,7 +257,10 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
     data = _prompts(tmp_path / "p.jsonl")
     # 2 layers of 2 heads: embed -> 5 receivers, 2 heads of layer 0 -> 4, m0 -> 3, 2 heads of
     # layer 1 -> 2, m1 -> 1: 21 edges.
-    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, "circuit.k=[0,4,7,21]"))
+    drawn = [a for a in _args(tmp_path / "lm", data, "circuit.k=[0,4,7,21]") if a != "render=false"]
+    result = run_config(tmp_path / "run", drawn, experiment="circuit")
+    for name in ("circuit.png", "circuit_faithfulness.png"):
+        assert (tmp_path / "run" / "images" / "circuit" / name).stat().st_size > 1000, name
     with h5py.File(result.path) as f:
         edges = f["circuit/edges"][()]
         senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]

@@ -28,6 +28,8 @@ from hookrun.runtime.handles import ModuleHook, hooked
 
 __all__ = [
     "Graph",
+    "Runs",
+    "both_runs",
     "edge_scores",
     "path_patched",
     "logit_diff",
@@ -97,9 +99,11 @@ def head_writes(projection: nn.Module, inputs: torch.Tensor, heads: int) -> torc
     return torch.einsum("nthk,hkd->nthd", z.to(weight.dtype), per_head)
 
 
-def writes(hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+def writes(
+    hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[dict, torch.Tensor]:
     """Every sender's write of one run (no gradients): embed (N, T, D), per layer the heads
-    (N, T, heads, D) and the MLP (N, T, D)."""
+    (N, T, heads, D) and the MLP (N, T, D); and the run's logits."""
     named = dict(hf.named_modules())
     seen: dict[str, torch.Tensor] = {}
 
@@ -124,24 +128,23 @@ def writes(hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor) -
             )
         )
     with hooked(hooks), torch.no_grad():
-        hf(input_ids=ids, attention_mask=mask, use_cache=False)
+        logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
         for layer, proj in enumerate(graph.heads):
             seen[f"a{layer}"] = head_writes(named[proj], seen.pop(f"z{layer}"), graph.head_count)
-    return seen
+    return seen, logits
 
 
 def _receiver_gradients(
     hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor, target: tuple, steps: int
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+) -> list[torch.Tensor]:
     """Each receiver's input gradient (N, T, D), averaged over `steps` interpolated runs,
-    in `graph.receivers` order; and the corrupted run's logit difference (N,). `target`:
-    (clean ids, read positions, answers, counterfactual answers)."""
+    in `graph.receivers` order. `target`: (clean ids, read positions, answers,
+    counterfactual answers)."""
     clean_ids, read, right, wrong = target
     named = dict(hf.named_modules())
     embed = hf.get_input_embeddings()
     norms = receiver_norms(graph)
     total: list[torch.Tensor] | None = None
-    first = None
     with torch.inference_mode(False), torch.enable_grad():
         corrupt = embed(ids).detach()
         shift = embed(clean_ids).detach() - corrupt
@@ -159,13 +162,11 @@ def _receiver_gradients(
             with hooked(hooks):
                 out = hf(input_ids=ids, attention_mask=mask, use_cache=False)
             diff = logit_diff(out.logits, read, right, wrong)
-            if k == 0:
-                first = diff.detach()
             grads = torch.autograd.grad(diff.sum(), copies)
             grads = [g.float().detach() for g in grads]
             total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-    assert total is not None and first is not None
-    return [g / steps for g in total], first
+    assert total is not None
+    return [g / steps for g in total]
 
 
 def sender_deltas(graph: Graph, clean: dict, corrupted: dict, mask: torch.Tensor) -> torch.Tensor:
@@ -188,40 +189,53 @@ def receiver_norms(graph: Graph) -> list[str]:
     ]
 
 
-def edge_scores(
-    hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor, steps: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, senders, receivers) scores, NaN where the sender is not upstream; and the clean
-    and corrupted runs' logit differences (N,). `rows`: corrupted ids, mask, read
-    positions, answers, counterfactual answers."""
+@dataclass(frozen=True)
+class Runs:
+    """One batch's clean and corrupted runs: each sender's clean − corrupted write (N, S, T, D)
+    and the two logit differences (N,)."""
+
+    sent: torch.Tensor
+    clean: torch.Tensor
+    corrupted: torch.Tensor
+
+
+def both_runs(hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor) -> Runs:
+    """The clean and the corrupted run of a batch, one forward each. `rows`: corrupted ids,
+    mask, read positions, answers, counterfactual answers."""
     ids, mask, read, right, wrong = rows
-    clean = writes(hf, graph, clean_ids, mask)
-    corrupted = writes(hf, graph, ids, mask)
-    grads, corrupted_diff = _receiver_gradients(
-        hf, graph, ids, mask, (clean_ids, read, right, wrong), steps
-    )
+    clean, clean_logits = writes(hf, graph, clean_ids, mask)
+    corrupted, corrupted_logits = writes(hf, graph, ids, mask)
     with torch.no_grad():
-        logits = hf(input_ids=clean_ids, attention_mask=mask, use_cache=False).logits
-        clean_diff = logit_diff(logits, read, right, wrong)
-        sent = sender_deltas(graph, clean, corrupted, mask)  # (N, S, T, D)
+        return Runs(
+            sender_deltas(graph, clean, corrupted, mask),
+            logit_diff(clean_logits, read, right, wrong),
+            logit_diff(corrupted_logits, read, right, wrong),
+        )
+
+
+def edge_scores(
+    hf: nn.Module, graph: Graph, rows: tuple, runs: Runs, target: tuple[torch.Tensor, int]
+) -> torch.Tensor:
+    """(N, senders, receivers) scores, NaN where the sender is not upstream. `target`: the
+    clean ids the interpolated runs go toward, and their number of steps (1: eap)."""
+    ids, mask, read, right, wrong = rows
+    clean_ids, steps = target
+    grads = _receiver_gradients(hf, graph, ids, mask, (clean_ids, read, right, wrong), steps)
+    with torch.no_grad():
         taken = torch.stack(grads, 1)  # (N, R, T, D)
-        scores = torch.einsum("nstd,nrtd->nsr", sent, taken)
+        scores = torch.einsum("nstd,nrtd->nsr", runs.sent, taken)
         scores[:, ~graph.upstream().to(scores.device)] = float("nan")
-    return scores, clean_diff, corrupted_diff
+    return scores
 
 
 def path_patched(
-    hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor, receivers: list[int]
+    hf: nn.Module, graph: Graph, rows: tuple, sent: torch.Tensor, receivers: list[int]
 ) -> torch.Tensor:
     """Path patching (Wang et al. 2022): (N, senders) logit differences of the corrupted run
     in which the `receivers` (indices into graph.receivers) read each sender's clean write
-    instead of its corrupted one — the sender's effect along its direct edges to them alone,
-    every other path corrupted; NaN where the sender reaches none of them."""
+    instead of its corrupted one (`sent`: Runs.sent) — the sender's effect along its direct
+    edges to them alone, every other path corrupted; NaN where it reaches none of them."""
     ids, mask, read, right, wrong = rows
-    with torch.no_grad():
-        clean = writes(hf, graph, clean_ids, mask)
-        corrupted = writes(hf, graph, ids, mask)
-        sent = sender_deltas(graph, clean, corrupted, mask)
     named = dict(hf.named_modules())
     norms = receiver_norms(graph)
     upstream = graph.upstream()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookrun.runtime.handles import ModuleHook, hooked
-from hookrun.stages.circuit.edges import Graph, head_writes, logit_diff, receiver_norms, writes
+from hookrun.stages.circuit.edges import Graph, head_writes, logit_diff, receiver_norms
 
 __all__ = ["circuit_of", "ablated_diff"]
 
@@ -31,12 +31,12 @@ def circuit_of(mean_scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def ablated_diff(
-    hf: nn.Module, graph: Graph, rows: tuple, corrupt_ids: torch.Tensor, kept: torch.Tensor
+    hf: nn.Module, graph: Graph, rows: tuple, corrupted: dict, kept: torch.Tensor
 ) -> torch.Tensor:
     """(N,) logit differences of the clean rows with every edge outside `kept` ablated.
-    `rows`: clean ids, mask, read positions, answers, counterfactual answers."""
+    `rows`: clean ids, mask, read positions, answers, counterfactual answers; `corrupted`:
+    the corrupted run's writes (edges.writes)."""
     ids, mask, read, right, wrong = rows
-    corrupted = writes(hf, graph, corrupt_ids, mask)
     cut = graph.upstream().to(ids.device) & ~kept.to(ids.device)  # (senders, receivers)
     named = dict(hf.named_modules())
     now: dict[str, torch.Tensor] = {}

@@ -28,7 +28,14 @@ from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, archi
 from hookrun.runtime.hooks import run_mode
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
-from hookrun.stages.circuit.edges import Graph, edge_scores, path_patched
+from hookrun.stages.circuit.edges import (
+    Graph,
+    both_runs,
+    edge_scores,
+    logit_diff,
+    path_patched,
+    writes,
+)
 from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
 from hookrun.stages.circuit.keys import (
     CIRCUIT,
@@ -48,15 +55,11 @@ __all__ = ["CircuitStage"]
 
 layout.whole_run(FAITHFULNESS, FAITHFULNESS_DIFF)  # one number per circuit size
 
-# Families whose norms the architecture table names for another role (Gemma 2 and 3 norm
-# the attention's output with post_attention_layernorm; their MLP reads another norm).
-_OTHER_NORMS = ("gemma2", "gemma3", "gemma3_text")
-
 
 @dataclass(frozen=True)
 class _Rows:
     """What the faithfulness passes read again once the file is complete: the model, its
-    token rows and their counterfactuals, rows per pass and the device."""
+    token rows, how many the run has, rows per pass and the device."""
 
     model: nn.Module
     tokens: Any  # TokenRows
@@ -99,11 +102,11 @@ class CircuitPlan(Plan):
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = torch.from_numpy(np.nanmean(edges, axis=0))
         # The ends measured again in float32 (not read back in sink.dtype): with every edge
-        # kept a circuit is the clean run to the bit, with none the corrupted run.
-        every = self.graph.upstream()  # nothing cut: the clean run, or the corrupted one
-        clean = self._ablated_mean(every)
-        corrupted = self._ablated_mean(every, corrupt=True)
-        ablated = [self._ablated_mean(circuit_of(mean, k)) for k in self.config.k]
+        # kept a circuit is the clean run to the bit.
+        every = self.graph.upstream()
+        corrupted, (clean, *ablated) = self._means(
+            [every] + [circuit_of(mean, k) for k in self.config.k]
+        )
         gap = clean - corrupted
         shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
         with h5py.File(path, "r+") as f:
@@ -114,12 +117,13 @@ class CircuitPlan(Plan):
                 f, {key: {"k": list(self.config.k)} for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
             )
 
-    def _ablated_mean(self, kept: torch.Tensor, corrupt: bool = False) -> float:
-        """The mean over every row of the clean logit difference with the edges outside
-        `kept` ablated (`corrupt`: of the corrupted rows instead)."""
+    def _means(self, circuits: list[torch.Tensor]) -> tuple[float, list[float]]:
+        """Over every row: the corrupted run's mean logit difference, and the clean rows'
+        with the edges outside each of `circuits` ablated (the corrupted run's writes made
+        once a batch for them all)."""
         again, tokens = self.again, self.again.tokens
         hf = adapt(again.model).language.hf
-        total = 0.0
+        corrupted_total, totals = 0.0, [0.0] * len(circuits)
         with run_mode(again.model), torch.inference_mode():
             for lo in range(0, again.count, again.batch_size):
                 index = torch.arange(lo, min(lo + again.batch_size, again.count))
@@ -127,11 +131,12 @@ class CircuitPlan(Plan):
                 mask = (torch.arange(ids.shape[1])[None] < tokens.lengths[index][:, None]).long()
                 rows = (ids, mask, tokens.reads[index], tokens.labels[index], self.wrong[index])
                 rows = tuple(t.to(again.device) for t in rows)
-                corrupted = self.counterfactual[index].to(again.device)
-                if corrupt:
-                    rows = (corrupted, *rows[1:])
-                total += float(ablated_diff(hf, self.graph, rows, corrupted, kept).sum())
-        return total / again.count
+                corrupt_ids = self.counterfactual[index].to(again.device)
+                corrupted, logits = writes(hf, self.graph, corrupt_ids, rows[1])
+                corrupted_total += float(logit_diff(logits, *rows[2:]).sum())
+                for i, kept in enumerate(circuits):
+                    totals[i] += float(ablated_diff(hf, self.graph, rows, corrupted, kept).sum())
+        return corrupted_total / again.count, [total / again.count for total in totals]
 
     def stored(self) -> dict[str, Stored]:
         g = self.graph
@@ -166,11 +171,13 @@ class CircuitPlan(Plan):
             self.wrong[index].to(device),
         )
         steps = self.config.ig_steps if self.config.method == "eap_ig" else 1
-        scores, clean, corrupted = edge_scores(hf, self.graph, rows, batch.tokens, steps)
+        runs = both_runs(hf, self.graph, rows, batch.tokens)
+        clean, corrupted = runs.clean, runs.corrupted
+        scores = edge_scores(hf, self.graph, rows, runs, (batch.tokens, steps))
         out = {EDGES: scores.cpu(), CLEAN: clean.cpu(), CORRUPTED: corrupted.cpu()}
         if self.config.paths:
             receivers = [self.graph.receivers.index(r) for r in self.config.paths]
-            patched = path_patched(hf, self.graph, rows, batch.tokens, receivers)
+            patched = path_patched(hf, self.graph, rows, runs.sent, receivers)
             gap = (clean - corrupted)[:, None]
             share = (patched - corrupted[:, None]) / gap
             share[(gap == 0).expand_as(share)] = float("nan")
@@ -190,23 +197,17 @@ def _graph(setup: Setup) -> Graph:
         if a.causal and a.attention_norm and not a.parallel
         for t in a.model_types
     ]
-    if (
-        entry is None
-        or not entry.causal
-        or entry.attention_norm is None
-        or model_type in _OTHER_NORMS
-    ):
+    if entry is None or not entry.causal or entry.attention_norm is None:
         raise HookrunError(
             f"circuit: a {model_type} model, whose attention and MLP inputs hookrun does not "
-            f"know; valid: a model of {', '.join(t for t in known if t not in _OTHER_NORMS)} "
-            f"(a new family is an entry of models/architectures.py: {', '.join(ARCHITECTURE_KEYS)})"
+            f"know; valid: a model of {', '.join(known)} (a new family is an entry of "
+            f"models/architectures.py: {', '.join(ARCHITECTURE_KEYS)})"
         )
     if entry.parallel and getattr(hf.config, "use_parallel_residual", True):
         raise HookrunError(
             f"circuit: a {model_type} model with a parallel residual (its attention and MLP both "
             "read the block's input), which edge attribution here does not split; valid: "
-            "use_parallel_residual=false, or a model of "
-            + ", ".join(t for t in known if t not in _OTHER_NORMS)
+            "use_parallel_residual=false, or a model of " + ", ".join(known)
         )
     named = dict(hf.named_modules())
     layers = 0

@@ -65,8 +65,6 @@ class _Decoding:
 class GeneratePlan(Plan):
     def __init__(self, config: GenerateConfig, decoding: _Decoding) -> None:
         self.config, self.decoding = config, decoding
-        self.hooks, self.ends, self.width = decoding.hooks, decoding.ends, decoding.width
-        self.pad = decoding.pad
 
     def stored(self) -> dict[str, Stored]:
         steps = (self.config.max_new_tokens,)
@@ -84,7 +82,7 @@ class GeneratePlan(Plan):
     def describe(self, itemsize: int) -> str:
         steps = self.config.max_new_tokens
         sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps}
-        sizes |= {LOGPROBS_UNHOOKED: 4 * steps, TEXT: self.width}
+        sizes |= {LOGPROBS_UNHOOKED: 4 * steps, TEXT: self.decoding.width}
         for key, rest in self.decoding.steps_of.items():
             sizes[step_capture_key(key)] = itemsize * steps * math.prod(rest)
         lines = [f"/{GENERATION}: {len(sizes)} dataset(s), {steps} steps"]
@@ -94,7 +92,7 @@ class GeneratePlan(Plan):
     def attrs(self) -> dict[str, dict]:
         c = self.config
         said = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature}
-        said |= {"top_k": c.top_k or 0, "top_p": c.top_p or 1.0, "end_tokens": self.ends}
+        said |= {"top_k": c.top_k or 0, "top_p": c.top_p or 1.0, "end_tokens": self.decoding.ends}
         return {GENERATION: said}
 
     def batch(self, work: Work) -> dict[str, Any]:
@@ -126,11 +124,11 @@ class GeneratePlan(Plan):
 
         sampling = Sampling(c.temperature, c.top_k, c.top_p)
         device = batch.inputs.device
-        ends = torch.tensor(self.ends, dtype=torch.int64, device=device)
-        pad = self.pad
+        ends = torch.tensor(self.decoding.ends, dtype=torch.int64, device=device)
+        pad, width = self.decoding.pad, self.decoding.width
         generator = work.generator("generate", device) if c.temperature > 0 else None
         with ExitStack() as stack, torch.inference_mode():
-            stack.enter_context(attach(self.hooks, work.model, recorder))
+            stack.enter_context(attach(self.decoding.hooks, work.model, recorder))
             out = decode(
                 language, prompts, c.max_new_tokens, sampling, (ends, pad), generator, before_step
             )
@@ -155,7 +153,7 @@ class GeneratePlan(Plan):
             LOGPROBS_UNHOOKED: plain.cpu(),
             # UTF-8 of one width for the run (resumed rows and torchrun shards share a dtype).
             TEXT: np.array(
-                [_fixed(t, self.width) for t in texts], dtype=h5py.string_dtype("utf-8", self.width)
+                [_fixed(t, width) for t in texts], dtype=h5py.string_dtype("utf-8", width)
             ),
             **captured,
         }
@@ -179,8 +177,7 @@ def _by_step(
     step's token — the prompt's last real token at step 0, the one new token after — NaN
     where the row had stopped (and at steps never run: every row had stopped)."""
     rows, steps = mask.shape
-    first = next(iter(seen[0].values())) if seen and seen[0] else None
-    dtype = first.dtype if first is not None else torch.float32
+    dtype = next((records[key].dtype for records in seen if key in records), torch.float32)
     out = torch.full((rows, steps, *rest), float("nan"), dtype=dtype)
     for step, records in enumerate(seen[:steps]):
         if key not in records:

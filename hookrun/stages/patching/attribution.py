@@ -35,40 +35,50 @@ def attribution_grids(
     clean: tuple[torch.Tensor, Pass],
     corrupted: Pass | None,
     steps: int,
-) -> tuple[dict[str, torch.Tensor], Pass]:
-    """Each site kind's estimated (patched − corrupted) logit difference at every cell:
-    (N, layers, T), (N, layers, heads, T) for `heads`; and the corrupted pass. `clean`: the
-    clean ids (N, T) and the clean pass's outputs; `corrupted`: the corrupted pass, or None
-    to take it from the first gradient run (it is the corrupted run: no forward of its
-    own); `steps`: 1 for atp, ig_steps for atp_ig."""
+) -> tuple[dict[str, dict[str, torch.Tensor]], Pass]:
+    """Each site kind's estimated (patched − corrupted) logit difference at every cell,
+    (N, layers, T) and (N, layers, heads, T) for `heads`, by atp (the first run's gradient)
+    and by atp_ig (the mean over the `steps` runs): {method: {kind: cells}}; and the
+    corrupted pass. `clean`: the clean ids (N, T) and the clean pass's outputs; `corrupted`:
+    the corrupted pass, or None to take it from the first gradient run (it is the corrupted
+    run: no forward of its own)."""
     clean_ids, clean_pass = clean
-    modules, heads = sites.modules, sites.heads
-    grads, first = _mean_gradients(hf, modules, rows, clean_ids, steps)
+    grads, first = _gradients(hf, sites.modules, rows, clean_ids, steps)
     corrupted = corrupted or first
-    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for kind, names in modules.items():
-            cells = []
-            for layer in range(len(names)):
-                delta = (
-                    clean_pass.outputs[kind][layer].float() - corrupted.outputs[kind][layer].float()
-                )
-                product = delta * grads[kind][layer]
-                if kind == HEADS:  # (N, T, heads × head width) → (N, heads, T)
-                    n, t, width = product.shape
-                    cells.append(product.view(n, t, heads, width // heads).sum(-1).transpose(1, 2))
-                else:
-                    cells.append(product.sum(-1))
-            out[kind] = torch.stack(cells, dim=1)
+        deltas = {
+            kind: [c.float() - r.float() for c, r in zip(clean_pass.outputs[kind], ts, strict=True)]
+            for kind, ts in corrupted.outputs.items()
+        }
+        out = {method: _cells(deltas, found, sites.heads) for method, found in grads.items()}
     return out, corrupted
 
 
-def _mean_gradients(
+def _cells(
+    deltas: dict[str, list[torch.Tensor]], grads: dict[str, list[torch.Tensor]], heads: int
+) -> dict[str, torch.Tensor]:
+    """Each site kind's cells: Δ · gradient summed over the features (a head's slice)."""
+    out = {}
+    for kind, per_layer in deltas.items():
+        cells = []
+        for delta, grad in zip(per_layer, grads[kind], strict=True):
+            product = delta * grad
+            if kind == HEADS:  # (N, T, heads × head width) → (N, heads, T)
+                n, t, width = product.shape
+                cells.append(product.view(n, t, heads, width // heads).sum(-1).transpose(1, 2))
+            else:
+                cells.append(product.sum(-1))
+        out[kind] = torch.stack(cells, dim=1)
+    return out
+
+
+def _gradients(
     hf: nn.Module, modules: dict[str, list[str]], rows: Rows, clean_ids: torch.Tensor, steps: int
-) -> tuple[dict[str, list[torch.Tensor]], Pass]:
+) -> tuple[dict[str, dict[str, list[torch.Tensor]]], Pass]:
     """∂ logit_diff / ∂ (each patched module's output; the output projection's input for
-    heads), averaged over the `steps` interpolated runs, float32 (N, T, D) each; and the
-    first run (k = 0: the corrupted input itself) as a Pass."""
+    heads), float32 (N, T, D) each: the first run's (atp) and the mean over the `steps`
+    interpolated runs (atp_ig); and the first run (k = 0: the corrupted input itself) as a
+    Pass."""
     embed = hf.get_input_embeddings()
     named = dict(hf.named_modules())
     total: dict[str, list[torch.Tensor]] = {}
@@ -111,4 +121,7 @@ def _mean_gradients(
                     total[kind] = got
                 else:
                     total[kind] = [a + b for a, b in zip(total[kind], got, strict=True)]
-    return {kind: [g / steps for g in grads] for kind, grads in total.items()}, first
+            if k == 0:
+                atp = {kind: list(grads) for kind, grads in total.items()}
+    mean = {kind: [g / steps for g in grads] for kind, grads in total.items()}
+    return {"atp": atp, "atp_ig": mean}, first

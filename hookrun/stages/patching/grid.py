@@ -219,17 +219,19 @@ class PatchingGrid:
     ) -> tuple[dict[str, torch.Tensor], Pass]:
         """Each approximate method's estimated patched logit differences, keyed
         `<kind>_<method>` like the exact grids' kinds, at the patched positions."""
-        out = {}
+        methods = [m for m in self.config.methods if m in APPROXIMATIONS]
+        if not methods:
+            assert corrupted is not None  # exact ran
+            return {}, corrupted
+        # One set of gradient runs serves both: atp is the first of atp_ig's runs.
+        steps = self.config.ig_steps if "atp_ig" in methods else 1
+        found, corrupted = attribution_grids(hf, sites, rows, clean, corrupted, steps)
         at = torch.tensor(self.positions, device=rows.ids.device)
-        for method in (m for m in self.config.methods if m in APPROXIMATIONS):
-            steps = self.config.ig_steps if method == "atp_ig" else 1
-            found, corrupted = attribution_grids(hf, sites, rows, clean, corrupted, steps)
-            for kind, cells in found.items():
-                out[f"{kind}_{method}"] = (
-                    corrupted.diff.view(-1, *[1] * (cells.dim() - 1)) + cells[..., at]
-                )
-        assert corrupted is not None  # a method ran: exact, or an approximation
-        return out, corrupted
+        return {
+            f"{kind}_{method}": corrupted.diff.view(-1, *[1] * (cells.dim() - 1)) + cells[..., at]
+            for method in methods
+            for kind, cells in found[method].items()
+        }, corrupted
 
     def _records(
         self, grids: dict, diffs: tuple, flat: torch.Tensor, lengths: torch.Tensor
