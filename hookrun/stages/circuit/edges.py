@@ -28,6 +28,7 @@ from hookrun.runtime.handles import ModuleHook, hooked
 
 __all__ = [
     "Graph",
+    "Deltas",
     "Runs",
     "both_runs",
     "edge_scores",
@@ -88,22 +89,25 @@ class Graph:
 
 def head_writes(projection: nn.Module, inputs: torch.Tensor, heads: int) -> torch.Tensor:
     """(N, T, heads, D): each head's write into the residual stream, from the output
-    projection's input (N, T, heads × head width) and its weight (the bias is nobody's)."""
+    projection's input (N, T, heads × head width) and its weight (the bias is nobody's), in
+    the input's dtype."""
     n, t, width = inputs.shape
     z = inputs.view(n, t, heads, width // heads)
-    weight = projection.weight
+    weight = projection.weight.to(inputs.dtype)
     if isinstance(projection, nn.Linear):  # (D, heads × head width)
         per_head = weight.view(weight.shape[0], heads, width // heads).permute(1, 2, 0)
     else:  # transformers' Conv1D: (heads × head width, D)
         per_head = weight.view(heads, width // heads, weight.shape[1])
-    return torch.einsum("nthk,hkd->nthd", z.to(weight.dtype), per_head)
+    return torch.einsum("nthk,hkd->nthd", z, per_head)
 
 
 def writes(
     hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[dict, torch.Tensor]:
-    """Every sender's write of one run (no gradients): embed (N, T, D), per layer the heads
-    (N, T, heads, D) and the MLP (N, T, D); and the run's logits."""
+    """Every sender's write of one run (no gradients), compact: embed (N, T, D), per layer
+    the heads as their output projection's input `z<layer>` (N, T, heads × head width: a
+    head's write is its slice times the projection's, made when needed — a heads-fold
+    smaller than the writes) and the MLP `m<layer>` (N, T, D); and the run's logits."""
     named = dict(hf.named_modules())
     seen: dict[str, torch.Tensor] = {}
 
@@ -129,8 +133,6 @@ def writes(
         )
     with hooked(hooks), torch.no_grad():
         logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        for layer, proj in enumerate(graph.heads):
-            seen[f"a{layer}"] = head_writes(named[proj], seen.pop(f"z{layer}"), graph.head_count)
     return seen, logits
 
 
@@ -169,16 +171,55 @@ def _receiver_gradients(
     return [g / steps for g in total]
 
 
-def sender_deltas(graph: Graph, clean: dict, corrupted: dict, mask: torch.Tensor) -> torch.Tensor:
-    """(N, senders, T, D) float32: each sender's clean write − its corrupted write (writes'
-    runs), zero at padding (it writes nothing anyone reads)."""
+@dataclass(frozen=True)
+class Deltas:
+    """Each sender's clean write − its corrupted write (writes' runs), float32, zero at
+    padding (it writes nothing anyone reads), in `Graph.senders` order; a layer's heads kept
+    as their output projection's input (N, T, heads × head width) and projected when read."""
+
+    embed: torch.Tensor  # (N, T, D)
+    heads: list[torch.Tensor]  # per layer (N, T, heads × head width)
+    mlps: list[torch.Tensor]  # per layer (N, T, D)
+    projections: list[nn.Module]  # per layer: the attention's output projection
+    head_count: int
+
+    def layer_heads(self, layer: int) -> torch.Tensor:
+        """(N, T, heads, D): the layer's heads' write deltas."""
+        return head_writes(self.projections[layer], self.heads[layer], self.head_count)
+
+    def sender(self, s: int) -> torch.Tensor:
+        """(N, T, D): sender s's write delta (s indexes Graph.senders)."""
+        if s == 0:
+            return self.embed
+        layer, at = divmod(s - 1, self.head_count + 1)
+        if at == self.head_count:
+            return self.mlps[layer]
+        return self.layer_heads(layer)[:, :, at]
+
+    def scores(self, grads: torch.Tensor) -> torch.Tensor:
+        """(N, senders, R): each sender's delta · each receiver's input gradient `grads`
+        (N, R, T, D), summed over positions and features; a layer's heads at a time."""
+        out = [torch.einsum("ntd,nrtd->nr", self.embed, grads)[:, None]]
+        for layer, mlp in enumerate(self.mlps):
+            out.append(torch.einsum("nthd,nrtd->nhr", self.layer_heads(layer), grads))
+            out.append(torch.einsum("ntd,nrtd->nr", mlp, grads)[:, None])
+        return torch.cat(out, 1)
+
+
+def sender_deltas(
+    graph: Graph, clean: dict, corrupted: dict, hf: nn.Module, mask: torch.Tensor
+) -> Deltas:
+    """Every sender's clean − corrupted write, from writes' two runs."""
     real = mask[..., None].float()
-    deltas = [(clean["embed"] - corrupted["embed"]).float() * real]
-    for layer in range(len(graph.heads)):
-        heads = (clean[f"a{layer}"] - corrupted[f"a{layer}"]).float() * real[..., None]
-        deltas += [heads[:, :, h] for h in range(graph.head_count)]
-        deltas.append((clean[f"m{layer}"] - corrupted[f"m{layer}"]).float() * real)
-    return torch.stack(deltas, 1)
+    named = dict(hf.named_modules())
+    layers = range(len(graph.heads))
+    return Deltas(
+        (clean["embed"] - corrupted["embed"]).float() * real,
+        [(clean[f"z{i}"] - corrupted[f"z{i}"]).float() * real for i in layers],
+        [(clean[f"m{i}"] - corrupted[f"m{i}"]).float() * real for i in layers],
+        [named[name] for name in graph.heads],
+        graph.head_count,
+    )
 
 
 def receiver_norms(graph: Graph) -> list[str]:
@@ -191,10 +232,10 @@ def receiver_norms(graph: Graph) -> list[str]:
 
 @dataclass(frozen=True)
 class Runs:
-    """One batch's clean and corrupted runs: each sender's clean − corrupted write (N, S, T, D)
-    and the two logit differences (N,)."""
+    """One batch's clean and corrupted runs: each sender's clean − corrupted write and the
+    two logit differences (N,)."""
 
-    sent: torch.Tensor
+    sent: Deltas
     clean: torch.Tensor
     corrupted: torch.Tensor
 
@@ -207,7 +248,7 @@ def both_runs(hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor)
     corrupted, corrupted_logits = writes(hf, graph, ids, mask)
     with torch.no_grad():
         return Runs(
-            sender_deltas(graph, clean, corrupted, mask),
+            sender_deltas(graph, clean, corrupted, hf, mask),
             logit_diff(clean_logits, read, right, wrong),
             logit_diff(corrupted_logits, read, right, wrong),
         )
@@ -222,14 +263,13 @@ def edge_scores(
     clean_ids, steps = target
     grads = _receiver_gradients(hf, graph, ids, mask, (clean_ids, read, right, wrong), steps)
     with torch.no_grad():
-        taken = torch.stack(grads, 1)  # (N, R, T, D)
-        scores = torch.einsum("nstd,nrtd->nsr", runs.sent, taken)
+        scores = runs.sent.scores(torch.stack(grads, 1))  # grads: (N, R, T, D)
         scores[:, ~graph.upstream().to(scores.device)] = float("nan")
     return scores
 
 
 def path_patched(
-    hf: nn.Module, graph: Graph, rows: tuple, sent: torch.Tensor, receivers: list[int]
+    hf: nn.Module, graph: Graph, rows: tuple, sent: Deltas, receivers: list[int]
 ) -> torch.Tensor:
     """Path patching (Wang et al. 2022): (N, senders) logit differences of the corrupted run
     in which the `receivers` (indices into graph.receivers) read each sender's clean write
@@ -245,8 +285,10 @@ def path_patched(
         if not targets:
             continue
 
-        def add(module, args, s=s):
-            return (args[0] + sent[:, s].to(args[0].dtype), *args[1:])
+        write = sent.sender(s)
+
+        def add(module, args, write=write):
+            return (args[0] + write.to(args[0].dtype), *args[1:])
 
         hooks = [ModuleHook(named[norms[r]], add, before=True) for r in targets]
         with hooked(hooks), torch.no_grad():

@@ -40,24 +40,14 @@ def ablated_diff(
     cut = graph.upstream().to(ids.device) & ~kept.to(ids.device)  # (senders, receivers)
     named = dict(hf.named_modules())
     now: dict[str, torch.Tensor] = {}
-    heads = graph.head_count
-    # Sender s's write: "embed", per layer its heads then its MLP (Graph.senders' order).
-    order = ["embed"]
-    for layer in range(len(graph.heads)):
-        order += [f"a{layer}.{h}" for h in range(heads)] + [f"m{layer}"]
-
-    def write(name: str, which: dict) -> torch.Tensor:
-        if name.startswith("a"):
-            layer, head = name[1:].split(".")
-            return which[f"a{layer}"][:, :, int(head)]
-        return which[name]
+    heads, layers = graph.head_count, len(graph.heads)
 
     def keep_embed(module, args):
         now["embed"] = args[0]
 
     def keep_heads(layer):
         def hook(module, args):
-            now[f"a{layer}"] = head_writes(module, args[0], heads)
+            now[f"z{layer}"] = args[0]
 
         return hook
 
@@ -68,13 +58,29 @@ def ablated_diff(
         return hook
 
     def ablate(receiver: int):
-        senders = [order[s] for s in cut[:, receiver].nonzero()[:, 0].tolist()]
+        # Graph.senders' order: embed, then per layer its heads and its MLP.
+        by_layer = cut[1:, receiver].view(layers, heads + 1).tolist()
+        embed_cut = bool(cut[0, receiver])
 
         def hook(module, args):
-            if not senders:
+            if not embed_cut and not any(any(row) for row in by_layer):
                 return None
-            taken = sum(write(s, now) - write(s, corrupted).to(args[0].dtype) for s in senders)
-            return (args[0] - taken, *args[1:])
+            x = args[0]
+            taken = torch.zeros_like(x)
+            if embed_cut:
+                taken += now["embed"] - corrupted["embed"].to(x.dtype)
+            for layer, row in enumerate(by_layer):
+                if any(row[:heads]):  # the cut heads' writes: their slices' difference projected
+                    diff = now[f"z{layer}"] - corrupted[f"z{layer}"].to(x.dtype)
+                    n, t, width = diff.shape
+                    which = torch.tensor(row[:heads], device=x.device, dtype=x.dtype)
+                    diff = (diff.view(n, t, heads, width // heads) * which[:, None]).view(
+                        n, t, width
+                    )
+                    taken += head_writes(named[graph.heads[layer]], diff, heads).sum(2)
+                if row[heads]:
+                    taken += now[f"m{layer}"] - corrupted[f"m{layer}"].to(x.dtype)
+            return (x - taken, *args[1:])
 
         return hook
 

@@ -13,8 +13,10 @@ k = 0 … ig_steps − 1 (`atp_ig`; Riemann, as integrated gradients; one step i
 A `heads` cell takes its head's slice of the output projection's input, summed over the
 slice. The grid divides the estimates by clean − corrupted, as it divides the exact cells.
 
-One backward pass per step serves every cell of every site kind, layer and position: the
-gradients are kept for the patched modules only, one batch at a time.
+One backward pass per step serves every cell of every site kind, layer and position. No
+gradient is kept: a hook on each patched output turns its gradient into that module's cells
+(N, T) the moment backward reaches it, so beyond the backward graph itself the memory is the
+clean and corrupted outputs and the cells — no chunking of layers is needed.
 """
 
 from __future__ import annotations
@@ -43,42 +45,7 @@ def attribution_grids(
     the corrupted pass, or None to take it from the first gradient run (it is the corrupted
     run: no forward of its own)."""
     clean_ids, clean_pass = clean
-    grads, first = _gradients(hf, sites.modules, rows, clean_ids, steps)
-    corrupted = corrupted or first
-    with torch.no_grad():
-        deltas = {
-            kind: [c.float() - r.float() for c, r in zip(clean_pass.outputs[kind], ts, strict=True)]
-            for kind, ts in corrupted.outputs.items()
-        }
-        out = {method: _cells(deltas, found, sites.heads) for method, found in grads.items()}
-    return out, corrupted
-
-
-def _cells(
-    deltas: dict[str, list[torch.Tensor]], grads: dict[str, list[torch.Tensor]], heads: int
-) -> dict[str, torch.Tensor]:
-    """Each site kind's cells: Δ · gradient summed over the features (a head's slice)."""
-    out = {}
-    for kind, per_layer in deltas.items():
-        cells = []
-        for delta, grad in zip(per_layer, grads[kind], strict=True):
-            product = delta * grad
-            if kind == HEADS:  # (N, T, heads × head width) → (N, heads, T)
-                n, t, width = product.shape
-                cells.append(product.view(n, t, heads, width // heads).sum(-1).transpose(1, 2))
-            else:
-                cells.append(product.sum(-1))
-        out[kind] = torch.stack(cells, dim=1)
-    return out
-
-
-def _gradients(
-    hf: nn.Module, modules: dict[str, list[str]], rows: Rows, clean_ids: torch.Tensor, steps: int
-) -> tuple[dict[str, dict[str, list[torch.Tensor]]], Pass]:
-    """∂ logit_diff / ∂ (each patched module's output; the output projection's input for
-    heads), float32 (N, T, D) each: the first run's (atp) and the mean over the `steps`
-    interpolated runs (atp_ig); and the first run (k = 0: the corrupted input itself) as a
-    Pass."""
+    modules = sites.modules
     embed = hf.get_input_embeddings()
     named = dict(hf.named_modules())
     total: dict[str, list[torch.Tensor]] = {}
@@ -104,24 +71,59 @@ def _gradients(
                 )
             every = torch.arange(len(rows.ids), device=rows.ids.device)
             diff = rows.diff(out.logits[every, rows.read], every)
-            if k == 0:
+            if k == 0:  # the corrupted input itself
                 first = Pass(
                     {kind: [t.detach() for t in ts] for kind, ts in seen.items()}, diff.detach()
                 )
-            flat = [t for kind in modules for t in seen[kind]]
-            found = torch.autograd.grad(diff.sum(), flat, allow_unused=True)
-            at = 0
-            for kind in modules:
-                got = [
-                    (g if g is not None else torch.zeros_like(t)).float().detach()
-                    for g, t in zip(found[at : at + len(seen[kind])], seen[kind], strict=True)
-                ]
-                at += len(seen[kind])
-                if kind not in total:
-                    total[kind] = got
-                else:
-                    total[kind] = [a + b for a, b in zip(total[kind], got, strict=True)]
+                corrupted = corrupted or first
+            cells = _backward_cells(diff, start, seen, (clean_pass, corrupted), sites.heads)
             if k == 0:
-                atp = {kind: list(grads) for kind, grads in total.items()}
-    mean = {kind: [g / steps for g in grads] for kind, grads in total.items()}
-    return {"atp": atp, "atp_ig": mean}, first
+                total, atp = cells, {kind: list(c) for kind, c in cells.items()}
+            else:
+                total = {
+                    kind: [a + b for a, b in zip(total[kind], c, strict=True)]
+                    for kind, c in cells.items()
+                }
+    mean = {kind: torch.stack([c / steps for c in per], 1) for kind, per in total.items()}
+    return {
+        "atp": {kind: torch.stack(per, 1) for kind, per in atp.items()},
+        "atp_ig": mean,
+    }, corrupted
+
+
+def _backward_cells(
+    diff: torch.Tensor,
+    start: torch.Tensor,
+    seen: dict[str, list[torch.Tensor]],
+    runs: tuple[Pass, Pass],
+    heads: int,
+) -> dict[str, list[torch.Tensor]]:
+    """One backward pass of the summed logit differences; each seen output's gradient, as
+    backward reaches it, becomes its cells (clean − corrupted) · gradient summed over the
+    features (a head's slice): {kind: per layer (N, T) or (N, heads, T)}. An output the
+    logit difference does not depend on has cells of zero."""
+    clean, corrupted = runs
+    cells: dict[str, list[torch.Tensor]] = {}
+    for kind, outputs in seen.items():
+        per_layer = cells[kind] = []
+        for layer, output in enumerate(outputs):
+            n, t, width = output.shape
+            shape = (n, heads, t) if kind == HEADS else (n, t)
+            per_layer.append(torch.zeros(shape, device=output.device))
+
+            def to_cells(grad, kind=kind, layer=layer, per_layer=per_layer):
+                with torch.no_grad():
+                    delta = (
+                        clean.outputs[kind][layer].float() - corrupted.outputs[kind][layer].float()
+                    )
+                    product = delta * grad.float()
+                    if kind == HEADS:  # (N, T, heads × head width) → (N, heads, T)
+                        n, t, width = product.shape
+                        product = product.view(n, t, heads, width // heads).sum(-1).transpose(1, 2)
+                        per_layer[layer] = product
+                    else:
+                        per_layer[layer] = product.sum(-1)
+
+            output.register_hook(to_cells)
+    torch.autograd.grad(diff.sum(), start, allow_unused=True)
+    return cells
