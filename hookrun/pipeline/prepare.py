@@ -183,7 +183,7 @@ def prepare(
             folds=folds,
             dtypes=_capture_dtypes(plan, probed.shapes),
             axes=axis_facts(captures | shaped, folds, model, sample),
-            attrs=_stage_attrs(planned),
+            attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
         )
         run.plan_text = _plan_text(run, probed, setup.made)
         return run
@@ -282,6 +282,19 @@ def _capture_dtypes(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict
         key: hook.action.dtype
         for hook, key, _ in plan.sites(shapes)
         if hook.action.captures and hook.action.dtype
+    }
+
+
+def _listed_positions(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, dict]:
+    """Captures of listed positions (`args.positions: [0, -1]`, (N, P, ...)) say which, as
+    the attribute `positions`: a reader cannot tell P listed positions from T tokens by the
+    shape alone when P equals T."""
+    return {
+        key: {"positions": list(hook.action.positions.items)}
+        for hook, key, _ in plan.sites(shapes)
+        if hook.action.captures
+        and hook.action.positions is not None
+        and hook.action.positions.kind == "list"
     }
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
+import torch
 from conftest import hook, hookrun_cli, killed_after, read, run_config, torchrun
 from lm_models import SENTENCES, save_lm
 from PIL import Image
 
-from hookrun.io.activations import Activations
+from hookrun.io.activations import Activations, TokenBatches
+from hookrun.io.layout import read_state
 from hookrun.verify import verify
 
 
@@ -49,6 +51,15 @@ def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     run_dir = tmp_path / "killed"
     seen = killed_after(args, tmp_path, run_dir, 6)
     assert seen < rows, "the run must be killed mid-stream"
+    # The killed run's file reads as its complete rows, in order and shuffled.
+    key = "captures/transformer.h.1/output"
+    with h5py.File(reference) as f:
+        done = read_state(run_dir / "captures.h5").completed
+        want = f[key][:done].astype(np.float32).reshape(-1, f[key].shape[-1])
+    in_order = torch.cat(list(TokenBatches(run_dir / "captures.h5", key, 7, shuffle=False)))
+    np.testing.assert_array_equal(in_order.numpy(), want)
+    shuffled = torch.cat(list(TokenBatches(run_dir / "captures.h5", key, 7, buffer=20)))
+    assert sorted(map(tuple, shuffled.tolist())) == sorted(map(tuple, want.tolist()))
     proc = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed, expected = read(run_dir / "captures.h5"), read(reference)
@@ -67,6 +78,13 @@ def test_two_torchrun_processes_give_the_single_process_numbers(tmp_path):
     assert joined.keys() == single.keys()
     for key in single:
         np.testing.assert_array_equal(joined[key], single[key], err_msg=key)
+    key = "captures/transformer.h.1/output"
+    in_order = torch.cat(
+        list(TokenBatches(tmp_path / "sharded" / "captures.h5", key, 64, shuffle=False))
+    )
+    np.testing.assert_array_equal(
+        in_order.numpy(), single[key].astype(np.float32).reshape(-1, single[key].shape[-1])
+    )
 
 
 def test_dry_run_says_the_size_and_activations_read_the_tokens_in_order(tmp_path):
