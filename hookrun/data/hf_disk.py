@@ -21,7 +21,7 @@ from typing import Any
 from hookrun.data.kinds import DATASETS, DatasetKind
 from hookrun.data.prompts import PROMPT_COLUMNS, PromptsDatasetConfig, prompt_rows, prompt_texts
 from hookrun.data.text import CorpusRows, TextDatasetConfig, field_documents, text_rows
-from hookrun.data.tokens import TokenRows
+from hookrun.data.tokens import Tokenizing, TokenRows
 from hookrun.errors import HookrunError
 from hookrun.typed import Frozen
 
@@ -85,9 +85,12 @@ def _yaml(value: Any) -> str:
     return str(value)
 
 
-def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenRows | CorpusRows:
+def build_hf_disk(
+    cfg: HfDiskDatasetConfig, seed: int, tokenizing: Tokenizing
+) -> TokenRows | CorpusRows:
     """The split's rows: prompts every one read and refused before anything is tokenized,
     a corpus (rows: text) refused or tokenized a batch at a time, before the first batch."""
+    tokenizer = tokenizing.tokenizer
     split, where = _split(cfg)
     if cfg.rows == "prompts":
         present = [c for c in PROMPT_COLUMNS if c in split.column_names]
@@ -105,7 +108,9 @@ def build_hf_disk(cfg: HfDiskDatasetConfig, seed: int, tokenizer: Any) -> TokenR
             f"string columns: {', '.join(_string_columns(split)) or 'none'}"
         )
     docs = field_documents(_records(split, where, [cfg.field], "dataset.field"), cfg.field)
-    return text_rows(docs, cfg.as_kind(), tokenizer)  # type: ignore[arg-type]
+    # No token cache: the split's identity would be its arrow files; `limit` is kept.
+    limited = Tokenizing(tokenizer, tokenizing.limit)
+    return text_rows(docs, cfg.as_kind(), limited)  # type: ignore[arg-type]
 
 
 def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:

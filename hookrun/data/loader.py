@@ -9,6 +9,7 @@ import os
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from hookrun.data.kinds import DATASETS, NO_LABEL, check_image
-from hookrun.data.tokens import TokenData, token_rows
+from hookrun.data.tokens import TokenData, Tokenizing, token_rows
 from hookrun.errors import HookrunError
 
 __all__ = [
@@ -31,11 +32,14 @@ __all__ = [
 ]
 
 
-def build_dataset(cfg: Any, seed: int, limit: int | None, tokenizer: Any = None) -> Dataset:
+def build_dataset(
+    cfg: Any, seed: int, limit: int | None, tokenizer: Any = None, cache: Path | None = None
+) -> Dataset:
     """The dataset `cfg` (a registered kind's config) describes, cut to `limit` samples;
     every image file of the run checked up front (a bad last file stops the run before
     its first batch, not after hours). Token kinds (data/tokens.py) are tokenized with the
-    language model's `tokenizer`; other kinds refuse one."""
+    language model's `tokenizer` (a corpus kept in `cache`, the run's token cache, when
+    given: data/token_cache.py); other kinds refuse one."""
     kind = DATASETS.get(cfg.kind, "dataset.kind")
     if getattr(kind, "tokens", False) != (tokenizer is not None):
         token_kinds = [
@@ -51,7 +55,7 @@ def build_dataset(cfg: Any, seed: int, limit: int | None, tokenizer: Any = None)
             f"dataset.kind: {cfg.kind}; valid with a language model: {', '.join(token_kinds)}"
         )
     if tokenizer is not None:
-        return _limited(kind.build(cfg, seed, tokenizer), limit)
+        return _limited(kind.build(cfg, seed, Tokenizing(tokenizer, limit, cache)), limit)
     data = _limited(kind.build(cfg, seed), limit)
     for _, path, _ in _file_rows(data) or ():
         check_image(path)

@@ -17,7 +17,15 @@ import numpy as np
 
 from hookrun.data.corpus import data_files, json_rows, string_field
 from hookrun.data.kinds import DATASETS, DatasetKind
-from hookrun.data.tokens import Source, TokenRows, check_context, encode, pad_id, special_id
+from hookrun.data.tokens import (
+    Source,
+    Tokenizing,
+    TokenRows,
+    check_context,
+    encode,
+    pad_id,
+    special_id,
+)
 from hookrun.errors import HookrunError
 from hookrun.typed import Frozen
 
@@ -61,8 +69,9 @@ class PromptsDatasetConfig(Frozen):
         check_context(self.context)
 
 
-def build_prompts(cfg: PromptsDatasetConfig, seed: int, tokenizer: Any) -> TokenRows:
+def build_prompts(cfg: PromptsDatasetConfig, seed: int, tokenizing: Tokenizing) -> TokenRows:
     """`dataset=prompts`, every row read and refused before anything is tokenized."""
+    tokenizer = tokenizing.tokenizer
     file = data_files(cfg.path, (".jsonl",), False)[0]
     return prompt_rows(prompt_texts(json_rows(file), file), cfg, tokenizer)
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hookrun.data.kinds import DATASETS, DatasetKind
-from hookrun.data.tokens import Numbered, TokenRows, special_id
+from hookrun.data.tokens import Numbered, Tokenizing, TokenRows, special_id
 from hookrun.errors import HookrunError
 from hookrun.memory import check_fits
 from hookrun.typed import Frozen, check_range
@@ -72,10 +72,11 @@ def vocabulary(tokenizer: Any) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
 
 
-def build_repeated(cfg: RepeatedTokensConfig, seed: int, tokenizer: Any) -> TokenRows:
+def build_repeated(cfg: RepeatedTokensConfig, seed: int, tokenizing: Tokenizing) -> TokenRows:
     """`dataset=repeated_tokens`: `size` rows of a seeded random sequence repeated, drawn
     into one array (each row's sequence is the next `rng.choice(allowed, length,
     replace=False)` of one generator)."""
+    tokenizer = tokenizing.tokenizer
     allowed = vocabulary(tokenizer)
     if len(allowed) < cfg.length:
         raise HookrunError(

@@ -15,6 +15,7 @@ vocabulary check. Every refusal of the data happens before the first batch.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,11 +29,13 @@ import torch
 
 from hookrun.data.corpus import Line, data_files, json_rows, lines, string_field
 from hookrun.data.kinds import DATASETS, NO_LABEL, DatasetKind
+from hookrun.data.token_cache import cached, corpus_key
 from hookrun.data.token_file import TokenFile
 from hookrun.data.tokens import (
     LAST,
     Source,
     TokenData,
+    Tokenizing,
     check_context,
     encode,
     pad_id,
@@ -280,47 +283,86 @@ def field_documents(rows: Iterable[tuple[str, int, dict[str, Any]]], field: str)
             yield name, number, text
 
 
-def build_text(cfg: TextDatasetConfig, seed: int, tokenizer: Any) -> CorpusRows:
-    """`dataset=text`: the files in name order, each document refused or tokenized in turn."""
+def build_text(cfg: TextDatasetConfig, seed: int, tokenizing: Tokenizing) -> CorpusRows:
+    """`dataset=text`: the files in name order, each document refused or tokenized in turn
+    (kept in the run's token cache, when the run has one, for its ranks and its resumes)."""
     files = data_files(cfg.path, (".txt", ".jsonl"), True)
-    return text_rows((doc for file in files for doc in _documents(file, cfg.field)), cfg, tokenizer)
+    docs = (doc for file in files for doc in _documents(file, cfg.field))
+    return text_rows(docs, cfg, tokenizing, files)
 
 
-def text_rows(docs: Iterable[Line], cfg: TextDatasetConfig, tokenizer: Any) -> CorpusRows:
-    """Documents as token rows the way `cfg` says: packed, or one row per document."""
+def text_rows(
+    docs: Iterable[Line],
+    cfg: TextDatasetConfig,
+    tokenizing: Tokenizing,
+    corpus: list[Path] | None = None,
+) -> CorpusRows:
+    """Documents as token rows the way `cfg` says: packed, or one row per document. With
+    `tokenizing.limit`, the documents are read only as far as the rows need; with the
+    `corpus` files they come from and `tokenizing.cache`, the ids are kept there."""
+    tokenizer = tokenizing.tokenizer
     bos = special_id(tokenizer, ("bos", "cls"), "dataset.prepend_bos") if cfg.prepend_bos else None
-    store, seen = TokenFile(), _Seen()
-    docs = iter(docs)
-    while chunk := list(islice(docs, _CHUNK)):
-        for (name, number, _), ids in zip(
-            chunk, encode(tokenizer, [t for *_, t in chunk]), strict=True
-        ):
-            if cfg.pack and seen.starts:  # a separator before every document but the first
-                seen.sep = special_id(tokenizer, ("eos", "sep"), "dataset.pack")
-                store.append(np.array([seen.sep]))
-            seen.add(name, number, store.size, ids)
-            store.append(ids)
-    store.done()
-    if not seen.starts:
-        corpus = os.path.abspath(os.path.expanduser(str(cfg.path)))
-        raise HookrunError(f"dataset.path: {corpus} is empty (no documents); valid: a document")
-    top = max(seen.top, -1 if seen.sep is None else seen.sep)
     lead = int(bos is not None)
-    docs_of = seen.arrays()
+    limit = tokenizing.limit
+    # Packed: the stream tokens `limit` rows hold (the last one whole); else `limit` docs.
+    enough = None if limit is None else (limit * (cfg.context - lead) if cfg.pack else limit)
+
+    def tokenize(store: TokenFile) -> dict[str, Any]:
+        seen, read = _Seen(), iter(docs)
+        while enough is None or (store.size if cfg.pack else len(seen.starts)) < enough:
+            chunk = list(islice(read, _chunk_size(enough, cfg.pack, store.size, len(seen.starts))))
+            if not chunk:
+                break
+            for (name, number, _), ids in zip(
+                chunk, encode(tokenizer, [t for *_, t in chunk]), strict=True
+            ):
+                if cfg.pack and seen.starts:  # a separator before every document but the first
+                    seen.sep = special_id(tokenizer, ("eos", "sep"), "dataset.pack")
+                    store.append(np.array([seen.sep]))
+                seen.add(name, number, store.size, ids)
+                store.append(ids)
+        store.done()
+        return seen.arrays()
+
+    if tokenizing.cache is not None and corpus is not None:
+        settings = {"field": cfg.field, "pack": cfg.pack, "rows": enough}
+        key = corpus_key(corpus, tokenizer, settings)
+        store, docs_of = cached(tokenizing.cache, key, tokenize)
+    else:
+        store = TokenFile()
+        docs_of = tokenize(store)
+    if not len(docs_of["starts"]):
+        corpus_path = os.path.abspath(os.path.expanduser(str(cfg.path)))
+        raise HookrunError(
+            f"dataset.path: {corpus_path} is empty (no documents); valid: a document"
+        )
+    top = max(int(docs_of["top"]), -1 if docs_of["sep"] is None else int(docs_of["sep"]))
     if not cfg.pack:
         docs_of["reads"] = _reads(docs_of, cfg, lead)
         return CorpusRows(store, docs_of, _Shape(cfg.context, 0, bos, 0, pad_id(tokenizer)), top)
     width = cfg.context - lead
     if store.size < width:
-        corpus = os.path.abspath(os.path.expanduser(str(cfg.path)))
+        corpus_path = os.path.abspath(os.path.expanduser(str(cfg.path)))
         raise HookrunError(
-            f"dataset.context: {cfg.context} is longer than all of {corpus} ({store.size} "
+            f"dataset.context: {cfg.context} is longer than all of {corpus_path} ({store.size} "
             f"tokens with separators{', plus a bos' if lead else ''}); valid: a context up to "
             f"{store.size + lead}, or dataset.pack=false"
         )
     read = read_at(cfg.read, cfg.context)
     assert read is not None  # cfg.check() refused a read outside the row
     return CorpusRows(store, docs_of, _Shape(cfg.context, width, bos, read, 0), top)
+
+
+def _chunk_size(enough: int | None, pack: bool, tokens: int, docs: int) -> int:
+    """Documents to tokenize next: _CHUNK, or with a limit no more than it still needs —
+    packed, by the tokens a document has had so far (16 to learn that)."""
+    if enough is None:
+        return _CHUNK
+    if not pack:
+        return min(_CHUNK, enough - docs)
+    if not docs:
+        return 16
+    return min(_CHUNK, max(1, math.ceil((enough - tokens) * docs / max(tokens, 1))))
 
 
 class _Seen:
@@ -341,7 +383,7 @@ class _Seen:
             self.top = max(self.top, int(ids.max()))
 
     def arrays(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"files": list(self.files)}
+        out: dict[str, Any] = {"files": list(self.files), "sep": self.sep, "top": self.top}
         for name in ("starts", "counts", "file_of", "lines"):
             out[name] = np.frombuffer(getattr(self, name), dtype=np.int64)
         return out

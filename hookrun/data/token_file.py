@@ -1,7 +1,8 @@
 """A corpus's token ids on disk: appended as int32 to an unlinked temporary file (Python's
-temporary folder: TMPDIR, else /tmp), read back by offset with os.pread, so that neither
-the ids nor a file position are shared state: the loader's workers read it as the main
-process does. Unlinked, the file is gone when the process ends, killed or not."""
+temporary folder: TMPDIR, else /tmp) or to a named one (the run's token cache,
+data/token_cache.py), read back by offset with os.pread, so that neither the ids nor a file
+position are shared state: the loader's workers read it as the main process does. Unlinked,
+the file is gone when the process ends, killed or not."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import tempfile
 from multiprocessing import reduction
 from multiprocessing.context import get_spawning_popen
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,29 +21,40 @@ __all__ = ["TokenFile"]
 
 
 class TokenFile:
-    """Token ids appended as int32 to an unlinked temporary file, read back by offset
-    (pread: workers forked by the loader share it safely)."""
+    """Token ids appended as int32 to an unlinked temporary file, or to the new file `path`,
+    read back by offset (pread: workers forked by the loader share it safely)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
         try:
             # Lives as long as the rows (no with-block): unlinked, it goes with the process.
-            self._file = tempfile.TemporaryFile(prefix="hookrun-tokens-")  # noqa: SIM115
+            if path is None:
+                self._file = tempfile.TemporaryFile(prefix="hookrun-tokens-")  # noqa: SIM115
+            else:
+                self._file = open(path, "x+b")  # noqa: SIM115
         except OSError as err:
-            raise _no_room(err) from None
-        self.size = 0
+            raise _no_room(err, path) from None
+        self.size, self._path = 0, path
+
+    @classmethod
+    def reopened(cls, path: Path) -> TokenFile:
+        """The ids of a file written before (read only)."""
+        store = cls.__new__(cls)
+        store._file = open(path, "rb")  # noqa: SIM115
+        store.size, store._path = os.fstat(store._file.fileno()).st_size // 4, path
+        return store
 
     def append(self, ids: np.ndarray) -> None:
         try:
             self._file.write(np.asarray(ids, dtype=np.int32).tobytes())
         except OSError as err:
-            raise _no_room(err) from None
+            raise _no_room(err, self._path) from None
         self.size += len(ids)
 
     def done(self) -> None:
         try:
             self._file.flush()
         except OSError as err:
-            raise _no_room(err) from None
+            raise _no_room(err, self._path) from None
 
     def read(self, start: int, count: int) -> np.ndarray:
         parts, want, at = [], 4 * count, 4 * start
@@ -65,7 +78,7 @@ class TokenFile:
 def _reopened(duplicate: Any, size: int) -> TokenFile:
     store = TokenFile.__new__(TokenFile)
     store._file = os.fdopen(duplicate.detach(), "rb")
-    store.size = size
+    store.size, store._path = size, None
     return store
 
 
@@ -77,8 +90,10 @@ def _restored(raw: bytes, size: int) -> TokenFile:
     return store
 
 
-def _no_room(err: OSError) -> HookrunError:
+def _no_room(err: OSError, path: Path | None = None) -> HookrunError:
+    where = tempfile.gettempdir() if path is None else path.parent
+    room = "a TMPDIR" if path is None else "a run folder"
     return HookrunError(
-        f"dataset: cannot write the corpus's token ids to {tempfile.gettempdir()} "
-        f"({err.strerror or err}); valid: a TMPDIR with room for 4 bytes a token"
+        f"dataset: cannot write the corpus's token ids to {where} "
+        f"({err.strerror or err}); valid: {room} with room for 4 bytes a token"
     )

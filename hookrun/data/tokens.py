@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from hookrun.memory import check_fits
 from hookrun.typed import check_range
 
 __all__ = [
+    "Tokenizing",
     "LAST",
     "Numbered",
     "Source",
@@ -244,6 +247,18 @@ class TokenRows(TokenData):
         if any(x is not None for column in others for x in column):  # else as before
             digest.update(repr(others).encode())
         return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Tokenizing:
+    """What a token kind's build gets beside its config: the language model's tokenizer, the
+    rows the run keeps (`limit`; None: all: a corpus is read only as far as they need) and
+    the folder where the run keeps its tokenized corpus for its ranks and its resumes (None:
+    a temporary file of this process)."""
+
+    tokenizer: Any
+    limit: int | None = None
+    cache: Path | None = None
 
 
 def token_rows(data: Dataset) -> TokenData | None:

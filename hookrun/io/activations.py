@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hookrun.io.encoding import is_bfloat16, read_floats
-from hookrun.io.layout import SAMPLES_MASK, open_readonly, read_state
+from hookrun.io.layout import CAPTURES, LISTED_POSITIONS, SAMPLES_MASK, open_readonly, read_state
 
 __all__ = ["Activations", "TokenBatches"]
 
@@ -61,10 +61,10 @@ class _Tokens:
 
 def _tokens(f: h5py.File, key: str) -> _Tokens:
     if key not in f or not isinstance(f[key], h5py.Dataset):
-        captures = sorted(k for k in f.get("captures", {}))
+        captures = sorted(k for k in f.get(CAPTURES, {}))
         raise KeyError(
             f"{key}: no such dataset in {f.filename}; valid: a capture such as "
-            f"captures/<module>/<site> (modules captured: {', '.join(captures) or 'none'})"
+            f"{CAPTURES}/<module>/<site> (modules captured: {', '.join(captures) or 'none'})"
         )
     ds = f[key]
     if not (np.issubdtype(ds.dtype, np.floating) or is_bfloat16(ds)):
@@ -77,7 +77,7 @@ def _tokens(f: h5py.File, key: str) -> _Tokens:
     rows = read_state(f).completed
     one_per_row = ds.ndim == 2  # positions: last, every row a real token
     per_row, features = (1, ds.shape[1]) if one_per_row else ds.shape[1:]
-    listed = "positions" in ds.attrs  # (N, P, D): every stored position a real token
+    listed = LISTED_POSITIONS in ds.attrs  # (N, P, D): every stored position a real token
     # A file from before the attribute: P listed positions where the mask's T differs.
     masked = (
         not one_per_row and not listed and SAMPLES_MASK in f and f[SAMPLES_MASK].shape[1] == per_row

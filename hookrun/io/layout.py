@@ -29,6 +29,7 @@ from hookrun.io import storage
 from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
 
 __all__ = [
+    "LISTED_POSITIONS",
     "CHUNK_BYTES", "CAPTURES", "SAMPLES", "DERIVED", "SAMPLES_INDEX", "SAMPLES_LABEL",
     "SAMPLES_TARGET", "SAMPLES_COUNTER_TARGET", "SAMPLES_PATH", "SAMPLES_TOKENS",
     "SAMPLES_MASK", "SAMPLES_LINE",
@@ -45,6 +46,8 @@ __all__ = [
 
 # The groups of captured tensors, of each row's facts, and of derived results.
 CAPTURES, SAMPLES, DERIVED = "captures", "samples", "derived"
+# A capture of listed positions (args.positions: [i, ...], (N, P, ...)): its attribute, the list.
+LISTED_POSITIONS = "positions"
 SAMPLES_INDEX = "samples/index"
 SAMPLES_LABEL = "samples/label"
 SAMPLES_TARGET = "samples/target"

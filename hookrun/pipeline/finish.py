@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hookrun.config.build import RunSpec
+from hookrun.data import token_cache
 from hookrun.io.results import Results, summary
 from hookrun.models.adapter import adapt
 from hookrun.models.sources import class_names
@@ -144,6 +145,7 @@ def finish(run: Prepared, rows_here: int) -> Result:
         )
     for plan in run.stages.values():  # whole-run work on the complete file
         plan.finish(path)
+    token_cache.remove(run.run_dir)  # complete: no rank or resume needs the ids again
     images = _draw(spec, path, run.run_dir, run.plan_text)
     seconds = time.perf_counter() - run.started
     computed = rows_here if spec.resume or world.parallel else None

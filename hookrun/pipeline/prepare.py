@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hookrun.config.build import RunSpec, check_batch
+from hookrun.data import token_cache
 from hookrun.data.loader import (
     SourceFiles,
     build_dataset,
@@ -29,7 +30,7 @@ from hookrun.data.loader import (
 from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import AxisFacts
-from hookrun.io.layout import SAMPLES_PATH, Provenance
+from hookrun.io.layout import LISTED_POSITIONS, SAMPLES_PATH, Provenance
 from hookrun.io.resume import check_paths, check_sources
 from hookrun.io.stored import stored_record
 from hookrun.models.adapter import adapt
@@ -123,7 +124,7 @@ def prepare(
     # Nothing is written before the first batch: a signal stops any of this at once.
     with interruptible():
         started = time.perf_counter()
-        data = _data(spec, caller)  # first: its checks are cheap, the weights may be large
+        data = _data(spec, caller, run_dir)  # first: its checks are cheap, the weights may be large
         model, weights_file = _model(spec, caller, device)
         tokens = token_rows(data)
         if tokens is not None:
@@ -189,10 +190,13 @@ def prepare(
         return run
 
 
-def _data(spec: RunSpec, caller: CallerObjects) -> Dataset:
-    """The run's rows: the caller's dataset, or the config's, after `limit`."""
+def _data(spec: RunSpec, caller: CallerObjects, run_dir: Path) -> Dataset:
+    """The run's rows: the caller's dataset, or the config's, after `limit` (a corpus
+    tokenized once for the run's ranks and resumes, in its token cache)."""
     if caller.dataset is None:
-        return build_dataset(spec.dataset, spec.seed, spec.limit, _tokenizer(spec, caller.model))
+        tokenizer = _tokenizer(spec, caller.model)
+        cache = run_dir / token_cache.FOLDER
+        return build_dataset(spec.dataset, spec.seed, spec.limit, tokenizer, cache)
     data = wrap_dataset(caller.dataset, spec.limit)
     # The caller's samples exist already; a batch of them must fit.
     check_batch(spec.batch_size, spec.limit, tuple(data[0][0].shape), len(data))
@@ -290,7 +294,7 @@ def _listed_positions(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> di
     the attribute `positions`: a reader cannot tell P listed positions from T tokens by the
     shape alone when P equals T."""
     return {
-        key: {"positions": list(hook.action.positions.items)}
+        key: {LISTED_POSITIONS: list(hook.action.positions.items)}
         for hook, key, _ in plan.sites(shapes)
         if hook.action.captures
         and hook.action.positions is not None

@@ -22,6 +22,7 @@ from test_token_data import word_tokenizer
 from hookrun.config.build import build_spec
 from hookrun.data.hf_disk import HfDiskDatasetConfig
 from hookrun.data.kinds import DATASETS
+from hookrun.data.tokens import Tokenizing
 from hookrun.errors import HookrunError
 
 DOCS = ["the cat sat on the mat", "", "a dog ran", "the dog sat", "a cat ran on a mat"]
@@ -40,7 +41,7 @@ def build(kind: str, tokenizer, **keys):
     schema = DATASETS.get(kind, "dataset.kind").schema
     cfg = schema(**keys)
     cfg.check()
-    return DATASETS.get(kind, "dataset.kind").build(cfg, 0, tokenizer)
+    return DATASETS.get(kind, "dataset.kind").build(cfg, 0, Tokenizing(tokenizer))
 
 
 def same_rows(got, want) -> None:

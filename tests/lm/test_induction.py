@@ -16,6 +16,7 @@ from lm_models import save_lm, tokenizer
 
 import hookrun
 from hookrun.data.kinds import DATASETS
+from hookrun.data.tokens import Tokenizing
 from hookrun.errors import HookrunError
 from hookrun.verify import verify
 
@@ -24,7 +25,7 @@ def test_rows_are_a_seeded_sequence_of_distinct_ordinary_tokens_repeated():
     tok = tokenizer()
     kind = DATASETS.get("repeated_tokens", "dataset")
     cfg = kind.schema(length=7, repeats=3, size=5, prepend_bos=True)
-    data = kind.build(cfg, 3, tok)
+    data = kind.build(cfg, 3, Tokenizing(tok))
     assert len(data) == 5 and data.tokens and not data.padded
     specials = set(tok.all_special_ids)
     rows = []
@@ -40,11 +41,11 @@ def test_rows_are_a_seeded_sequence_of_distinct_ordinary_tokens_repeated():
         assert label == ids[-1]
         rows.append(ids)
     assert len({tuple(r) for r in rows}) == 5
-    again = kind.build(cfg, 3, tok)
-    other = kind.build(cfg, 4, tok)
+    again = kind.build(cfg, 3, Tokenizing(tok))
+    other = kind.build(cfg, 4, Tokenizing(tok))
     assert all(torch.equal(again[i][0], data[i][0]) for i in range(5))
     assert not all(torch.equal(other[i][0], data[i][0]) for i in range(5))
-    plain = kind.build(kind.schema(length=7, repeats=2, size=2), 3, tok)
+    plain = kind.build(kind.schema(length=7, repeats=2, size=2), 3, Tokenizing(tok))
     assert plain[0][0].shape == (3, 14)
 
 
@@ -52,7 +53,7 @@ def test_refusals():
     tok = tokenizer()
     kind = DATASETS.get("repeated_tokens", "dataset")
     with pytest.raises(HookrunError, match=r"^dataset\.length: 5000 distinct tokens, but the"):
-        kind.build(kind.schema(length=5000, repeats=2, size=2), 0, tok)
+        kind.build(kind.schema(length=5000, repeats=2, size=2), 0, Tokenizing(tok))
     with pytest.raises(HookrunError, match=r"^dataset\.repeats: 0"):
         kind.schema(length=5, repeats=0, size=2).check()
 

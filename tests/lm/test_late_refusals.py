@@ -20,6 +20,7 @@ from lm_models import write_jsonl
 
 import hookrun
 from hookrun.data.kinds import DATASETS
+from hookrun.data.tokens import Tokenizing
 from hookrun.errors import HookrunError
 from hookrun.models.language import LanguageModel
 
@@ -310,7 +311,7 @@ def test_repeated_rows_are_the_documented_draws_and_keep_their_fingerprint():
     tok = byte_tokenizer()
     kind = DATASETS.get("repeated_tokens", "dataset")
     cfg = kind.schema(length=7, repeats=3, size=70_000, prepend_bos=True)  # > one block
-    data = kind.build(cfg, 11, tok)
+    data = kind.build(cfg, 11, Tokenizing(tok))
     specials = set(tok.all_special_ids)
     allowed = np.array([i for i in range(len(tok)) if i not in specials], np.int64)
     rng = np.random.default_rng(11)

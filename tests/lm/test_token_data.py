@@ -22,7 +22,7 @@ from hookrun.config.build import build_spec
 from hookrun.data.kinds import DATASETS, NO_LABEL
 from hookrun.data.prompts import PromptsDatasetConfig
 from hookrun.data.text import TextDatasetConfig
-from hookrun.data.tokens import check_vocab, token_rows
+from hookrun.data.tokens import Tokenizing, check_vocab, token_rows
 from hookrun.errors import HookrunError
 
 WORDS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
@@ -50,13 +50,13 @@ def ids(text: str) -> list[int]:
 def text_data(path: Path, tokenizer, **keys):
     cfg = TextDatasetConfig(path=str(path), **keys)
     cfg.check()
-    return DATASETS.get("text", "dataset.kind").build(cfg, 0, tokenizer)
+    return DATASETS.get("text", "dataset.kind").build(cfg, 0, Tokenizing(tokenizer))
 
 
 def prompt_data(path: Path, tokenizer, **keys):
     cfg = PromptsDatasetConfig(path=str(path), **keys)
     cfg.check()
-    return DATASETS.get("prompts", "dataset.kind").build(cfg, 0, tokenizer)
+    return DATASETS.get("prompts", "dataset.kind").build(cfg, 0, Tokenizing(tokenizer))
 
 
 def items(data) -> tuple[torch.Tensor, list[int]]:
@@ -299,7 +299,7 @@ def test_bad_paths_and_files_are_named(tmp_path, tokenizer):
     missing = tmp_path / "nope.txt"
     assert_names(refused(text_data, missing, tokenizer), "dataset.path", "nope.txt", "not exist")
     with pytest.raises(HookrunError) as err:
-        DATASETS.get("text", "dataset.kind").build(TextDatasetConfig(), 0, tokenizer)
+        DATASETS.get("text", "dataset.kind").build(TextDatasetConfig(), 0, Tokenizing(tokenizer))
     assert_names(err, "dataset.path: null")
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
