@@ -17,6 +17,7 @@ from torch import nn
 from hookrun.data.batch import Batch
 from hookrun.errors import HookrunError
 from hookrun.models.language import LanguageModel
+from hookrun.models.placement import execution_device
 
 __all__ = ["Adapter", "LanguageAdapter", "adapt"]
 
@@ -148,7 +149,7 @@ class LanguageAdapter(Adapter):
         if sample.is_floating_point():
             return sample
         with torch.no_grad():
-            device = next(self.module.parameters()).device
+            device = execution_device(self.module.input_embeddings()) or torch.device("cpu")
             return self.module.embed(sample[None].to(device))[0].cpu()
 
     def output_names(self) -> Sequence[str] | None:

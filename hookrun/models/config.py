@@ -48,3 +48,9 @@ class ModelConfig(Frozen):
     attention: str = "eager"
     # Run Python code a model folder ships (auto_map); refused unless true.
     trust_remote_code: bool = False
+    # A model spread over devices, the CPU and disk, through Accelerate (models/placement.py):
+    # auto | balanced | balanced_low_0 | sequential, or {module name: cuda:N | cpu | disk};
+    # max_memory {device: bytes, e.g. 10GiB}; offload_folder for the weights put on disk.
+    device_map: Any = None
+    max_memory: Any = None
+    offload_folder: str | None = None

@@ -39,6 +39,7 @@ from hookrun.errors import HookrunError, nearest, unknown_key
 from hookrun.memory import check_fits
 from hookrun.models.config import ModelConfig
 from hookrun.models.language import LanguageModel
+from hookrun.models.placement import check_placement, is_placed, placement_kwargs
 
 __all__ = [
     "CLASSES",
@@ -382,12 +383,16 @@ def _check_builds(cfg: ModelConfig, auto: Any, config: Any) -> None:
     transformers refuses in the config (heads that do not divide the width, a negative
     size) is refused here, naming the config, before any work."""
     if cfg.trust_remote_code and getattr(config, "auto_map", None):
+        check_placement(cfg, None)
         return  # the folder's own classes: built only when the run loads them
     try:
         with torch.device("meta"):
             meta = auto.from_config(copy.deepcopy(config), attn_implementation=cfg.attention)
     except Exception as err:  # transformers and torch raise many types for a bad config
         raise _unbuildable(cfg, config, err) from None
+    check_placement(cfg, meta)
+    if is_placed(cfg):
+        return  # spread over the map's devices: checked against its max_memory
     # Its parameters are allocated at once: a random init in float32 (then cast to
     # model.dtype), the weights read from model.path in model.dtype.
     count = sum(p.numel() for p in meta.parameters())
@@ -433,6 +438,7 @@ def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
             attn_implementation=cfg.attention,
             output_loading_info=True,
             **{_dtype_key(): dtype},
+            **placement_kwargs(cfg),
         )
     except Exception as err:  # a damaged or unsafe file: many exception types
         raise HookrunError(
@@ -448,4 +454,6 @@ def build_hf(cfg: ModelConfig) -> tuple[LanguageModel, Path | None]:
             more,
             cfg.class_,
         )
-    return LanguageModel(model.to(dtype).eval(), tokenizer, cfg.class_), weights
+    if not is_placed(cfg):  # a mapped model is in model.dtype already, where the map put it
+        model = model.to(dtype)
+    return LanguageModel(model.eval(), tokenizer, cfg.class_), weights

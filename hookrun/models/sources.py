@@ -232,6 +232,9 @@ _HF_KEYS = {
     "dtype": "float32",
     "attention": "eager",
     "trust_remote_code": False,
+    "device_map": None,
+    "max_memory": None,
+    "offload_folder": None,
 }
 _CLASS = re.compile(r"\bclass_\b")
 

@@ -35,6 +35,7 @@ from hookrun.io.resume import check_paths, check_sources
 from hookrun.io.stored import stored_record
 from hookrun.models.adapter import adapt
 from hookrun.models.hf import load_tokenizer
+from hookrun.models.placement import is_placed
 from hookrun.models.sources import build_model, model_label
 from hookrun.pipeline.camlayer import resolve_cam_layer
 from hookrun.pipeline.claim import Claim
@@ -124,6 +125,12 @@ def prepare(
     # Nothing is written before the first batch: a signal stops any of this at once.
     with interruptible():
         started = time.perf_counter()
+        if world.parallel and caller.model is None and is_placed(spec.model):
+            raise HookrunError(
+                f"model.device_map: {spec.model.device_map!r} under torchrun ({world.size} "
+                "processes): each would map the whole model over the same devices; valid: "
+                "model.device_map=null with torchrun, or one process with the map"
+            )
         data = _data(spec, caller, run_dir)  # first: its checks are cheap, the weights may be large
         model, weights_file = _model(spec, caller, device)
         tokens = token_rows(data)
@@ -215,6 +222,8 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
             log.warning(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
+    if caller.model is None and is_placed(spec.model):
+        return model, weights_file  # each module where model.device_map put it
     return model.to(device), weights_file
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -373,7 +373,10 @@ def run_mode(model: nn.Module) -> Iterator[None]:
             for root, flag in roots.items():
                 root.training = flag
             for name, p in model.named_parameters():
-                p.requires_grad_(grads[name])
+                # A mapped model's offloaded weights are remade by Accelerate at each
+                # forward (under inference mode in a no-gradient pass): flags are set there.
+                with torch.inference_mode() if p.is_inference() else nullcontext():
+                    p.requires_grad_(grads.get(name, p.requires_grad))
 
 
 @contextmanager

@@ -230,6 +230,13 @@ def _graph(setup: Setup) -> Graph:
             f"circuit: the {model_type} model has no module {absent}; valid: a {model_type} "
             "model as transformers builds it"
         )
+    offloaded = [n for n in graph.heads if named[n].weight.device.type == "meta"]
+    if offloaded:  # head_writes reads each projection's weight itself
+        raise HookrunError(
+            f"circuit: {offloaded[0]}'s weights are offloaded to disk by model.device_map "
+            "(they exist only during its forward); valid: a map that keeps the attention "
+            "output projections on a device (cuda:N or cpu)"
+        )
     return graph
 
 

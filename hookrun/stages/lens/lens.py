@@ -34,6 +34,7 @@ from hookrun.errors import HookrunError, nearest
 from hookrun.io import layout
 from hookrun.models.adapter import adapt
 from hookrun.models.architectures import architecture_of, families
+from hookrun.models.placement import execution_device
 from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.leaves import leaves
 from hookrun.runtime.targets import NO_TARGET
@@ -86,8 +87,9 @@ class LensState:
 def _normed(state: LensState, hidden: torch.Tensor) -> torch.Tensor:
     """Block outputs `hidden` (..., D) through the final norm (if any), on the unembedding's
     device and in its dtype."""
-    param = next(state.unembed.parameters(), None)
-    h = hidden if param is None else hidden.to(param.device, param.dtype)
+    param = next(state.unembed.parameters(), None)  # its dtype (meta too: offloaded)
+    device = execution_device(state.unembed)
+    h = hidden if param is None else hidden.to(device or hidden.device, param.dtype)
     return h if state.norm is None else _tensor(state.norm(h))
 
 
