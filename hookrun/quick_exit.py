@@ -80,6 +80,14 @@ OWN_LIBRARIES = frozenset(
         "idna",
         "certifi",
         "truststore",
+        # What transformers imports when it finds them installed: accelerate (hookrun[hf]'s,
+        # for model.device_map), psutil, sentencepiece, protobuf (`google`) and requests'
+        # charset_normalizer; none of them writes anything at exit.
+        "accelerate",
+        "psutil",
+        "sentencepiece",
+        "google",
+        "charset_normalizer",
         # dataset=hf_disk: datasets reads memory-mapped Arrow files and writes nothing.
         "datasets",
         "pyarrow",

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import hookrun
+
 HERE = Path(__file__).resolve().parent
 CHILD = """
 import json, resource, sys
@@ -111,7 +113,8 @@ def main() -> None:
     base = peaks["imports only"]
     need = peaks["weights + one batch forward and backward"] - base
     print(
-        f"random GPT-2, 6 layers, width 512, 16 heads, {weights / 2**20:.0f} MiB of weights; "
+        f"hookrun {hookrun.__version__}: random GPT-2, 6 layers, width 512, 16 heads, "
+        f"{weights / 2**20:.0f} MiB of weights; "
         f"{args.rows} prompts, batch {args.batch}; peak resident memory above the imports "
         f"({base:.0f} MiB)"
     )

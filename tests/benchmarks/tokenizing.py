@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import hookrun
+
 CHILD = """
 import inspect, shutil, sys, time
 from pathlib import Path
@@ -57,7 +59,10 @@ def main() -> None:
     corpus = work / "corpus.txt"
     lines = (" ".join(rng.choice(words, size=60)) for _ in range(args.lines))
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"{args.lines} lines, {corpus.stat().st_size / 2**20:.1f} MiB; {os.cpu_count()} cores")
+    size = corpus.stat().st_size / 2**20
+    print(
+        f"hookrun {hookrun.__version__}: {args.lines} lines, {size:.1f} MiB; {os.cpu_count()} cores"
+    )
     for threads in ("1", None):
         env = dict(os.environ)
         env.pop("RAYON_NUM_THREADS", None)
