@@ -24,6 +24,13 @@ CAT_CLASSES = range(281, 286)  # ImageNet's tabby, tiger cat, Persian, Siamese, 
 FEWER_PASSES = {
     "integrated_gradients": ["derive.integrated_gradients.steps=4"],
     "smoothgrad": ["derive.smoothgrad.samples=3"],
+    # tests/methods/test_perturbation.py checks their numbers; here a pass count the files
+    # and pictures need (their defaults take thousands of passes at 224 px).
+    "occlusion": ["derive.occlusion.window=112", "derive.occlusion.stride=56"],
+    "feature_ablation": ["derive.feature_ablation.n_segments=8"],
+    "rise": ["derive.rise.masks=24"],
+    "score_cam": ["limit=2", "model.cam_layer=features.17"],  # 320 channels, not 1280
+    "ablation_cam": ["limit=2", "model.cam_layer=features.17"],
     # tests/evaluate/test_sanity.py checks its numbers on the default layers.
     "sanity_check": [
         "sanity.methods=[saliency,grad_cam]",
@@ -73,9 +80,11 @@ def test_every_experiment_file_is_tested():
     assert (
         sorted(
             [
+                "ablation_cam",
                 "cam",
                 "capture",
                 "circuit",  # tests/lm/test_circuit.py
+                "feature_ablation",
                 "feature_maps",
                 "grad_cam",
                 "grad_cam_pp",
@@ -89,9 +98,12 @@ def test_every_experiment_file_is_tested():
                 "generate",  # tests/lm/test_generate.py
                 "lm_patching",  # tests/lm/test_lm_patching.py
                 "logit_lens",  # tests/lm/test_logit_lens.py
+                "occlusion",
                 "patch",
+                "rise",
                 "saliency",
                 "sanity_check",
+                "score_cam",
                 "smoothgrad",
                 "steering",  # tests/lm/test_steering.py
             ]

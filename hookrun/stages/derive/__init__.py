@@ -4,7 +4,9 @@ The registry is in registry.py; each module below registers its methods when imp
 from hookrun.stages.derive import (
     cam,  # noqa: F401  (registers grad_cam, cam, guided_grad_cam)
     cam_plus,  # noqa: F401  (registers grad_cam_pp, layer_cam)
+    cam_scores,  # noqa: F401  (registers score_cam, ablation_cam)
     integrated,  # noqa: F401  (registers integrated_gradients)
+    perturb,  # noqa: F401  (registers occlusion, feature_ablation, rise)
     smoothgrad,  # noqa: F401  (registers smoothgrad)
     stage,  # noqa: F401  (registers the derive stage)
 )

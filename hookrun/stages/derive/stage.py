@@ -119,6 +119,7 @@ class DeriveStage(Stage):
     order = 10
     axes = {
         layout.gap_key("*", "*"): "sample",
+        layout.derived_key("rise", "input"): "sample y x",  # a map over the image's pixels
         layout.derived_key("*", "input"): "sample {input}",
         layout.derived_key("guided_grad_cam", "*"): "sample {input}",
         layout.derived_key("*", "*"): "sample y x",

@@ -1,0 +1,220 @@
+"""The perturbation methods against their references on a resnet18 with seeded random
+weights (three fake images in batches of two): occlusion against Captum's Occlusion, feature
+ablation against Captum's FeatureAblation with the same feature mask (a grid, SLIC computed
+here, a mask file), RISE against the paper's formula with the masks drawn here from the
+generator hookrun documents, Score-CAM and Ablation-CAM against pytorch-grad-cam's weights
+on activations captured here; and bad arguments refused before any work."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from captum.attr import FeatureAblation, Occlusion
+from conftest import read, resnet18_file, run_config
+from pytorch_grad_cam import AblationCAM, ScoreCAM
+from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+from hookrun.errors import HookrunError
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory):
+    return resnet18_file(tmp_path_factory.mktemp("weights"), seed=5)
+
+
+def _run(tmp_path, overrides: list[str], name: str) -> dict[str, np.ndarray]:
+    return read(run_config(tmp_path, [f"experiment={name}", *overrides], experiment=name).path)
+
+
+def _inputs(data) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(data["captures/input/output"]), torch.from_numpy(data["samples/target"])
+
+
+def _close(got: np.ndarray, want: np.ndarray, tolerance: float = 1e-4) -> None:
+    assert got.shape == want.shape
+    error = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+    assert error < tolerance, error
+    assert np.abs(want).max() > 1e-6  # a map that says something
+
+
+@pytest.mark.parametrize(("window", "stride", "baseline"), [(8, 5, 0.0), (12, 12, 0.5)])
+def test_occlusion_equals_captum(resnet, tmp_path, window, stride, baseline):
+    model, overrides = resnet
+    args = [
+        f"derive.occlusion.window={window}",
+        f"derive.occlusion.stride={stride}",
+        f"derive.occlusion.baseline={baseline}",
+        "derive.occlusion.internal_batch_size=7",  # passes cut across windows and rows
+    ]
+    data = _run(tmp_path, [*overrides, *args], "occlusion")
+    x, target = _inputs(data)
+    want = Occlusion(model).attribute(
+        x,
+        sliding_window_shapes=(3, window, window),
+        strides=(3, stride, stride),
+        baselines=baseline,
+        target=target,
+    )
+    _close(data["derived/occlusion/input"], want.detach().numpy())
+
+
+def _grid_mask(cells: int, size: int = 32) -> torch.Tensor:
+    """cells x cells rectangles over a size x size image, labelled row-major."""
+    edges = [round(i * size / cells) for i in range(cells + 1)]
+    mask = torch.zeros((size, size), dtype=torch.long)
+    for r in range(cells):
+        for c in range(cells):
+            mask[edges[r] : edges[r + 1], edges[c] : edges[c + 1]] = r * cells + c
+    return mask
+
+
+def _slic_masks(x: torch.Tensor, n_segments: int, compactness: float) -> torch.Tensor:
+    from skimage.segmentation import slic
+
+    out = []
+    for image in x.numpy():
+        hwc = np.moveaxis(image, 0, -1)
+        scaled = (hwc - hwc.min()) / (hwc.max() - hwc.min())
+        labels = slic(
+            scaled.astype(np.float64),
+            n_segments=n_segments,
+            compactness=compactness,
+            start_label=0,
+            channel_axis=-1,
+        )
+        out.append(torch.from_numpy(labels).long())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("segments", ["grid", "slic", "file"])
+def test_feature_ablation_equals_captum_with_the_same_mask(resnet, tmp_path, segments):
+    model, overrides = resnet
+    args = [f"derive.feature_ablation.segments={segments}", "derive.feature_ablation.baseline=0.25"]
+    if segments == "grid":
+        args.append("derive.feature_ablation.cells=4")
+    elif segments == "slic":  # real photos (SLIC on noise is one segment), 32 px
+        args += ["derive.feature_ablation.n_segments=12", "dataset=samples"]
+        args += ["dataset.resize=32", "dataset.crop=32", "target.kind=predicted"]
+    else:
+        mask = (np.arange(32)[:, None] // 5 + 3 * (np.arange(32)[None, :] // 11)).astype(np.int64)
+        np.save(tmp_path / "mask.npy", mask)
+        args.append(f"derive.feature_ablation.mask={tmp_path / 'mask.npy'}")
+    if segments == "slic":
+        overrides = [o for o in overrides if not o.startswith("dataset")]
+    data = _run(tmp_path / "run", [*overrides, *args], "feature_ablation")
+    x, target = _inputs(data)
+    if segments == "grid":
+        masks = _grid_mask(4).expand(len(x), 32, 32)
+    elif segments == "slic":
+        masks = _slic_masks(x, 12, 10.0)
+        assert len(torch.unique(masks[0])) > 3
+    else:
+        masks = torch.from_numpy(mask).expand(len(x), 32, 32)
+    want = torch.cat(
+        [
+            FeatureAblation(model).attribute(
+                x[i : i + 1],
+                baselines=0.25,
+                target=target[i : i + 1],
+                feature_mask=masks[i][None, None].expand(1, 3, 32, 32),
+            )
+            for i in range(len(x))
+        ]
+    )
+    _close(data["derived/feature_ablation/input"], want.detach().numpy())
+
+
+def _rise_masks(masks: int, cells: int, p: float, gen: torch.Generator) -> torch.Tensor:
+    """The paper's masks for 32 px, in the draw order hookrun documents."""
+    cell = math.ceil(32 / cells)
+    grid = (torch.rand((masks, cells, cells), generator=gen) < p).float()
+    dy = torch.randint(cell, (masks,), generator=gen)
+    dx = torch.randint(cell, (masks,), generator=gen)
+    big = F.interpolate(
+        grid[:, None], size=((cells + 1) * cell,) * 2, mode="bilinear", align_corners=False
+    )[:, 0]
+    return torch.stack([big[i, dy[i] : dy[i] + 32, dx[i] : dx[i] + 32] for i in range(masks)])
+
+
+def test_rise_is_the_papers_formula_with_the_documented_masks(resnet, tmp_path):
+    model, overrides = resnet
+    masks, cells, p = 40, 4, 0.4
+    args = [f"derive.rise.masks={masks}", f"derive.rise.cells={cells}", f"derive.rise.p={p}"]
+    data = _run(tmp_path, [*overrides, *args], "rise")
+    x, target = _inputs(data)
+    want = []
+    for start in range(0, len(x), 2):  # the run's batches: a generator per batch
+        gen = torch.Generator().manual_seed(
+            0 * 1_000_003 + zlib.crc32(f"rise|input|{start}".encode())
+        )
+        m = _rise_masks(masks, cells, p, gen)
+        for i in range(start, min(start + 2, len(x))):
+            with torch.no_grad():
+                probs = model(x[i] * m[:, None]).softmax(-1)[:, target[i]]
+            want.append((probs[:, None, None] * m).sum(0) / (masks * p))
+    _close(data["derived/rise/input"], torch.stack(want).numpy())
+
+
+@pytest.mark.parametrize("name", ["score_cam", "ablation_cam"])
+def test_score_cam_and_ablation_cam_equal_pytorch_grad_cam(resnet, tmp_path, name):
+    model, overrides = resnet
+    args = ["dataset.image_size=64", "model.cam_layer=layer3"]
+    data = _run(tmp_path, [*overrides, *args], name)
+    x, target = _inputs(data)
+    layer = model.layer3
+    seen = []
+    handle = layer.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    activations = seen[0].numpy()
+    targets = [ClassifierOutputTarget(int(t)) for t in target]
+    cam_class = ScoreCAM if name == "score_cam" else AblationCAM
+    weights = cam_class(model, [layer]).get_cam_weights(x, layer, targets, activations, None)
+    want = np.maximum((weights[:, :, None, None] * activations).sum(1), 0)
+    got = data[f"derived/{name}/layer3"]
+    assert got.shape == (3, 4, 4)
+    _close(got, want, 2e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "said"),
+    [
+        (
+            "occlusion",
+            "derive.occlusion.window=40",
+            "derive.occlusion.window: 40 is larger than the image [32, 32]",
+        ),
+        ("occlusion", "derive.occlusion.stride=0", "derive.occlusion.stride: 0 is out of range"),
+        (
+            "occlusion",
+            "derive.occlusion.stride=33",
+            "derive.occlusion.stride: 33 is larger than the window",
+        ),
+        (
+            "feature_ablation",
+            "derive.feature_ablation.n_segments=5000",
+            "more than the image's 1024 pixels",
+        ),
+        ("feature_ablation", "derive.feature_ablation.segments=voronoi", "valid: slic, grid, file"),
+        ("rise", "derive.rise.masks=0", "derive.rise.masks: 0 is out of range"),
+        ("rise", "derive.rise.p=0", "derive.rise.p: 0.0 is out of range"),
+        ("rise", "derive.rise.cells=40", "derive.rise.cells: 40 is more cells than the image's"),
+        (
+            "score_cam",
+            "derive.score_cam.internal_batch_size=0",
+            "internal_batch_size: 0 is out of range",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(resnet, tmp_path, name, extra, said):
+    _, overrides = resnet
+    with pytest.raises(HookrunError) as err:
+        _run(tmp_path, [*overrides, extra], name)
+    assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "captures.h5").exists()
