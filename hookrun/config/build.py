@@ -43,6 +43,7 @@ __all__ = [
 log = logging.getLogger("hookrun")
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _LOGGERS = (None, "tensorboard")
+RENDER_STYLES = ("auto", "clipped", "seed")  # render/draw.py
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def _run_checks(run: RunConfig) -> None:
     check_range("num_workers", run.num_workers, 0)
     check_range("sink.queue_depth", run.sink.queue_depth, 1)
     check_range("render_max", run.render_max, 1)
+    if run.render_style not in RENDER_STYLES:
+        raise HookrunError(f"render_style: {run.render_style!r}; valid: {', '.join(RENDER_STYLES)}")
     if not 0 <= run.seed < 2**63:  # torch's generator and the int64 `seed` attribute
         raise HookrunError(f"seed: {run.seed} is out of range; valid: 0 to 2**63 - 1")
     if run.logger not in _LOGGERS:

@@ -113,6 +113,10 @@ class RunConfig(Frozen):
     render: bool = True
     # Pictures for at most this many samples (the first rows).
     render_max: int = 16
+    # How attribution maps are drawn: clipped (at the 99th percentile of |value|, over the
+    # photo), seed (the seed tutorials' normalize), or auto: seed for the seeds' gradient
+    # experiments (guided_bp, guided_grad_cam, grad_scale), clipped for every other.
+    render_style: str = "auto"
     # null, or tensorboard: the pictures and the plan also go to <run dir>/tensorboard.
     logger: str | None = None
     # Beside these, one free-form node per stage (hookrun/stage.py), each `{}` (off) unless

@@ -43,6 +43,7 @@ RESUME_IGNORES = (
     "progress",
     "render",
     "render_max",
+    "render_style",
     "logger",
     "num_workers",
     "dry_run",

@@ -3,10 +3,16 @@
     python -m hookrun.render outputs/<date>/<time>/captures.h5 [--out DIR] [--max N]
 
 What is drawn follows what the file holds, for the first `max_samples` rows:
-- `/captures/input/grad_output` (Guided Backprop, saliency, scaled gradients): the seed's
-  normalize, (g - mean) / std * 0.1 + 0.5 clipped to [0, 1];
-- `/derived/<method>/<layer>` maps (Grad-CAM, CAM): upsampled to the photo and overlaid on it
-  as a heat map; (C, H, W) results (Guided Grad-CAM) like gradients;
+- `/captures/input/grad_output` (saliency, scaled gradients, Guided Backprop) and (C, H, W)
+  derived results (integrated gradients, SmoothGrad, occlusion, feature ablation, Guided
+  Grad-CAM): with `render_style: clipped` the map with its channels summed, clipped at
+  the 99th percentile of its |values| (Adebayo et al.) and overlaid on the photo —
+  a gradient by its magnitude, a derived map by its sign (red for the target, blue
+  against); with `seed`, the seed's normalize, (g - mean) / std * 0.1 + 0.5 clipped to
+  [0, 1]; `auto` (the default): seed for the seeds' gradient experiments (SEED_STYLE),
+  clipped otherwise;
+- `/derived/<method>/<layer>` maps (Grad-CAM, CAM, RISE): upsampled to the photo and
+  overlaid on it as a heat map;
 - other (C, H, W) `output` captures (feature maps): one make_grid per layer and sample
   (normalize=True, scale_each=True, nrow=ceil(sqrt(C)));
 - token runs: residual norms, token attributions (tokens.py), attention patterns
@@ -33,6 +39,7 @@ from hookrun.io import layout, walk
 from hookrun.io.encoding import read_floats
 from hookrun.render.attention import render_attention
 from hookrun.render.pictures import (
+    attribution_overlay,
     display_image,
     feature_grid,
     heat_overlay,
@@ -48,6 +55,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 __all__ = ["render"]
 
+# The seeds' tutorials draw their gradients with the seed's normalize: render_style=auto
+# keeps it for these experiments.
+SEED_STYLE = ("guided_bp", "guided_grad_cam", "grad_scale")
 # What the input gradient is, by experiment (the column title on the contact sheet).
 _GRADIENT_TITLES = {
     "guided_bp": "guided backprop",
@@ -135,16 +145,24 @@ def render(
         features = _feature_layers(f, {k.split("/", 1)[1] for k in derived})
         names = _class_names(config)
         labels = [_row_label(f, row, names) for row in range(rows)]
+        style = str(config.get("render_style", "auto"))
+        seed = style == "seed" or (style == "auto" and experiment in SEED_STYLE)
         for row in range(rows):
             index = int(f[layout.SAMPLES_INDEX][row])
             photo = _photo(f, config, row)
+
+            def attribution(value: np.ndarray, signed: bool = True, photo=photo) -> np.ndarray:
+                if seed:
+                    return seed_normalize(value)
+                return attribution_overlay(photo, value, signed)
+
             drawn: list[tuple[str, str, np.ndarray]] = []
             if photo is not None:
                 drawn.append(("input", "input", photo))
             if layout.INPUT_GRAD in f:
                 grad = read_floats(f[layout.INPUT_GRAD], row).astype(np.float32)
                 kind = _GRADIENT_TITLES.get(experiment, "input gradient")
-                drawn.append((kind, "gradient", seed_normalize(grad)))
+                drawn.append((kind, "gradient", attribution(grad, signed=False)))
             for key, ds in derived.items():
                 value = ds[row].astype(np.float32)
                 if value.ndim < 2:  # a number per sample (a completeness gap): not a picture
@@ -163,7 +181,7 @@ def render(
                     )
                 else:
                     drawn.append(
-                        (key.replace("/", " @ "), key.replace("/", "_"), seed_normalize(value))
+                        (key.replace("/", " @ "), key.replace("/", "_"), attribution(value))
                     )
             for layer, ds in features.items():
                 maps = ds[row].astype(np.float32)

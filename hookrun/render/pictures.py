@@ -1,5 +1,7 @@
-"""Image operations of the pictures: the seed tutorial's gradient normalize, heat-map
-overlays and feature-map grids, and arrays → uint8 RGB."""
+"""Image operations of the pictures: attribution maps clipped at the 99th percentile of
+their |values| (a few large values no longer leave the rest black) and overlaid on the photo,
+the seed tutorial's gradient normalize, heat-map overlays and feature-map grids, and arrays
+→ uint8 RGB."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ __all__ = [
     "MIN_SIDE",
     "save_figure",
     "seed_normalize",
+    "clipped",
+    "attribution_overlay",
+    "OUTLIERS",
     "heat_overlay",
     "feature_grid",
     "to_uint8",
@@ -34,6 +39,54 @@ def seed_normalize(grad: np.ndarray) -> np.ndarray:
     std = grad.std()
     norm = (grad - grad.mean()) / (std if std > 0 else 1.0)
     return np.clip(norm * 0.1 + 0.5, 0.0, 1.0)
+
+
+# Percent of a map's pixels, those of the largest |value|, that saturate: Adebayo et al.'s
+# 99th percentile. (Captum's visualize_image_attr clips the pixels holding the top 2 % of the
+# total |value| instead: one pixel holding more than that still sets the scale alone.)
+OUTLIERS = 1.0
+
+
+def clipped(value: np.ndarray, signed: bool, outliers: float = OUTLIERS) -> np.ndarray:
+    """An attribution map (C, H, W) or (H, W) as (H, W) in [-1, 1] (`signed`) or [0, 1]
+    (|value|): channels summed, divided by the (100 − outliers)-th percentile of its |values|
+    and clipped there — the `outliers` percent of pixels with the largest |value| saturate."""
+    v = value.astype(np.float64)
+    v = v.sum(0) if v.ndim == 3 else v
+    v = v if signed else np.abs(v)
+    if not v.size or not np.abs(v).max() > 0:
+        return np.zeros_like(v)
+    top = float(np.percentile(np.abs(v), 100 - outliers))
+    top = top if top > 0 else float(np.abs(v).max())
+    return np.clip(v / top, -1.0 if signed else 0.0, 1.0)
+
+
+def attribution_overlay(photo: np.ndarray | None, value: np.ndarray, signed: bool) -> np.ndarray:
+    """(3, H, W) in [0, 1]: the clipped map over the photo shown in grey — signed maps red
+    for evidence for the target, blue against (matplotlib's bwr); |maps| in `hot` — each
+    pixel's colour as opaque as its |value|. Without a photo, the colours on white."""
+    v = clipped(value, signed)
+    h, w = v.shape
+    if photo is not None and photo.shape[-2:] != (h, w):  # a map at another resolution
+        v = (
+            F.interpolate(
+                torch.from_numpy(v)[None, None].float(), size=photo.shape[-2:], mode="bilinear"
+            )[0, 0]
+            .numpy()
+            .astype(np.float64)
+        )
+        h, w = v.shape
+    if photo is None:
+        base = np.ones((3, h, w))
+    else:
+        grey = photo.mean(0) if photo.shape[0] == 3 else photo[0]
+        base = np.repeat((0.25 + 0.5 * grey)[None], 3, axis=0)  # dimmed: the colours read
+    if signed:
+        colour = np.moveaxis(matplotlib.colormaps["bwr"]((v + 1) / 2)[..., :3], -1, 0)
+    else:
+        colour = np.moveaxis(matplotlib.colormaps["hot"](0.35 + 0.65 * v)[..., :3], -1, 0)
+    alpha = np.abs(v)[None]
+    return (1 - alpha) * base + alpha * colour
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

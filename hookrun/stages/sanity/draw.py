@@ -1,7 +1,8 @@
 """The sanity check's pictures, drawn from the finished file:
 
 - `sanity_grid.png`: Adebayo et al.'s grid for the first sample (rows: methods; columns:
-  the original model, then each randomisation step), from /sanity/<method>/maps;
+  the original model, then each randomisation step), from /sanity/<method>/maps, each |map|
+  clipped at its 99th percentile;
 - `sanity_similarity.png`: each similarity's median over samples against the step.
 """
 
@@ -14,7 +15,7 @@ import matplotlib
 import numpy as np
 
 from hookrun.io import layout, walk
-from hookrun.render.pictures import save_figure
+from hookrun.render.pictures import clipped, save_figure
 from hookrun.stages.sanity.keys import SANITY, VERDICT_SIMILARITY, read_sanity
 from hookrun.stages.sanity.verdicts import read_verdicts
 
@@ -48,9 +49,10 @@ def _sanity(f: h5py.File, out_dir: Path) -> list[Path]:
         )
         for r, (method, ds) in enumerate(with_maps.items()):
             for c, ax in enumerate(axes[r]):
-                image = np.abs(ds[0, c].astype(np.float64))
-                span = image.max() - image.min()
-                ax.imshow((image - image.min()) / span if span > 0 else image * 0, cmap="gray")
+                # |map| clipped at its 99th percentile (Adebayo et al.): min-max scaling
+                # left the grid nearly black, a few large values setting the scale.
+                image = clipped(ds[0, c], signed=False)
+                ax.imshow(image, cmap="gray", vmin=0, vmax=1)
                 ax.set_xticks([])
                 ax.set_yticks([])
                 if r == 0:
