@@ -28,6 +28,7 @@ FEWER_PASSES = {
     # and pictures need (their defaults take thousands of passes at 224 px).
     "occlusion": ["derive.occlusion.window=112", "derive.occlusion.stride=56"],
     "feature_ablation": ["derive.feature_ablation.n_segments=8"],
+    "kernel_shap": ["derive.kernel_shap.n_segments=8", "derive.kernel_shap.samples=16"],
     "rise": ["derive.rise.masks=24"],
     "score_cam": ["limit=2", "model.cam_layer=features.17"],  # 320 channels, not 1280
     "ablation_cam": ["limit=2", "model.cam_layer=features.17"],
@@ -93,6 +94,7 @@ def test_every_experiment_file_is_tested():
                 "guided_grad_cam",
                 "integrated_gradients",
                 "induction",  # tests/lm/test_induction.py
+                "kernel_shap",
                 "layer_cam",
                 "lm_cache",  # tests/lm/test_lm_cache.py
                 "generate",  # tests/lm/test_generate.py

@@ -6,7 +6,7 @@ from hookrun.stages.derive import (
     cam_plus,  # noqa: F401  (registers grad_cam_pp, layer_cam)
     cam_scores,  # noqa: F401  (registers score_cam, ablation_cam)
     integrated,  # noqa: F401  (registers integrated_gradients)
-    perturb,  # noqa: F401  (registers occlusion, feature_ablation, rise)
+    perturb,  # noqa: F401  (registers occlusion, feature_ablation, kernel_shap, rise)
     smoothgrad,  # noqa: F401  (registers smoothgrad)
     stage,  # noqa: F401  (registers the derive stage)
 )

@@ -10,6 +10,11 @@ of each row, batched (the run's hooks stand aside).
   `n_segments`, `compactness`, labels from 0 —, `grid`: `cells` × `cells` rectangles, or
   `file`: an (H, W) integer .npy); each pixel's attribution is score(x) − score(x with its
   segment set to `baseline`).
+- kernel_shap (Lundberg & Lee 2017) over the same segments: coalitions of segments kept (the
+  rest at `baseline`), `samples` of them drawn from the batch's generator — or all 2^m − 2
+  when that many fit, which gives the exact Shapley values — and the Shapley kernel's
+  weighted least squares with Σ φ = score(x) − score(baseline) (the completeness gap, stored
+  per row as integrated gradients' is, is that sum's rounding).
 - rise (Petsiuk et al. 2018): `masks` random masks, each a `cells` × `cells` grid of cells
   kept with probability `p`, upsampled bilinearly to (cells + 1) × the cell size and cropped
   at a random shift; the map is Σ_i P(target | x ⊙ M_i) M_i / (masks · p). The masks are
@@ -42,7 +47,7 @@ from hookrun.stages.derive.gradients import check_rows_per_pass, rows_per_pass
 from hookrun.stages.derive.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
-__all__ = ["Occlusion", "FeatureAblation", "Rise", "perturbed_scores", "image_size"]
+__all__ = ["Occlusion", "FeatureAblation", "KernelShap", "Rise", "perturbed_scores", "image_size"]
 
 
 def perturbed_scores(
@@ -337,3 +342,97 @@ class Rise(Method):
 
     def stored_shapes(self, args: RiseArgs, state: Any, key: str, sample: tuple) -> dict:
         return {key: tuple(state)}
+
+
+@dataclass
+class KernelShapArgs(FeatureAblationArgs):
+    samples: int = 256  # coalitions per row; all of them when 2^segments − 2 is no more
+
+
+def _coalitions(m: int, samples: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, m) bool coalitions (segments kept) and their weights: every one of the 2^m − 2
+    proper coalitions with the Shapley kernel's weight (m − 1) / (C(m, k) k (m − k)) when
+    that many fit in `samples` (the exact Shapley values then), else `samples` drawn — a
+    size k with probability ∝ (m − 1) / (k (m − k)), then k segments uniformly — each of
+    weight 1 (the kernel is in the draw)."""
+    if m < 2:
+        return torch.zeros((0, m), dtype=torch.bool), torch.zeros(0)
+    if 2**m - 2 <= samples:
+        codes = torch.arange(1, 2**m - 1)
+        z = (codes[:, None] >> torch.arange(m)[None]) & 1 == 1
+        k = z.sum(1)
+        weight = (m - 1) / (torch.tensor([math.comb(m, int(i)) for i in k]) * k * (m - k))
+        return z, weight.double()
+    sizes = torch.arange(1, m)
+    p = (m - 1) / (sizes * (m - sizes)).double()
+    drawn = sizes[torch.multinomial(p / p.sum(), samples, replacement=True, generator=gen)]
+    order = torch.rand((samples, m), generator=gen).argsort(1)
+    z = order < drawn[:, None]  # the first k of a random order
+    return z, torch.ones(samples, dtype=torch.float64)
+
+
+def shapley_fit(
+    z: torch.Tensor, weight: torch.Tensor, scores: torch.Tensor, ends: tuple
+) -> torch.Tensor:
+    """(m,) φ minimising Σ_s w_s (f(z_s) − f(∅) − z_s · φ)² subject to Σ φ = f(x) − f(∅)
+    (Lundberg & Lee 2017: the last φ eliminated)."""
+    full, empty = ends
+    m = z.shape[1]
+    total = full - empty
+    if m == 1:
+        return torch.tensor([total], dtype=torch.float64)
+    zf = z.double()
+    y = scores.double() - empty - zf[:, -1] * total
+    a = zf[:, :-1] - zf[:, -1:]
+    sw = weight.sqrt()[:, None]
+    head = torch.linalg.lstsq(a * sw, y[:, None] * sw, driver="gelsd").solution[:, 0]
+    return torch.cat([head, (total - head.sum())[None]])
+
+
+@register_method("kernel_shap")
+class KernelShap(FeatureAblation):
+    Args = KernelShapArgs
+
+    @classmethod
+    def check(cls, args: KernelShapArgs, key: str) -> None:
+        super().check(args, key)
+        if args.samples < 1:
+            raise HookrunError(f"{key}.samples: {args.samples} is out of range; valid: >= 1")
+
+    def passes(self, args: KernelShapArgs, state: Any, batch: BatchContext) -> dict:
+        x = batch.inputs
+        labels = torch.from_numpy(segment_rows(args, x, state)).to(x.device)  # (N, H, W)
+        gen = batch.generator(self.name)
+        drawn = [_coalitions(int(row.max()) + 1, args.samples, gen) for row in labels.cpu()]
+        count = max(len(z) for z, _ in drawn)
+        keeps = torch.zeros((len(x), max(count, 1), x.shape[-2], x.shape[-1]), dtype=torch.bool)
+        for n, (z, _) in enumerate(drawn):  # each coalition's kept pixels
+            keeps[n, : len(z)] = z[:, labels[n].cpu()]
+        keeps = keeps.to(x.device)
+
+        def make(ks: range) -> torch.Tensor:
+            kept = keeps[:, ks.start : ks.stop].transpose(0, 1)[:, :, None]  # (k, N, 1, H, W)
+            return torch.where(kept, x[None], torch.full_like(x[None], args.baseline)).flatten(0, 1)
+
+        per_pass = rows_per_pass(args.internal_batch_size, x)
+        scores = perturbed_scores(batch, count, make, per_pass) if count else None
+        full = _plain_score(batch)
+        empty = perturbed_scores(batch, 1, lambda ks: torch.full_like(x, args.baseline), per_pass)[
+            :, 0
+        ]
+        out = torch.zeros((len(x), x.shape[-2], x.shape[-1]), dtype=torch.float64)
+        gaps = torch.zeros(len(x), dtype=torch.float64)
+        for n, (z, weight) in enumerate(drawn):
+            ends = (float(full[n]), float(empty[n]))
+            got = scores[n, : len(z)].cpu() if scores is not None else torch.zeros(0)
+            phi = shapley_fit(z, weight, got, ends)
+            out[n] = phi[labels[n].cpu()]
+            gaps[n] = phi.sum() - (ends[0] - ends[1])
+        key = layout.derived_key(self.name, "input")
+        return {
+            key: out[:, None].expand(x.shape).float(),
+            layout.gap_key(self.name, "input"): gaps.float(),
+        }
+
+    def stored_shapes(self, args: Any, state: Any, key: str, sample: tuple) -> dict:
+        return {key: sample, layout.gap_key(self.name, "input"): ()}
