@@ -152,7 +152,7 @@ def render(
             photo = _photo(f, config, row)
 
             def attribution(value: np.ndarray, signed: bool = True, photo=photo) -> np.ndarray:
-                if seed:
+                if seed or value.ndim != 3:  # a vector input (the seed MLP's): not an image
                     return seed_normalize(value)
                 return attribution_overlay(photo, value, signed)
 
