@@ -1,9 +1,12 @@
 """The perturbation methods against their references on a resnet18 with seeded random
-weights (three fake images in batches of two): occlusion against Captum's Occlusion, feature
-ablation against Captum's FeatureAblation with the same feature mask (a grid, SLIC computed
-here, a mask file), RISE against the paper's formula with the masks drawn here from the
-generator hookrun documents, Score-CAM and Ablation-CAM against pytorch-grad-cam's weights
-on activations captured here; and bad arguments refused before any work."""
+weights (three fake images in batches of two), and each once more on the ImageNet
+MobileNetV2 (the shipped weights) on the bundled photos at 64 px: occlusion against Captum's
+Occlusion, feature ablation against Captum's FeatureAblation with the same feature mask (a
+grid, SLIC computed here, a mask file), KernelSHAP against the Shapley formula by hand (and
+Captum's KernelShap converging to it), RISE against the paper's formula with the masks drawn
+here from the generator hookrun documents, Score-CAM and Ablation-CAM against
+pytorch-grad-cam's weights on activations captured here; and bad arguments refused before
+any work."""
 
 from __future__ import annotations
 
@@ -129,16 +132,18 @@ def test_feature_ablation_equals_captum_with_the_same_mask(resnet, tmp_path, seg
     _close(data["derived/feature_ablation/input"], want.detach().numpy())
 
 
-def _rise_masks(masks: int, cells: int, p: float, gen: torch.Generator) -> torch.Tensor:
-    """The paper's masks for 32 px, in the draw order hookrun documents."""
-    cell = math.ceil(32 / cells)
+def _rise_masks(
+    masks: int, cells: int, p: float, gen: torch.Generator, size: int = 32
+) -> torch.Tensor:
+    """The paper's masks for `size` px, in the draw order hookrun documents."""
+    cell = math.ceil(size / cells)
     grid = (torch.rand((masks, cells, cells), generator=gen) < p).float()
     dy = torch.randint(cell, (masks,), generator=gen)
     dx = torch.randint(cell, (masks,), generator=gen)
     big = F.interpolate(
         grid[:, None], size=((cells + 1) * cell,) * 2, mode="bilinear", align_corners=False
     )[:, 0]
-    return torch.stack([big[i, dy[i] : dy[i] + 32, dx[i] : dx[i] + 32] for i in range(masks)])
+    return torch.stack([big[i, dy[i] : dy[i] + size, dx[i] : dx[i] + size] for i in range(masks)])
 
 
 def test_rise_is_the_papers_formula_with_the_documented_masks(resnet, tmp_path):
@@ -301,3 +306,84 @@ def test_sampled_kernel_shap_is_seeded_and_complete(resnet, tmp_path):
     np.testing.assert_allclose(
         phi.reshape(len(x), -1).sum(1), (full - empty).numpy(), rtol=1e-3, atol=1e-3
     )
+
+
+# The ImageNet MobileNetV2 (the shipped weights) on the bundled photos at 64 px (its
+# features.18 is then 2 x 2 x 1280): every method against its reference once more.
+PHOTOS = ["dataset.resize=64", "dataset.crop=64", "batch_size=2"]
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("occlusion", ["derive.occlusion.window=16", "derive.occlusion.stride=12"]),
+        (
+            "feature_ablation",
+            ["derive.feature_ablation.segments=grid", "derive.feature_ablation.cells=4"],
+        ),
+        (
+            "kernel_shap",
+            [
+                "derive.kernel_shap.segments=grid",
+                "derive.kernel_shap.cells=2",
+                "derive.kernel_shap.samples=14",
+            ],
+        ),
+        ("rise", ["derive.rise.masks=30", "derive.rise.cells=4"]),
+        ("score_cam", []),
+        ("ablation_cam", []),
+    ],
+)
+def test_each_method_equals_its_reference_on_the_imagenet_mobilenet(tmp_path, name, extra):
+    from captum.attr import FeatureAblation, Occlusion
+    from references import mobilenet
+
+    model = mobilenet()
+    data = _run(tmp_path, [*PHOTOS, *extra, "render=false"], name)
+    x, target = _inputs(data)
+    assert x.shape == (3, 3, 64, 64)
+    if name == "occlusion":
+        want = Occlusion(model).attribute(
+            x, sliding_window_shapes=(3, 16, 16), strides=(3, 12, 12), baselines=0.0, target=target
+        )
+        got = data["derived/occlusion/input"]
+    elif name in ("feature_ablation", "kernel_shap"):
+        cells = 4 if name == "feature_ablation" else 2
+        masks = _grid_mask(cells, 64).expand(len(x), 64, 64)
+        if name == "feature_ablation":
+            want = FeatureAblation(model).attribute(
+                x,
+                baselines=0.0,
+                target=target,
+                feature_mask=masks[:, None].expand(len(x), 3, 64, 64),
+            )
+        else:
+            want = _shapley_by_hand(model, x, target, masks, 0.0)[:, None].expand(len(x), 3, 64, 64)
+        got = data[f"derived/{name}/input"]
+    elif name == "rise":
+        want = []
+        for start in range(0, len(x), 2):
+            salt = zlib.crc32(f"rise|input|{start}".encode())
+            m = _rise_masks(30, 4, 0.5, torch.Generator().manual_seed(salt), 64)
+            for i in range(start, min(start + 2, len(x))):
+                with torch.no_grad():
+                    probs = model(x[i] * m[:, None]).softmax(-1)[:, target[i]]
+                want.append((probs[:, None, None] * m).sum(0) / (30 * 0.5))
+        want, got = torch.stack(want), data["derived/rise/input"]
+    else:
+        layer = model.features[18]
+        seen = []
+        handle = layer.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+        with torch.no_grad():
+            model(x)
+        handle.remove()
+        a = seen[0].numpy()
+        cam = (ScoreCAM if name == "score_cam" else AblationCAM)(model, [layer])
+        targets = [ClassifierOutputTarget(int(t)) for t in target]
+        weights = cam.get_cam_weights(x, layer, targets, a, None)
+        want, got = (
+            np.maximum((weights[:, :, None, None] * a).sum(1), 0),
+            data[f"derived/{name}/features.18"],
+        )
+    want = want.detach().numpy() if torch.is_tensor(want) else want
+    _close(got, want, 2e-3 if "cam" in name else 1e-4)
