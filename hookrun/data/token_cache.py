@@ -19,8 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +64,15 @@ def cached(
 ) -> tuple[TokenFile, dict[str, Any]]:
     """The ids and what `tokenize` said of them (arrays, ints, a list of str), from
     `folder/key` when it is whole, else made by `tokenize(store)` and kept there."""
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        held = _lock(folder / "lock")  # waits while another rank tokenizes
+    except OSError as err:  # a read-only run folder: tokenize as before, for this process
+        log.warning("dataset: no token cache in %s (%s); tokenizing here", folder, err)
+        store = TokenFile()
+        return store, tokenize(store)
     home = folder / key
-    with _locked(folder / "lock"):
+    try:
         if home.is_dir():
             found = _load(home)
             if found is not None:
@@ -87,6 +92,8 @@ def cached(
         except BaseException:
             shutil.rmtree(part, ignore_errors=True)
             raise
+    finally:
+        os.close(held)  # releases the lock
     log.info("dataset: %d tokens tokenized into the token cache %s", store.size, home)
     return store, said
 
@@ -96,14 +103,15 @@ def remove(run_dir: Path) -> None:
     shutil.rmtree(run_dir / FOLDER, ignore_errors=True)
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _lock(path: Path) -> int:
+    """An open descriptor of `path` holding its exclusive flock (closing it releases it)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another rank tokenizes
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _save(part: Path, said: dict[str, Any], sha256: str) -> None:

@@ -99,3 +99,16 @@ def test_limit_reads_only_what_its_rows_need(tmp_path, pack):
         if values.shape[:1] == (4,):
             np.testing.assert_array_equal(values, whole[key][:4], err_msg=key)
     assert limited["samples/tokens"].shape[0] == 4
+
+
+def test_a_run_folder_without_room_for_the_cache_tokenizes_as_before(tmp_path, caplog):
+    args = _args(tmp_path, 20)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / FOLDER).write_text("a file where the cache's folder would be")
+    with caplog.at_level(logging.WARNING, logger="hookrun"):
+        got = read(run_config(run_dir, args).path)
+    assert "no token cache in" in caplog.text
+    want = read(run_config(tmp_path / "fresh", args).path)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
