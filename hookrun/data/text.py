@@ -1,15 +1,18 @@
 """`dataset=text`: a corpus as rows of token ids, streamed from its files to a token file.
 
-Documents are read and tokenized a chunk at a time, and their ids go to an unlinked
-temporary file (int32, in Python's temporary folder: TMPDIR, else /tmp; 4 bytes a token,
-gone when the process ends, killed or not), never all held in memory: what stays is a few
-numbers per document. Rows are read back from the file as the loader asks for them.
+Documents are read and tokenized a chunk at a time, and their ids go to the run's token
+cache (data/token_cache.py: once per job, for its ranks and resumes) or, without one, to an
+unlinked temporary file (int32, in Python's temporary folder: TMPDIR, else /tmp; 4 bytes a
+token, gone when the process ends, killed or not), never all held in memory: what stays is
+a few numbers per document. Rows are read back from the file as the loader asks for them.
 `pack: true` joins the documents with the tokenizer's eos (else sep) token into one stream
 cut into rows of `context` tokens (the last partial row dropped); `pack: false` gives one
 row per document, truncated or right-padded.
 The sample, its mask, read marker and label are those of hookrun/data/tokens.py; so are the
-fingerprint (byte for byte: a run resumed across this change is continued) and the
-vocabulary check. Every refusal of the data happens before the first batch.
+fingerprint and the vocabulary check, over the rows read (with `limit`, the corpus is read
+only as far as the kept rows need; a run with `limit` started before this (stop 37)
+fingerprinted the whole corpus, and is refused on resume as data that changed). Every
+refusal of the data happens before the first batch.
 """
 
 from __future__ import annotations

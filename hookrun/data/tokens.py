@@ -301,8 +301,9 @@ def encode(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
 
 def check_vocab(data: Dataset, vocab_size: int) -> None:
     """Refuse token data with an id the model has no embedding for (a tokenizer that does
-    not match the model), naming the file and line it comes from; other data passes. The
-    whole dataset is checked, not only the rows a `limit` keeps."""
+    not match the model), naming the file and line it comes from; other data passes. Every
+    row built is checked, not only the rows a `limit` keeps (a corpus is built only as far
+    as `limit` needs, data/text.py)."""
     rows = token_rows(data)
     if rows is not None:
         rows.check_vocab(vocab_size)  # type: ignore[attr-defined]

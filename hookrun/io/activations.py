@@ -19,7 +19,7 @@ per row (`args.positions: last`, (N, D)) has one token per row.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import h5py
@@ -86,15 +86,6 @@ def _tokens(f: h5py.File, key: str) -> _Tokens:
     return _Tokens(rows, per_row, features, chunk_rows, masked)
 
 
-def _vectors(f: h5py.File, key: str, tokens: _Tokens, start: int, stop: int) -> np.ndarray:
-    """The real tokens' vectors of rows [start, stop), (M, D) float32, in order."""
-    block = np.asarray(read_floats(f[key], slice(start, stop)), dtype=np.float32)
-    real = tokens.real(f, start, stop)
-    if real is not None:
-        return block[real]
-    return block.reshape(-1, tokens.features)
-
-
 class Activations(Dataset):
     """Token i of a (N, T, D) capture (or of listed positions, (N, P, D)) as a float32
     tensor (D,). Sequential reads (a sampler that walks blocks in order, or shuffling inside
@@ -144,7 +135,10 @@ class TokenBatches(IterableDataset):
     last batch is short unless `drop_last`. With `shuffle=False` the tokens come in file
     order. In DataLoader workers (`batch_size=None`: the batches are made here) each worker
     reads its share of the blocks into a buffer of its own: memory is workers × buffer × the
-    keys' D × the stored element size."""
+    keys' D × the stored element size; the loader interleaves the workers' batches (not file
+    order with `shuffle=False`), and each worker's last batch may be short. With
+    `persistent_workers=True` the workers keep the epoch they started with: call
+    `set_epoch` on a reader whose workers are made anew each epoch."""
 
     def __init__(
         self,
@@ -191,16 +185,24 @@ class TokenBatches(IterableDataset):
                 )
         self.widths = [layout.features for layout in layouts]
         self.block = block or first.chunk_rows
+        # The rows an epoch reads, counted here (and at set_epoch) in the parent process:
+        # DataLoader workers, each counting when it starts, could see a growing file differ.
+        self.rows = first.rows
         self.stored = stored.pop() if len(stored) == 1 else torch.float32  # the buffer's
 
     def set_epoch(self, epoch: int) -> None:
-        """Another shuffle for another epoch (as DistributedSampler.set_epoch)."""
+        """Another shuffle for another epoch (as DistributedSampler.set_epoch), over the rows
+        complete now (a file a run is still writing has grown)."""
         self.epoch = epoch
+        with open_readonly(self.path) as f:
+            self.rows = _tokens(f, self.keys[0]).rows
 
     def __len__(self) -> int:
-        """Batches of an epoch over the rows complete now."""
+        """Batches of an epoch in one process (in DataLoader workers each worker's last
+        batch may be short: as many more as there are workers)."""
         with open_readonly(self.path) as f:
-            count = _tokens(f, self.keys[0]).count(f, self.block)
+            layout = _tokens(f, self.keys[0])
+            count = replace(layout, rows=min(layout.rows, self.rows)).count(f, self.block)
         whole, rest = divmod(count, self.batch_size)
         return whole + (1 if rest and not self.drop_last else 0)
 
@@ -210,8 +212,8 @@ class TokenBatches(IterableDataset):
         seeded = np.random.SeedSequence([self.seed, self.epoch, share]).generate_state(1)[0]
         generator = torch.Generator().manual_seed(int(seeded))
         with open_readonly(self.path) as f:
-            layouts = [_tokens(f, key) for key in self.keys]  # the rows complete now
-            starts = list(range(0, layouts[0].rows, self.block))[share::shares]
+            layouts = [replace(_tokens(f, key), rows=self.rows) for key in self.keys]
+            starts = list(range(0, self.rows, self.block))[share::shares]
             stream = self._blocks(f, layouts, starts)
             if self.shuffle:
                 yield from self._shuffled(stream, generator)

@@ -112,3 +112,16 @@ def test_a_run_folder_without_room_for_the_cache_tokenizes_as_before(tmp_path, c
     want = read(run_config(tmp_path / "fresh", args).path)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_a_cut_docs_file_is_made_again(tmp_path, caplog):
+    """Found in review: a truncated docs.npz raised zipfile's own error."""
+    args = _args(tmp_path, 20)
+    run_dir = tmp_path / "run"
+    run_config(run_dir, [*args, "dry_run=true"])
+    (home,) = [p for p in (run_dir / FOLDER).iterdir() if p.is_dir()]
+    docs = home / "docs.npz"
+    docs.write_bytes(docs.read_bytes()[: len(docs.read_bytes()) // 2])
+    with caplog.at_level(logging.INFO, logger="hookrun"):
+        run_config(run_dir, args)
+    assert "is damaged; tokenizing again" in caplog.text

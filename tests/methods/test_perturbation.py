@@ -387,3 +387,25 @@ def test_each_method_equals_its_reference_on_the_imagenet_mobilenet(tmp_path, na
         )
     want = want.detach().numpy() if torch.is_tensor(want) else want
     _close(got, want, 2e-3 if "cam" in name else 1e-4)
+
+
+def test_slic_segments_one_channel_images_as_images():
+    """Found in review: SLIC read a (H, W, 1) array as a volume; digits are one channel."""
+    from hookrun.stages.derive.perturb import FeatureAblationArgs, segment_rows
+
+    x = torch.zeros((2, 1, 28, 28))
+    x[:, :, :, 14:] = 1.0  # two halves
+    labels = segment_rows(FeatureAblationArgs(n_segments=4, compactness=0.1), x, None)
+    assert labels.shape == (2, 28, 28)
+    assert len(np.unique(labels[0])) >= 2
+    for label in np.unique(labels[0]):  # the segments follow the edge between the halves
+        columns = np.nonzero(labels[0] == label)[1]
+        assert columns.max() < 14 or columns.min() >= 14
+
+
+@pytest.mark.parametrize("name", ["score_cam", "ablation_cam", "rise"])
+def test_methods_that_score_a_class_refuse_target_none(resnet, tmp_path, name):
+    _, overrides = resnet
+    with pytest.raises(HookrunError) as err:
+        _run(tmp_path, [*overrides, "target.kind=none"], name)
+    assert "target.kind" in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -187,14 +187,19 @@ class Deltas:
         """(N, T, heads, D): the layer's heads' write deltas."""
         return head_writes(self.projections[layer], self.heads[layer], self.head_count)
 
-    def sender(self, s: int) -> torch.Tensor:
-        """(N, T, D): sender s's write delta (s indexes Graph.senders)."""
+    def sender(self, s: int, made: dict | None = None) -> torch.Tensor:
+        """(N, T, D): sender s's write delta (s indexes Graph.senders); `made` keeps each
+        layer's projected heads for the next sender of the layer."""
         if s == 0:
             return self.embed
         layer, at = divmod(s - 1, self.head_count + 1)
         if at == self.head_count:
             return self.mlps[layer]
-        return self.layer_heads(layer)[:, :, at]
+        made = {} if made is None else made
+        if layer not in made:
+            made.clear()  # one layer's heads at a time
+            made[layer] = self.layer_heads(layer)
+        return made[layer][:, :, at]
 
     def scores(self, grads: torch.Tensor) -> torch.Tensor:
         """(N, senders, R): each sender's delta · each receiver's input gradient `grads`
@@ -280,12 +285,13 @@ def path_patched(
     norms = receiver_norms(graph)
     upstream = graph.upstream()
     out = torch.full((len(ids), len(graph.senders)), float("nan"), device=ids.device)
+    made: dict = {}  # the current layer's projected heads
     for s in range(len(graph.senders)):
         targets = [r for r in receivers if upstream[s, r]]
         if not targets:
             continue
 
-        write = sent.sender(s)
+        write = sent.sender(s, made)
 
         def add(module, args, write=write):
             return (args[0] + write.to(args[0].dtype), *args[1:])

@@ -230,12 +230,13 @@ def _graph(setup: Setup) -> Graph:
             f"circuit: the {model_type} model has no module {absent}; valid: a {model_type} "
             "model as transformers builds it"
         )
+    placed = sorted({str(d) for d in (getattr(hf, "hf_device_map", None) or {}).values()})
     offloaded = [n for n in graph.heads if named[n].weight.device.type == "meta"]
-    if offloaded:  # head_writes reads each projection's weight itself
+    if len(placed) > 1 or offloaded:  # head_writes reads each projection's weight itself
         raise HookrunError(
-            f"circuit: {offloaded[0]}'s weights are offloaded to disk by model.device_map "
-            "(they exist only during its forward); valid: a map that keeps the attention "
-            "output projections on a device (cuda:N or cpu)"
+            f"circuit: model.device_map puts the model on {', '.join(placed)}"
+            + (f" ({offloaded[0]}'s weights exist only during its forward)" if offloaded else "")
+            + "; valid: one device (model.device_map=null, or a map to one device)"
         )
     return graph
 

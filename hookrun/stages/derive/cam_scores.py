@@ -43,6 +43,7 @@ class _ScoredCAM(Method):
 
     Args = ScoreCamArgs
     reads_batch = True
+    needs_class = True  # the passes score the target class
 
     @classmethod
     def check(cls, args: ScoreCamArgs, key: str) -> None:

@@ -196,12 +196,13 @@ def segment_rows(args: FeatureAblationArgs, x: torch.Tensor, mask: np.ndarray | 
         hwc = np.moveaxis(image, 0, -1)
         low, high = hwc.min(), hwc.max()
         scaled = (hwc - low) / (high - low) if high > low else np.zeros_like(hwc)
+        grey = hwc.shape[-1] == 1  # one channel: a 2-D image (else SLIC sees a volume)
         out[i] = slic(
-            scaled.astype(np.float64),
+            (scaled[..., 0] if grey else scaled).astype(np.float64),
             n_segments=args.n_segments,
             compactness=args.compactness,
             start_label=0,
-            channel_axis=-1 if hwc.shape[-1] > 1 else None,
+            channel_axis=None if grey else -1,
         )
     return out
 
@@ -363,11 +364,12 @@ def _coalitions(m: int, samples: int, gen: torch.Generator) -> tuple[torch.Tenso
         k = z.sum(1)
         weight = (m - 1) / (torch.tensor([math.comb(m, int(i)) for i in k]) * k * (m - k))
         return z, weight.double()
-    sizes = torch.arange(1, m)
+    at = gen.device  # the run's device: its generator draws there
+    sizes = torch.arange(1, m, device=at)
     p = (m - 1) / (sizes * (m - sizes)).double()
     drawn = sizes[torch.multinomial(p / p.sum(), samples, replacement=True, generator=gen)]
-    order = torch.rand((samples, m), generator=gen).argsort(1)
-    z = order < drawn[:, None]  # the first k of a random order
+    order = torch.rand((samples, m), generator=gen, device=at).argsort(1)
+    z = (order < drawn[:, None]).cpu()  # the first k of a random order
     return z, torch.ones(samples, dtype=torch.float64)
 
 
