@@ -8,7 +8,8 @@
   output set to 0; w_k = (y − y_k) / y, y the target score and y_k the ablated run's.
 
 The map is relu(Σ_k w_k A_k) at the layer's grid, (N, H, W), like grad_cam's. One pass per
-channel per row, batched (`internal_batch_size`, or as many rows as 8M input values allow).
+channel per row, batched (`internal_batch_size`, or perturb.perturbation_rows: 1M input
+values a pass on the CPU, 8M on a GPU).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from hookrun.io import layout
 from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.runtime.layouts import Grid, Layout, to_channels_first
 from hookrun.stages.derive.cam import CamArgs, layer_grid
-from hookrun.stages.derive.gradients import check_rows_per_pass, rows_per_pass
-from hookrun.stages.derive.perturb import _plain_score, perturbed_scores
+from hookrun.stages.derive.gradients import check_rows_per_pass
+from hookrun.stages.derive.perturb import _plain_score, perturbation_rows, perturbed_scores
 from hookrun.stages.derive.registry import BatchContext, Method, register_method
 
 __all__ = ["ScoreCAM", "AblationCAM"]
@@ -94,7 +95,7 @@ class ScoreCAM(_ScoredCAM):
                 0, 1
             )
 
-        per_pass = rows_per_pass(args.internal_batch_size, x)
+        per_pass = perturbation_rows(args.internal_batch_size, x)
         return perturbed_scores(batch, c, make, per_pass).softmax(-1)
 
 
@@ -121,7 +122,7 @@ class AblationCAM(_ScoredCAM):
             pending[:] = [ks]
             return x.repeat(len(ks), *(1,) * (x.dim() - 1))
 
-        per_pass = rows_per_pass(args.internal_batch_size, x)
+        per_pass = perturbation_rows(args.internal_batch_size, x)
         plain = _plain_score(batch)
         with hooked([ModuleHook(module, ablate)]):
             ablated = perturbed_scores(batch, c, make, per_pass)
