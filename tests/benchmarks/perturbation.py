@@ -12,8 +12,11 @@ at a batch of 2 and of 8 (each its own process): flat when passes are sized by m
     python tests/benchmarks/perturbation.py [--images 8] [--reps 2]
 
 Settings: occlusion window 32, stride 32 (49 windows); feature ablation on an 8 × 8 grid
-(64 segments); Score-CAM and Ablation-CAM at features.17 (320 channels; features.18 has
-1280, four times the passes). Not part of the test run.
+(64 segments); KernelSHAP on the same grid with 256 samples (each library draws its own,
+so its maps agree only roughly); Score-CAM and Ablation-CAM at features.18 (1280 channels;
+a ReLU6 output, so pytorch-grad-cam's ablation is hookrun's 0). Peak memory is GNU time's
+%M of each child, measured first (a child forked from a large parent would report the
+parent's size). Not part of the test run.
 """
 
 from __future__ import annotations
@@ -49,8 +52,13 @@ METHODS = {
         "derive.feature_ablation.segments=grid",
         "derive.feature_ablation.cells=8",
     ],
-    "score_cam": ["model.cam_layer=features.17"],
-    "ablation_cam": ["model.cam_layer=features.17"],
+    "kernel_shap": [
+        "derive.kernel_shap.segments=grid",
+        "derive.kernel_shap.cells=8",
+        "derive.kernel_shap.samples=256",
+    ],
+    "score_cam": [],  # features.18: 1280 channels
+    "ablation_cam": [],
 }
 
 
@@ -91,10 +99,28 @@ def _reference(
             )
             .numpy()
         )
+    if name == "kernel_shap":  # the same 64 segments and sample count; its draws are its own
+        from captum.attr import KernelShap
+
+        cells = torch.arange(224) * 8 // 224
+        mask = (cells[:, None] * 8 + cells[None, :]).expand(1, 3, 224, 224)
+        torch.manual_seed(0)
+        return (
+            KernelShap(model)
+            .attribute(
+                x,
+                baselines=0.0,
+                target=target,
+                feature_mask=mask,
+                n_samples=256,
+                perturbations_per_eval=per_eval,
+            )
+            .numpy()
+        )
     from pytorch_grad_cam import AblationCAM, ScoreCAM
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
-    layer = model.features[17]
+    layer = model.features[18]
     seen = []
     handle = layer.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
     with torch.no_grad():
@@ -108,21 +134,35 @@ def _reference(
 
 
 CHILD = """
-import resource, sys
+import sys
 import hookrun
 hookrun.run(["experiment=occlusion", *sys.argv[3:], "dataset.size=8", f"batch_size={sys.argv[1]}"],
             run_dir=sys.argv[2])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
+
+
+def _peak_mib(batch: int, out: Path) -> float:
+    """GNU time's maximum resident size of an occlusion run at `batch`, in MiB."""
+    args = [str(batch), str(out), *BASE, *METHODS["occlusion"]]
+    done = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", sys.executable, "-c", CHILD, *args],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise SystemExit(done.stderr[-2000:])
+    return float(done.stderr.strip().splitlines()[-1]) / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=list(METHODS), help="methods to time")
     args = parser.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="perturbation_bench_"))
+    peaks = {batch: _peak_mib(batch, work / f"mem{batch}") for batch in (2, 8)}
     model = mobilenet()
     print(
         f"MobileNetV2 (ImageNet), {args.images} images of 224 px, batch {args.images}; torch "
@@ -133,7 +173,7 @@ def main() -> None:
         for r in range(args.reps)
     )
     print(f"  hookrun's fixed part (a saliency run): {fixed:.2f} s")
-    for name in METHODS:
+    for name in args.only:
         runs = [
             _hookrun(name, args.images, args.images, work / f"{name}{r}") for r in range(args.reps)
         ]
@@ -145,7 +185,7 @@ def main() -> None:
                 [
                     f"derived/{name}/{k}"
                     for k in f[f"derived/{name}"]
-                    if k in ("input", "features.17")
+                    if k in ("input", "features.18")
                 ][0]
             ][()]
         settings = [1] if "cam" in name else [1, 64]
@@ -156,6 +196,7 @@ def main() -> None:
                 want = _reference(name, model, x, target, per_eval)
                 times.append(time.perf_counter() - start)
             theirs = statistics.median(times)
+            # KernelSHAP's samples are each library's own draws: close, not equal.
             error = float(np.abs(got - want).max() / np.abs(want).max())
             who = (
                 "pytorch-grad-cam"
@@ -167,24 +208,6 @@ def main() -> None:
                 f"{who}: {args.images / theirs:7.2f} images/s ({theirs:.1f} s); "
                 f"hookrun / them {theirs / ours:.2f}x; max difference {error:.1e} of the max"
             )
-    peaks = {}
-    for batch in (2, 8):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                CHILD,
-                str(batch),
-                str(work / f"mem{batch}"),
-                *BASE,
-                *METHODS["occlusion"],
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if out.returncode:
-            raise SystemExit(out.stderr[-2000:])
-        peaks[batch] = float(out.stdout.split()[-1])
     print(
         f"  occlusion peak resident memory: batch 2 {peaks[2]:.0f} MiB, batch 8 {peaks[8]:.0f} "
         f"MiB ({peaks[8] / peaks[2]:.2f}x at 4x the batch)"
