@@ -193,7 +193,7 @@ def test_a_map_split_between_cuda_and_cpu_is_the_one_device_run(tmp_path, lm):
             np.testing.assert_allclose(g[key][()], f[key][()], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
-def test_circuits_refuse_projections_offloaded_to_disk(tmp_path, lm):
+def test_circuits_refuse_a_model_on_several_devices_or_on_disk(tmp_path, lm):
     data = _prompts(tmp_path / "patching.jsonl")
     with pytest.raises(HookrunError) as err:
         run_config(
@@ -201,4 +201,5 @@ def test_circuits_refuse_projections_offloaded_to_disk(tmp_path, lm):
             [*lm, "experiment=circuit", f"dataset.path={data}", *_mapped(tmp_path)],
         )
     said = str(err.value)
-    assert "offloaded to disk by model.device_map" in said and "\n" not in said, said
+    assert "circuit: model.device_map puts the model on cpu, disk" in said, said
+    assert "weights exist only during its forward" in said and "\n" not in said, said
