@@ -23,6 +23,18 @@ ROWS = [
 ]
 
 
+# Every block's output and the embeddings' output gradient, for the answer's logit.
+CAPTURES = [
+    "++hooks.blocks.select.regex=transformer\\.h\\.\\d+",
+    "++hooks.blocks.at=output",
+    "++hooks.blocks.action=capture",
+    "++hooks.g.select.name=transformer.wte",
+    "++hooks.g.at=grad_output",
+    "++hooks.g.action=capture",
+    "target.kind=answer",
+]
+
+
 def _mapped(tmp_path) -> list[str]:
     """A max_memory too small for the whole model (149 kB of float32): what does not fit
     goes to disk, in the offload folder."""
@@ -67,13 +79,7 @@ def test_captures_gradients_and_the_lens_are_the_one_device_runs(tmp_path, lm):
         "dataset=prompts",
         f"dataset.path={data}",
         "batch_size=2",
-        "++hooks.blocks.select.regex=transformer\\.h\\.\\d+",
-        "++hooks.blocks.at=output",
-        "++hooks.blocks.action=capture",
-        "++hooks.g.select.name=transformer.wte",
-        "++hooks.g.at=grad_output",
-        "++hooks.g.action=capture",
-        "target.kind=answer",
+        *CAPTURES,
     ]
     one, spread = _both(tmp_path, "captures", args)
     _same(one, spread, "captures/")
@@ -175,13 +181,7 @@ def test_a_map_split_between_cuda_and_cpu_is_the_one_device_run(tmp_path, lm):
         f"dataset.path={data}",
         "batch_size=2",
         "device.name=cuda",
-        "++hooks.blocks.select.regex=transformer\\.h\\.\\d+",
-        "++hooks.blocks.at=output",
-        "++hooks.blocks.action=capture",
-        "++hooks.g.select.name=transformer.wte",
-        "++hooks.g.at=grad_output",
-        "++hooks.g.action=capture",
-        "target.kind=answer",
+        *CAPTURES,
     ]
     parts = ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.ln_f"]
     places = ", ".join([*(f"{p}: cpu" for p in parts), "transformer.h: 0", "lm_head: cpu"])

@@ -165,13 +165,9 @@ def test_rise_is_the_papers_formula_with_the_documented_masks(resnet, tmp_path):
     _close(data["derived/rise/input"], torch.stack(want).numpy())
 
 
-@pytest.mark.parametrize("name", ["score_cam", "ablation_cam"])
-def test_score_cam_and_ablation_cam_equal_pytorch_grad_cam(resnet, tmp_path, name):
-    model, overrides = resnet
-    args = ["dataset.image_size=64", "model.cam_layer=layer3"]
-    data = _run(tmp_path, [*overrides, *args], name)
-    x, target = _inputs(data)
-    layer = model.layer3
+def _grad_cam_library_map(name: str, model, layer, x, target) -> np.ndarray:
+    """pytorch-grad-cam's Score-CAM or Ablation-CAM map before its scaling: its own weights
+    (get_cam_weights) on the layer's activation captured here, relu(Σ w A)."""
     seen = []
     handle = layer.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
     with torch.no_grad():
@@ -181,7 +177,16 @@ def test_score_cam_and_ablation_cam_equal_pytorch_grad_cam(resnet, tmp_path, nam
     targets = [ClassifierOutputTarget(int(t)) for t in target]
     cam_class = ScoreCAM if name == "score_cam" else AblationCAM
     weights = cam_class(model, [layer]).get_cam_weights(x, layer, targets, activations, None)
-    want = np.maximum((weights[:, :, None, None] * activations).sum(1), 0)
+    return np.maximum((weights[:, :, None, None] * activations).sum(1), 0)
+
+
+@pytest.mark.parametrize("name", ["score_cam", "ablation_cam"])
+def test_score_cam_and_ablation_cam_equal_pytorch_grad_cam(resnet, tmp_path, name):
+    model, overrides = resnet
+    args = ["dataset.image_size=64", "model.cam_layer=layer3"]
+    data = _run(tmp_path, [*overrides, *args], name)
+    x, target = _inputs(data)
+    want = _grad_cam_library_map(name, model, model.layer3, x, target)
     got = data[f"derived/{name}/layer3"]
     assert got.shape == (3, 4, 4)
     _close(got, want, 2e-3)
@@ -371,20 +376,8 @@ def test_each_method_equals_its_reference_on_the_imagenet_mobilenet(tmp_path, na
                 want.append((probs[:, None, None] * m).sum(0) / (30 * 0.5))
         want, got = torch.stack(want), data["derived/rise/input"]
     else:
-        layer = model.features[18]
-        seen = []
-        handle = layer.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
-        with torch.no_grad():
-            model(x)
-        handle.remove()
-        a = seen[0].numpy()
-        cam = (ScoreCAM if name == "score_cam" else AblationCAM)(model, [layer])
-        targets = [ClassifierOutputTarget(int(t)) for t in target]
-        weights = cam.get_cam_weights(x, layer, targets, a, None)
-        want, got = (
-            np.maximum((weights[:, :, None, None] * a).sum(1), 0),
-            data[f"derived/{name}/features.18"],
-        )
+        want = _grad_cam_library_map(name, model, model.features[18], x, target)
+        got = data[f"derived/{name}/features.18"]
     want = want.detach().numpy() if torch.is_tensor(want) else want
     _close(got, want, 2e-3 if "cam" in name else 1e-4)
 
