@@ -62,7 +62,7 @@ class _ScoredCAM(Method):
         grid = state
         raw = records[layout.capture_key(args.layer, "output")].to(batch.targets.device)
         activation = to_channels_first(raw.float(), grid.layout, grid.prefix_tokens, grid.size)
-        weights = self.weights(args, grid, activation, raw, batch)  # (N, C)
+        weights = self.weights(args, grid, activation, batch)  # (N, C)
         cam = torch.relu(torch.einsum("nc,nchw->nhw", weights, activation))
         return {layout.derived_key(self.name, str(args.layer)): cam.float().cpu()}
 
@@ -71,7 +71,6 @@ class _ScoredCAM(Method):
         args: Any,
         state: Any,
         activation: torch.Tensor,
-        raw: torch.Tensor,
         batch: BatchContext,
     ) -> torch.Tensor:
         raise NotImplementedError
@@ -82,7 +81,7 @@ class _ScoredCAM(Method):
 
 @register_method("score_cam")
 class ScoreCAM(_ScoredCAM):
-    def weights(self, args, state, activation, raw, batch) -> torch.Tensor:
+    def weights(self, args, state, activation, batch) -> torch.Tensor:
         x = batch.inputs
         n, c = activation.shape[:2]
         up = F.interpolate(activation, size=x.shape[-2:], mode="bilinear", align_corners=True)
@@ -101,7 +100,7 @@ class ScoreCAM(_ScoredCAM):
 
 @register_method("ablation_cam")
 class AblationCAM(_ScoredCAM):
-    def weights(self, args, state, activation, raw, batch) -> torch.Tensor:
+    def weights(self, args, state, activation, batch) -> torch.Tensor:
         grid, x = state, batch.inputs
         n, c = activation.shape[:2]
         module = dict(batch.model.named_modules())[str(args.layer)]
