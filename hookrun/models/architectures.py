@@ -1,8 +1,9 @@
 """Where each language-model family keeps its parts, by module name as transformers builds
 it: the one table the logit lens (blocks, final norm, unembedding), the patching grid (a
 block's output, attention, MLP, and the heads: the attention output projection's input),
-attention patterns and the patched passes' cache resume read. A family not in it is refused
-where it is needed, naming what would describe it (ARCHITECTURE_KEYS).
+attention patterns, the patched passes' cache resume and edge attribution's receivers (the
+norms a block's attention and MLP read through, the q/k/v projections) read. A family not
+in it is refused where it is needed, naming what would describe it (ARCHITECTURE_KEYS).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Architecture:
     attention_norm: str | None = None
     mlp_norm: str | None = None
     parallel: bool = False
+    # The projections that make a block's queries, keys and values from its attention
+    # norm's output (edge attribution's per-head receivers; () : not known), and how their
+    # outputs lay the heads out: "stacked", one projection [all queries | all keys | all
+    # values] (GPT-2's c_attn); "separate", three projections (Llama's q_proj, k_proj,
+    # v_proj); "per_head", one projection [q | k | v] per head (GPT-NeoX's query_key_value).
+    qkv: tuple[str, ...] = ()
+    qkv_layout: str = "separate"
 
     def block(self, layer: int) -> str:
         return f"{self.blocks}.{layer}"
@@ -74,6 +82,8 @@ ARCHITECTURE_KEYS = (
     "attention_norm",
     "mlp_norm",
     "parallel",
+    "qkv",
+    "qkv_layout",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -89,6 +99,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         unembedding=("lm_head",),
         attention_norm="transformer.h.{}.ln_1",
         mlp_norm="transformer.h.{}.ln_2",
+        qkv=("transformer.h.{}.attn.c_attn",),
+        qkv_layout="stacked",
     ),
     Architecture(
         family="Llama-family",
@@ -102,6 +114,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         unembedding=("lm_head",),
         attention_norm="model.layers.{}.input_layernorm",
         mlp_norm="model.layers.{}.post_attention_layernorm",
+        qkv=(
+            "model.layers.{}.self_attn.q_proj",
+            "model.layers.{}.self_attn.k_proj",
+            "model.layers.{}.self_attn.v_proj",
+        ),
     ),
     Architecture(
         family="Gemma 2",
@@ -131,6 +148,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         attention_norm="gpt_neox.layers.{}.input_layernorm",
         mlp_norm="gpt_neox.layers.{}.post_attention_layernorm",
         parallel=True,  # config.use_parallel_residual (its default)
+        qkv=("gpt_neox.layers.{}.attention.query_key_value",),
+        qkv_layout="per_head",
     ),
     Architecture(
         family="BERT",

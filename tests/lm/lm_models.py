@@ -74,14 +74,15 @@ def tokenizer():
     )
 
 
-def save_lm(folder: Path, family: str, seed: int = 0):
+def save_lm(folder: Path, family: str, seed: int = 0, **config_changes):
     """The family's model with seeded random weights and the tokenizer, saved to `folder`;
-    the model (eval mode) and the model.class hookrun needs for it."""
+    the model (eval mode) and the model.class hookrun needs for it. `config_changes`:
+    config values other than the family's here."""
     import transformers
 
     kind, config, _ = FAMILIES[family]
     tok = tokenizer()
-    cfg = transformers.AutoConfig.for_model(**config, vocab_size=len(tok) + 4)
+    cfg = transformers.AutoConfig.for_model(**(config | config_changes), vocab_size=len(tok) + 4)
     cfg.pad_token_id = tok.pad_token_id
     auto = transformers.AutoModelForMaskedLM if kind == "masked_lm" else None
     auto = auto or transformers.AutoModelForCausalLM

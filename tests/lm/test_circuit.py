@@ -1,9 +1,12 @@
 """experiment=circuit (issue 31): each edge's EAP score equals the formula computed by hand
 on the same Hugging Face model, each row run alone — (the sender's clean write − its
-corrupted write) · the gradient of the logit difference at the receiver's norm input, that
-gradient taken through the receiver alone (a copy of the input handed to its norm) —
-with each head's write its slice of the output projection's input times that slice of the
-weight; EAP-IG averages the gradient over runs with `inputs_embeds` interpolated."""
+corrupted write) · the gradient of the logit difference at the receiver's input, that
+gradient taken through the receiver alone — with each head's write its slice of the output
+projection's input times that slice of the weight. A receiver is a head's query, key or
+value (by hand: a copy of the residual stream before the attention norm, normed and
+projected by the model's own modules, whose output's slice for that head replaces the
+projection's), an MLP or the logits (a copy handed to its norm). EAP-IG averages the
+gradient over runs with `inputs_embeds` interpolated."""
 
 from __future__ import annotations
 
@@ -25,14 +28,104 @@ NAMES = {
         "mlp": "transformer.h.{}.mlp",
         "norms": ("transformer.h.{}.ln_1", "transformer.h.{}.ln_2"),
         "final": "transformer.ln_f",
+        "qkv": ("transformer.h.{}.attn.c_attn",),
     },
     "llama": {
         "proj": "model.layers.{}.self_attn.o_proj",
         "mlp": "model.layers.{}.mlp",
         "norms": ("model.layers.{}.input_layernorm", "model.layers.{}.post_attention_layernorm"),
         "final": "model.norm",
+        "qkv": tuple(f"model.layers.{{}}.self_attn.{x}_proj" for x in "qkv"),
+    },
+    "gpt_neox": {  # with use_parallel_residual=false: the MLP reads after the attention
+        "proj": "gpt_neox.layers.{}.attention.dense",
+        "mlp": "gpt_neox.layers.{}.mlp",
+        "norms": (
+            "gpt_neox.layers.{}.input_layernorm",
+            "gpt_neox.layers.{}.post_attention_layernorm",
+        ),
+        "final": "gpt_neox.final_layer_norm",
+        "qkv": ("gpt_neox.layers.{}.attention.query_key_value",),
     },
 }
+
+
+def _reads(model, family):
+    """Per layer, each read's name → (its projection, the slice of that projection's output
+    that is its query, key or value), laid out by hand from the config: GPT-2's c_attn puts
+    out [queries | keys | values], Llama's q_proj, k_proj and v_proj one each; key/value
+    heads are shared by heads / key_value_heads query heads (named kv<j> then); GPT-NeoX's
+    query_key_value puts out [q | k | v] for each head in turn."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    width = config.hidden_size
+    dh = width // heads
+    group = "h" if kv == heads else "kv"
+    out = []
+    for layer in range(config.num_hidden_layers):
+        qkv = [name.format(layer) for name in NAMES[family]["qkv"]]
+        reads = {}
+        for h in range(heads):
+            first = 3 * h * dh if family == "gpt_neox" else h * dh
+            reads[f"a{layer}.h{h}.q"] = (qkv[0], slice(first, first + dh))
+        for part, letter in ((1, "k"), (2, "v")):
+            for j in range(kv):
+                if family == "gpt2":
+                    at = (qkv[0], slice(part * width + j * dh, part * width + (j + 1) * dh))
+                elif family == "gpt_neox":
+                    at = (qkv[0], slice((3 * j + part) * dh, (3 * j + part + 1) * dh))
+                else:
+                    at = (qkv[part], slice(j * dh, (j + 1) * dh))
+                reads[f"a{layer}.{group}{j}.{letter}"] = at
+        out.append(reads)
+    return out
+
+
+def _receivers(model, family):
+    """Every receiver's name in the order /circuit/edges lists them."""
+    out = []
+    for layer, reads in enumerate(_reads(model, family)):
+        out += [*reads, f"m{layer}"]
+    return [*out, "logits"]
+
+
+def _read_hooks(model, family, take_in):
+    """Hooks under which each read takes in `take_in(name, x)` instead of the residual
+    stream x before its layer's attention norm (None: x itself): the norm and the
+    projection run again, as modules, on what it takes in, and the read's slice of that
+    output replaces the projection's."""
+    names, named = NAMES[family], dict(model.named_modules())
+    hooks = []
+    for layer, reads in enumerate(_reads(model, family)):
+        norm = named[names["norms"][0].format(layer)]
+        seen = {}
+        hooks.append(norm.register_forward_pre_hook(lambda m, a, seen=seen: seen.update(x=a[0])))
+        for projection in {module for module, _ in reads.values()}:
+
+            def replace(m, a, o, projection=projection, reads=reads, seen=seen, norm=norm):
+                out = o.clone()
+                for name, (module, part) in reads.items():
+                    if module != projection:
+                        continue
+                    taken = take_in(name, seen["x"])
+                    if taken is not None:
+                        out[..., part] = m.forward(norm.forward(taken))[..., part]
+                return out
+
+            hooks.append(named[projection].register_forward_hook(replace))
+    return hooks
+
+
+@pytest.fixture(autouse=True)
+def _reads_split_in_chunks(monkeypatch):
+    """A layer's reads are worked on CHUNK at a time; at 4, these models' 6 (GPT-2,
+    GPT-NeoX) or 4 (Llama) reads a layer take two chunks, or one whole. (The
+    TransformerLens comparison runs them as they come.)"""
+    from hookrun.stages.circuit import edges, reads
+
+    monkeypatch.setattr(reads, "CHUNK", 4)
+    monkeypatch.setattr(edges, "CHUNK", 4)
 
 
 def _args(folder, data, *extra):
@@ -90,27 +183,29 @@ def _hand_writes(model, family, ids):
 
 
 def _hand_gradients(model, family, corrupt, clean, answers, steps):
-    """Each receiver's gradient (T, D): a0, m0, a1, m1, ..., logits."""
+    """Each receiver's gradient (T, D), by name."""
     names, named = NAMES[family], dict(model.named_modules())
     layers = model.config.num_hidden_layers
-    norms = [names["norms"][i].format(layer) for layer in range(layers) for i in (0, 1)]
-    norms.append(names["final"])
+    norms = {f"m{layer}": names["norms"][1].format(layer) for layer in range(layers)}
+    norms["logits"] = names["final"]
     embed = model.get_input_embeddings()
     with torch.no_grad():
         e_corrupt, e_clean = embed(torch.tensor([corrupt])), embed(torch.tensor([clean]))
-    total = None
+    total = {}
     for k in range(steps):
         copies = {}
 
-        def copy(module, args, key, copies=copies):
-            mine = args[0].clone()
+        def copy(name, x, copies=copies):
+            mine = x.clone()
             mine.retain_grad()
-            copies[key] = mine
-            return (mine, *args[1:])
+            copies[name] = mine
+            return mine
 
         hooks = [
-            named[n].register_forward_pre_hook(lambda m, a, key=n: copy(m, a, key)) for n in norms
+            named[n].register_forward_pre_hook(lambda m, a, key=key: (copy(key, a[0]), *a[1:]))
+            for key, n in norms.items()
         ]
+        hooks += _read_hooks(model, family, copy)
         try:
             embeds = (e_corrupt + (k / steps) * (e_clean - e_corrupt)).requires_grad_(True)
             logits = model(inputs_embeds=embeds).logits[0, -1]
@@ -118,16 +213,18 @@ def _hand_gradients(model, family, corrupt, clean, answers, steps):
         finally:
             for h in hooks:
                 h.remove()
-        grads = [copies[n].grad[0].detach() / steps for n in norms]
-        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+        for name, mine in copies.items():
+            total[name] = total.get(name, 0) + mine.grad[0].detach() / steps
     return total
 
 
 @pytest.mark.parametrize(
-    ("family", "method", "steps"), [("gpt2", "eap", 1), ("llama", "eap", 1), ("gpt2", "eap_ig", 3)]
+    ("family", "method", "steps"),
+    [("gpt2", "eap", 1), ("llama", "eap", 1), ("gpt_neox", "eap", 1), ("gpt2", "eap_ig", 3)],
 )
 def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, steps):
-    model, _ = save_lm(tmp_path / "lm", family)
+    sequential = {"use_parallel_residual": False} if family == "gpt_neox" else {}
+    model, _ = save_lm(tmp_path / "lm", family, **sequential)
     model.requires_grad_(False)
     data = _prompts(tmp_path / "p.jsonl")
     args = _args(tmp_path / "lm", data, f"circuit.method={method}", f"circuit.ig_steps={steps}")
@@ -137,7 +234,8 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
         senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]
         receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
     layers = model.config.num_hidden_layers
-    assert len(senders) == 1 + layers * (HEADS + 1) and receivers[-1] == "logits"
+    assert len(senders) == 1 + layers * (HEADS + 1) and receivers == _receivers(model, family)
+    assert edges.shape[1:] == (len(senders), len(receivers))
     tok = tokenizer()
     for r, (prompt, answer, counterfactual, wrong) in enumerate(ROWS):
         clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
@@ -152,8 +250,8 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
         ]
         grads = _hand_gradients(model, family, corrupt, clean, answers, steps)
         for s, delta in enumerate(deltas):
-            for v, grad in enumerate(grads):
-                got = edges[r, s, v]
+            for v, receiver in enumerate(receivers):
+                got, grad = edges[r, s, v], grads[receiver]
                 if np.isnan(got):
                     continue
                 want = float((delta.double() * grad.double()).sum())
@@ -168,7 +266,8 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
     # Only the edges whose sender writes before the receiver reads are scored.
     assert np.isnan(edges[:, senders.index("m0"), receivers.index("m0")]).all()
     assert np.isfinite(edges[:, senders.index("a0.h0"), receivers.index("m0")]).all()
-    assert np.isnan(edges[:, senders.index("a1.h0"), receivers.index("a1")]).all()
+    assert np.isnan(edges[:, senders.index("a1.h0"), receivers.index("a1.h1.q")]).all()
+    assert np.isfinite(edges[:, senders.index("a0.h1"), receivers.index(receivers[-3])]).all()
     assert "circuit: the edges with the largest mean" in result.summary
 
 
@@ -177,6 +276,9 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
     [
         ("gpt2", ["circuit.method=fast"], "circuit.method: 'fast'"),
         ("gpt2", ["circuit.ig_steps=0"], "circuit.ig_steps: 0 is out of range"),
+        ("gpt2", ["circuit.ablation=zero"], "circuit.ablation: 'zero'; valid: corrupted, mean"),
+        ("gpt2", ["circuit.paths=[a1.h0]"], "circuit.paths: 'a1.h0' is not a receiver"),
+        ("gpt2", ["circuit.paths=[a2]"], "circuit.paths: 'a2' is not a receiver"),
         ("gpt_neox", [], "circuit: a gpt_neox model with a parallel residual"),
     ],
 )
@@ -189,12 +291,13 @@ def test_refused_in_one_line_before_any_work(tmp_path, family, extra, said):
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
-def _hand_ablated(model, family, clean, corrupt, answers, cut):
-    """The clean row run alone, each receiver's norm reading, along every cut edge, the
-    sender's corrupted write instead of its write in this run (`cut`: receiver → senders)."""
+def _hand_ablated(model, family, clean, corrupt, answers, cut, carried=None):
+    """The clean row run alone, each receiver reading, along every cut edge, the sender's
+    corrupted write instead of its write in this run (`cut`: receiver → senders), or the
+    writes `carried` (per sender (T, D)) where given."""
     names, named = NAMES[family], dict(model.named_modules())
     layers = model.config.num_hidden_layers
-    corrupted = _hand_writes(model, family, corrupt)
+    corrupted = _hand_writes(model, family, corrupt) if carried is None else carried
     now = {}
     order = ["embed"] + [
         x
@@ -216,21 +319,23 @@ def _hand_ablated(model, family, clean, corrupt, answers, cut):
 
         return hook
 
+    def take_in(receiver, x):
+        senders = cut.get(receiver, [])
+        if not senders:
+            return None
+        return x - sum(write(s) - corrupted[order.index(s)] for s in senders)[None]
+
     def receiver_hook(receiver):
         def hook(m, a):
-            senders = cut.get(receiver, [])
-            if not senders:
-                return None
-            taken = sum(write(s) - corrupted[order.index(s)] for s in senders)
-            return (a[0] - taken[None], *a[1:])
+            taken = take_in(receiver, a[0])
+            return None if taken is None else (taken, *a[1:])
 
         return hook
 
-    norms = {f"a{i}": names["norms"][0].format(i) for i in range(layers)}
-    norms |= {f"m{i}": names["norms"][1].format(i) for i in range(layers)}
+    norms = {f"m{i}": names["norms"][1].format(i) for i in range(layers)}
     norms["logits"] = names["final"]
     hooks = [
-        named[norms["a0"]].register_forward_pre_hook(
+        named[names["norms"][0].format(0)].register_forward_pre_hook(
             lambda m, a: now.__setitem__("embed", a[0][0].clone())
         )
     ]
@@ -242,6 +347,7 @@ def _hand_ablated(model, family, clean, corrupt, answers, cut):
             )
         )
     hooks += [named[n].register_forward_pre_hook(receiver_hook(r)) for r, n in norms.items()]
+    hooks += _read_hooks(model, family, take_in)
     try:
         with torch.no_grad():
             logits = model(torch.tensor([clean])).logits[0, -1]
@@ -255,9 +361,10 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
     model, _ = save_lm(tmp_path / "lm", "gpt2")
     model.requires_grad_(False)
     data = _prompts(tmp_path / "p.jsonl")
-    # 2 layers of 2 heads: embed -> 5 receivers, 2 heads of layer 0 -> 4, m0 -> 3, 2 heads of
-    # layer 1 -> 2, m1 -> 1: 21 edges.
-    drawn = [a for a in _args(tmp_path / "lm", data, "circuit.k=[0,4,7,21]") if a != "render=false"]
+    # 2 layers of 2 heads, each head reading a query, a key and a value: embed -> 15
+    # receivers (6 reads and an MLP per layer, the logits), 2 heads of layer 0 -> 9 each,
+    # m0 -> 8, 2 heads of layer 1 -> 2 each, m1 -> 1: 46 edges.
+    drawn = [a for a in _args(tmp_path / "lm", data, "circuit.k=[0,4,7,46]") if a != "render=false"]
     result = run_config(tmp_path / "run", drawn, experiment="circuit")
     for name in ("circuit.png", "circuit_faithfulness.png"):
         assert (tmp_path / "run" / "images" / "circuit" / name).stat().st_size > 1000, name
@@ -267,7 +374,7 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
         receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
         shares = f["circuit/faithfulness"][()]
         sizes = list(f["circuit/faithfulness"].attrs["k"])
-    assert sizes == [0, 4, 7, 21] and int(np.isfinite(edges[0]).sum()) == 21
+    assert sizes == [0, 4, 7, 46] and int(np.isfinite(edges[0]).sum()) == 46
     assert abs(shares[0]) < 1e-4  # nothing kept: the corrupted run
     assert shares[3] == pytest.approx(1.0, abs=1e-6)  # everything kept: the clean run
     with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
@@ -293,12 +400,86 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
     assert "circuit: faithfulness (share of clean - corrupted kept): 0 edges" in result.summary
     # A resume of the complete file changes nothing (the sizes are measured once).
     again = run_config(
-        tmp_path / "run", [*_args(tmp_path / "lm", data, "circuit.k=[0,4,7,21]"), "resume=true"]
+        tmp_path / "run", [*_args(tmp_path / "lm", data, "circuit.k=[0,4,7,46]"), "resume=true"]
     )
     with h5py.File(again.path) as f:
         np.testing.assert_array_equal(f["circuit/faithfulness"][()], shares)
-    with pytest.raises(HookrunError, match=r"circuit.k: 22 is more than the model's 21 edges"):
-        run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.k=[22]"))
+    with pytest.raises(HookrunError, match=r"circuit.k: 47 is more than the model's 46 edges"):
+        run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.k=[47]"))
+
+
+def test_mean_ablation_equals_a_hand_edge_ablation_with_the_mean_writes(tmp_path):
+    """circuit.ablation=mean: a cut edge carries its sender's write averaged over every
+    row's corrupted run at that position (the rows long enough to have it)."""
+    model, _ = save_lm(tmp_path / "lm", "llama")
+    model.requires_grad_(False)
+    data = _prompts(tmp_path / "p.jsonl")
+    args = _args(tmp_path / "lm", data, "circuit.k=[0,5,36]", "circuit.ablation=mean")
+    result = run_config(tmp_path / "run", args)
+    with h5py.File(result.path) as f:
+        edges = f["circuit/edges"][()]
+        senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]
+        receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
+        shares = f["circuit/faithfulness"][()]
+        assert f["circuit/faithfulness"].attrs["ablation"] == "mean"
+        assert f["circuit/edges"].attrs["key_value_heads"] == 1
+    assert int(np.isfinite(edges[0]).sum()) == 36  # Llama, 2 query heads sharing 1 key/value
+    tok = tokenizer()
+    pairs = []
+    for prompt, answer, counterfactual, wrong in ROWS:
+        clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
+        pairs.append((clean, corrupt, (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])))
+    each = [_hand_writes(model, "llama", corrupt) for _, corrupt, _ in pairs]
+    width = max(len(corrupt) for _, corrupt, _ in pairs)
+    mean = []
+    for sender in range(len(senders)):
+        total, count = torch.zeros(width, model.config.hidden_size), torch.zeros(width, 1)
+        for row in each:
+            total[: len(row[sender])] += row[sender]
+            count[: len(row[sender])] += 1
+        mean.append(total / count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ranked = np.argsort(-np.nan_to_num(np.abs(np.nanmean(edges, 0)), nan=-1.0), axis=None)
+    scored = np.isfinite(edges[0])
+    clean_d = [_hand_ablated(model, "llama", c, x, a, {}) for c, x, a in pairs]
+    corrupt_d = [_hand_ablated(model, "llama", x, x, a, {}) for c, x, a in pairs]
+    for k, share in zip((0, 5, 36), shares, strict=True):
+        kept = {np.unravel_index(i, edges.shape[1:]) for i in ranked[:k]}
+        cut: dict[str, list[str]] = {}
+        for s, r in zip(*np.nonzero(scored), strict=True):
+            if (s, r) not in kept:
+                cut.setdefault(receivers[r], []).append(senders[s])
+        ablated = [
+            _hand_ablated(model, "llama", c, x, a, cut, [m[: len(c)] for m in mean])
+            for c, x, a in pairs
+        ]
+        want = (np.mean(ablated) - np.mean(corrupt_d)) / (np.mean(clean_d) - np.mean(corrupt_d))
+        assert share == pytest.approx(want, abs=1e-4), (k, share, want)
+    assert shares[2] == pytest.approx(1.0, abs=1e-6)  # every edge kept: the clean run
+    assert abs(shares[0]) > 1e-3  # nothing kept: the mean, not the corrupted run
+
+
+def test_a_layout_the_projections_do_not_have_is_refused_naming_them(tmp_path):
+    """The architecture table's qkv layout is checked against the projections' widths."""
+    from hookrun.stages.circuit.reads import attention_reads
+
+    model, _ = save_lm(tmp_path / "lm", "gpt2")
+    c_attn = dict(model.named_modules())["transformer.h.0.attn.c_attn"]
+    reads = attention_reads(0, [("c_attn", c_attn)], "stacked", 2, 2)
+    assert [(r.name, r.start, r.stop) for r in reads][::3] == [
+        ("a0.h0.q", 0, 16),
+        ("a0.h1.k", 48, 64),
+    ]
+    with pytest.raises(HookrunError) as err:
+        attention_reads(0, [("c_attn", c_attn)], "separate", 2, 2)
+    said = str(err.value)
+    assert said.startswith("circuit: the projections c_attn put out [96] features, not a separate")
+    assert "\n" not in said
+    with pytest.raises(HookrunError, match=r"circuit: lm_head is a Linear, whose weight"):
+        lm_head = dict(model.named_modules())["lm_head"]
+        lm_head.weight = torch.nn.Parameter(torch.zeros(3))  # not (out, in): a packed weight
+        attention_reads(0, [("lm_head", lm_head)], "per_head", 2, 2)
 
 
 def test_auto_sizes_run_up_to_every_edge():
@@ -309,35 +490,54 @@ def test_auto_sizes_run_up_to_every_edge():
     assert _sizes(1) == [0, 1]
 
 
-def test_path_patching_equals_a_hand_loop(tmp_path):
-    """circuit.paths=[m1,logits]: the corrupted row alone, the named receivers' norms reading
-    each sender's clean write instead of its corrupted one (the others untouched)."""
-    model, _ = save_lm(tmp_path / "lm", "gpt2")
+# circuit.paths as given, the receivers it names (a1: every read of layer 1), and the layer
+# before whose attention each read is made (the MLP m1 reads after layer 1's heads wrote).
+PATHS = {
+    "gpt2": ("[a1.h1.k,m1,logits]", ["a1.h1.k", "m1", "logits"]),
+    "llama": ("[a1,logits]", ["a1.h0.q", "a1.h1.q", "a1.kv0.k", "a1.kv0.v", "logits"]),
+}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_path_patching_equals_a_hand_loop(tmp_path, family):
+    """circuit.paths: the corrupted row alone, the named receivers (a head's query, key or
+    value; an MLP's or the final norm's input) reading each sender's clean write instead of
+    its corrupted one, the others untouched."""
+    model, _ = save_lm(tmp_path / "lm", family)
     data = _prompts(tmp_path / "p.jsonl")
-    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, "circuit.paths=[m1,logits]"))
+    given, receivers = PATHS[family]
+    result = run_config(tmp_path / "run", _args(tmp_path / "lm", data, f"circuit.paths={given}"))
     with h5py.File(result.path) as f:
         shares = f["circuit/paths"][()]
         senders = [str(s) for s in f["circuit/paths"].attrs["senders"]]
-        assert [str(r) for r in f["circuit/paths"].attrs["receivers"]] == ["m1", "logits"]
-    names, named = NAMES["gpt2"], dict(model.named_modules())
-    targets = {"m1": names["norms"][1].format(1), "logits": names["final"]}
-    reaches = {"m1": {"embed", "a0.h0", "a0.h1", "m0", "a1.h0", "a1.h1"}}  # before m1 reads
+        assert [str(r) for r in f["circuit/paths"].attrs["receivers"]] == receivers
+    names, named = NAMES[family], dict(model.named_modules())
+    norms = {"m1": names["norms"][1].format(1), "logits": names["final"]}
+    # Which senders write before each receiver reads: layer 1's reads see the embeddings
+    # and layer 0; m1 sees layer 1's heads too; the logits everything.
+    before = {"embed", "a0.h0", "a0.h1", "m0"}
+    reaches = {r: before for r in receivers if r.startswith("a1")}
+    reaches |= {"m1": before | {"a1.h0", "a1.h1"}, "logits": set(senders)}
     tok = tokenizer()
     for r, (prompt, answer, counterfactual, wrong) in enumerate(ROWS):
         clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
         answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
         writes = zip(
-            _hand_writes(model, "gpt2", clean), _hand_writes(model, "gpt2", corrupt), strict=True
+            _hand_writes(model, family, clean), _hand_writes(model, family, corrupt), strict=True
         )
         deltas = [mine - theirs for mine, theirs in writes]
 
         def run(added, corrupt=corrupt, answers=answers):
             hooks = [
-                named[targets[v]].register_forward_pre_hook(
+                named[norms[v]].register_forward_pre_hook(
                     lambda m, args, d=d: (args[0] + d[None], *args[1:])
                 )
                 for v, d in added.items()
+                if v in norms
             ]
+            hooks += _read_hooks(
+                model, family, lambda name, x: x + added[name][None] if name in added else None
+            )
             try:
                 with torch.no_grad():
                     logits = model(torch.tensor([corrupt])).logits[0, -1]
@@ -351,13 +551,13 @@ def test_path_patching_equals_a_hand_loop(tmp_path):
         clean_diff = float(out[answers[0]] - out[answers[1]])
         corrupt_diff = run({})
         for s, sender in enumerate(senders):
-            added = {"logits": deltas[s]}
-            if sender in reaches["m1"]:
-                added["m1"] = deltas[s]
+            added = {v: deltas[s] for v in receivers if sender in reaches[v]}
             want = (run(added) - corrupt_diff) / (clean_diff - corrupt_diff)
             assert shares[r, s] == pytest.approx(want, abs=1e-4), (r, sender)
     with pytest.raises(HookrunError, match=r"circuit.paths: 'm9' is not a receiver of this model"):
         run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.paths=[m9]"))
+    with pytest.raises(HookrunError, match=r"names the receiver a1.h0.q twice; valid: each once"):
+        run_config(tmp_path / "twice", _args(tmp_path / "lm", data, "circuit.paths=[a1,a1.h0.q]"))
 
 
 def test_one_size_or_receiver_alone_is_a_list_and_a_repeated_receiver_is_refused(tmp_path):
@@ -373,12 +573,12 @@ def test_one_size_or_receiver_alone_is_a_list_and_a_repeated_receiver_is_refused
     intact, said = verify(result.path)
     assert intact and said[-1].strip() == "intact", said
     every = run_config(
-        tmp_path / "all", _args(tmp_path / "lm", data, "circuit.k=[0,21]", "sink.dtype=float16")
+        tmp_path / "all", _args(tmp_path / "lm", data, "circuit.k=[0,46]", "sink.dtype=float16")
     )
     with h5py.File(every.path) as f:  # the ends measured in float32, not read from float16
         shares = f["circuit/faithfulness"][()]
     assert shares[1] == pytest.approx(1.0, abs=1e-6) and abs(shares[0]) < 1e-5, shares
     with pytest.raises(HookrunError, match=r"circuit.paths: \['m1', 'm1'\] names a receiver twice"):
         run_config(tmp_path / "r", _args(tmp_path / "lm", data, "circuit.paths=[m1,m1]"))
-    with pytest.raises(HookrunError, match=r"circuit.k: 22 is more than the model's 21 edges"):
-        run_config(tmp_path / "r", _args(tmp_path / "lm", data, "circuit.k=22"))
+    with pytest.raises(HookrunError, match=r"circuit.k: 47 is more than the model's 46 edges"):
+        run_config(tmp_path / "r", _args(tmp_path / "lm", data, "circuit.k=47"))

@@ -10,9 +10,10 @@ from typing import Any
 from hookrun.errors import HookrunError, did_you_mean
 from hookrun.typed import Frozen, check_range, freeze, parse_typed
 
-__all__ = ["CircuitConfig", "parse_circuit", "METHODS"]
+__all__ = ["CircuitConfig", "parse_circuit", "METHODS", "ABLATIONS"]
 
 METHODS = ("eap", "eap_ig")
+ABLATIONS = ("corrupted", "mean")
 
 
 @dataclass
@@ -25,6 +26,10 @@ class CircuitConfig(Frozen):
     # edge ablated once the scores are known: /circuit/faithfulness. []: none; auto: 0, 1,
     # 2, 5, 10, 20, 50, ... up to every edge of the model.
     k: Any = field(default_factory=list)
+    # What an edge outside the circuit carries instead of its sender's write: the
+    # sender's write in the row's corrupted run, or its mean over every row's corrupted
+    # run at that position (mean ablation).
+    ablation: str = "corrupted"
     # Path patching: each sender's clean write read by these receivers alone (names as in
     # /circuit/edges' receivers: a0, m0, ..., logits), every other path corrupted:
     # /circuit/paths. []: none.
@@ -42,7 +47,8 @@ def _names(paths: Any) -> list[str]:
     )
     if names is None or not all(isinstance(n, str) and n for n in names):
         raise HookrunError(
-            f"circuit.paths: {paths!r}; valid: a list of receivers, e.g. [logits] or [a1, m1]"
+            f"circuit.paths: {paths!r}; valid: a list of receivers, e.g. [logits] or "
+            "[a1.h0.q, a1.h0.k, m1] (a1: every head's query, key and value in layer 1)"
         )
     if len(set(names)) != len(names):
         raise HookrunError(f"circuit.paths: {names} names a receiver twice; valid: each once")
@@ -57,6 +63,11 @@ def parse_circuit(raw: Mapping[str, Any] | None) -> CircuitConfig | None:
         did = did_you_mean(str(config.method), METHODS)
         raise HookrunError(f"circuit.method: {config.method!r}{did}; valid: {', '.join(METHODS)}")
     check_range("circuit.ig_steps", config.ig_steps, 1)
+    if config.ablation not in ABLATIONS:
+        did = did_you_mean(str(config.ablation), ABLATIONS)
+        raise HookrunError(
+            f"circuit.ablation: {config.ablation!r}{did}; valid: {', '.join(ABLATIONS)}"
+        )
     config.paths = _names(config.paths)
     if config.k == "auto":
         return freeze(config)

@@ -1,6 +1,7 @@
 """The pictures of an edge attribution run: the circuit of the largest edges drawn as a
 graph (the layers bottom to top, the embeddings, each head, each MLP and the logits as
-nodes; an edge's width its mean |score|, its colour its sign), and the faithfulness of the
+nodes, the query, key and value a head reads as small squares below it marked q, k, v; an
+edge's width its mean |score|, its colour its sign), and the faithfulness of the
 circuits of each size circuit.k (the share of clean − corrupted they keep)."""
 
 from __future__ import annotations
@@ -29,19 +30,27 @@ def _names(values) -> list[str]:
     return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
 
-def _place(name: str, heads: int) -> tuple[float, float]:
+def _place(name: str, heads: int, kv_heads: int) -> tuple[float, float]:
     """(x, y) of a node: embed at the bottom, layer l's heads in a row at 2l + 1 and its MLP
-    at 2l + 2, the logits on top; receivers sit where their layer's senders are."""
+    at 2l + 2, the logits on top; a head's query, key and value just below it (a shared
+    key/value head's below the middle of the query heads that read it)."""
     middle = (heads - 1) / 2
     if name == "embed":
         return (middle, 0.0)
     if name == "logits":
         return (middle, 1e9)
-    layer = int(name[1:].split(".")[0])
-    if name.startswith("a") and ".h" in name:
-        return (float(name.split(".h")[1]), 2.0 * layer + 1)
-    if name.startswith("a"):  # the attention's input, left of and below its heads
-        return (-1.0, 2.0 * layer + 0.5)
+    parts = name.split(".")
+    layer = int(parts[0][1:])
+    if len(parts) == 3:  # a<layer>.h<head>.q, a<layer>.kv<group>.k, ...
+        group = heads // max(kv_heads, 1)
+        x = (
+            float(parts[1][1:])
+            if parts[1].startswith("h")
+            else int(parts[1][2:]) * group + (group - 1) / 2
+        )
+        return (x + {"q": -0.22, "k": 0.0, "v": 0.22}[parts[2]], 2.0 * layer + 0.7)
+    if name.startswith("a"):  # a<layer>.h<head>: the head itself
+        return (float(parts[1][1:]), 2.0 * layer + 1)
     return (middle, 2.0 * layer + 2)
 
 
@@ -58,9 +67,10 @@ def render_circuit(f: h5py.File, out_dir: Path, rows: int) -> list[Path]:
     chosen = [np.unravel_index(i, mean.shape) for i in flat if np.isfinite(mean.flat[i])]
     top = max((abs(mean[s, r]) for s, r in chosen), default=1.0) or 1.0
     layers = sum(1 for r in receivers if r.startswith("m"))
+    kv_heads = int(layout.attr(ds, "key_value_heads") or heads)
     fig, ax = plt.subplots(figsize=(2.5 + 0.9 * heads, 2.5 + 1.1 * layers))
     logits_y = 2.0 * layers + 1
-    spot = {n: _place(n, heads) for n in senders + receivers}
+    spot = {n: _place(n, heads, kv_heads) for n in senders + receivers}
     spot["logits"] = ((heads - 1) / 2, logits_y)
     for s, r in chosen:
         (x0, y0), (x1, y1) = spot[senders[s]], spot[receivers[r]]
@@ -72,10 +82,15 @@ def render_circuit(f: h5py.File, out_dir: Path, rows: int) -> list[Path]:
         x, y = spot[name]
         ax.scatter([x], [y], s=60, color="0.2", zorder=3)
         ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    for name in (r for r in receivers if r.startswith("a")):  # where a layer's heads read
-        x, y = spot[name]
-        ax.scatter([x], [y], s=40, marker="s", facecolors="none", edgecolors="0.2", zorder=3)
-        ax.annotate(f"{name} in", (x, y), fontsize=7, xytext=(-30, -10), textcoords="offset points")
+    for r in sorted({r for _, r in chosen}):  # the heads' inputs the drawn edges reach
+        name = receivers[r]
+        if name.count(".") == 2:
+            x, y = spot[name]
+            if ".h" in name:  # a head's own input: tied to the head above it
+                hx, hy = spot[name.rsplit(".", 1)[0]]
+                ax.plot([x, hx], [y, hy], color="0.6", linewidth=0.6, zorder=2)
+            ax.scatter([x], [y], s=30, marker="s", facecolors="white", edgecolors="0.2", zorder=3)
+            ax.annotate(name.split(".")[2], (x, y), fontsize=6, ha="center", va="center", zorder=4)
     ax.set_axis_off()
     ax.set_title(
         f"the {len(chosen)} edges of largest mean |{layout.attr(ds, 'method')} score| "

@@ -10,11 +10,11 @@ instead of the corrupted run's, on that edge alone:
 
 summed over positions and features, the gradient taken through v alone at the corrupted run
 (eap) or averaged over `ig_steps` runs whose input embeddings lie k/ig_steps of the way from
-the corrupted prompt to the clean one (eap_ig). A receiver's input is its norm's input
-(a block's attention, a block's MLP, the final norm before the logits): a pre-hook hands the
-norm a copy of it, so the gradient to that copy is the gradient through that receiver only.
-Receivers read every head of a layer's attention together (their queries, keys and values
-are not told apart).
+the corrupted prompt to the clean one (eap_ig). The receivers are each head's query, key
+and value (reads.py: the residual stream before the attention norm, through that head's
+slice of the projections alone), each MLP and the logits (the input of the MLP's norm and
+of the final norm: a pre-hook hands the norm a copy of it, so the gradient to that copy is
+the gradient through that receiver only).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from hookrun.runtime.handles import ModuleHook, hooked
+from hookrun.stages.circuit.graph import Graph
+from hookrun.stages.circuit.reads import CHUNK, read_gradients
 
 __all__ = [
-    "Graph",
     "Deltas",
     "Runs",
     "both_runs",
@@ -37,7 +38,6 @@ __all__ = [
     "head_writes",
     "writes",
     "sender_deltas",
-    "receiver_norms",
 ]
 
 
@@ -47,44 +47,6 @@ def logit_diff(
     """(N,) logit(answer) − logit(counterfactual answer) at each row's read position."""
     at = logits[torch.arange(len(read), device=read.device), read].float()
     return at.gather(1, right[:, None])[:, 0] - at.gather(1, wrong[:, None])[:, 0]
-
-
-@dataclass(frozen=True)
-class Graph:
-    """The model's nodes, by module name (relative to the Hugging Face model)."""
-
-    heads: list[str]  # per layer: the attention's output projection
-    mlps: list[str]  # per layer: the MLP
-    attention_norms: list[str]  # per layer: the norm whose input the attention reads
-    mlp_norms: list[str]  # per layer: the norm whose input the MLP reads
-    final_norm: str  # the norm whose input the logits read
-    head_count: int
-
-    @property
-    def senders(self) -> list[str]:
-        out = ["embed"]
-        for layer in range(len(self.heads)):
-            out += [f"a{layer}.h{h}" for h in range(self.head_count)] + [f"m{layer}"]
-        return out
-
-    @property
-    def receivers(self) -> list[str]:
-        out = []
-        for layer in range(len(self.heads)):
-            out += [f"a{layer}", f"m{layer}"]
-        return [*out, "logits"]
-
-    def upstream(self) -> torch.Tensor:
-        """(senders, receivers) bool: whether the sender writes before the receiver reads."""
-        layers = len(self.heads)
-        sender_at = [-1.0]  # embed
-        for layer in range(layers):
-            sender_at += [layer] * self.head_count + [layer + 0.5]  # heads, then the MLP
-        receiver_at = []
-        for layer in range(layers):
-            receiver_at += [layer - 0.25, layer + 0.25]  # the attention reads, then the MLP
-        receiver_at.append(float(layers))
-        return torch.tensor(sender_at)[:, None] < torch.tensor(receiver_at)[None, :]
 
 
 def head_writes(projection: nn.Module, inputs: torch.Tensor, heads: int) -> torch.Tensor:
@@ -136,41 +98,6 @@ def writes(
     return seen, logits
 
 
-def _receiver_gradients(
-    hf: nn.Module, graph: Graph, ids: torch.Tensor, mask: torch.Tensor, target: tuple, steps: int
-) -> list[torch.Tensor]:
-    """Each receiver's input gradient (N, T, D), averaged over `steps` interpolated runs,
-    in `graph.receivers` order. `target`: (clean ids, read positions, answers,
-    counterfactual answers)."""
-    clean_ids, read, right, wrong = target
-    named = dict(hf.named_modules())
-    embed = hf.get_input_embeddings()
-    norms = receiver_norms(graph)
-    total: list[torch.Tensor] | None = None
-    with torch.inference_mode(False), torch.enable_grad():
-        corrupt = embed(ids).detach()
-        shift = embed(clean_ids).detach() - corrupt
-        for k in range(steps):
-            start = (corrupt + (k / steps) * shift).requires_grad_(True)
-            copies: list[torch.Tensor] = []
-
-            def copy(module, args, copies=copies):
-                mine = args[0] + 0  # a node of its own: its gradient flows through this norm only
-                copies.append(mine)
-                return (mine, *args[1:])
-
-            hooks = [ModuleHook(embed, lambda m, a, o, start=start: start)]
-            hooks += [ModuleHook(named[n], copy, before=True) for n in norms]
-            with hooked(hooks):
-                out = hf(input_ids=ids, attention_mask=mask, use_cache=False)
-            diff = logit_diff(out.logits, read, right, wrong)
-            grads = torch.autograd.grad(diff.sum(), copies)
-            grads = [g.float().detach() for g in grads]
-            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-    assert total is not None
-    return [g / steps for g in total]
-
-
 @dataclass(frozen=True)
 class Deltas:
     """Each sender's clean write − its corrupted write (writes' runs), float32, zero at
@@ -201,14 +128,20 @@ class Deltas:
             made[layer] = self.layer_heads(layer)
         return made[layer][:, :, at]
 
-    def scores(self, grads: torch.Tensor) -> torch.Tensor:
-        """(N, senders, R): each sender's delta · each receiver's input gradient `grads`
-        (N, R, T, D), summed over positions and features; a layer's heads at a time."""
-        out = [torch.einsum("ntd,nrtd->nr", self.embed, grads)[:, None]]
-        for layer, mlp in enumerate(self.mlps):
-            out.append(torch.einsum("nthd,nrtd->nhr", self.layer_heads(layer), grads))
-            out.append(torch.einsum("ntd,nrtd->nr", mlp, grads)[:, None])
-        return torch.cat(out, 1)
+    def scores(self, grads: torch.Tensor, layers: int, out: torch.Tensor) -> None:
+        """Into `out` (N, senders, R), zero to begin with: each sender's delta · each
+        receiver's input gradient `grads` (N, R, T, D), summed over positions and features,
+        for the senders of the first `layers` layers and the embeddings (the rest stay 0:
+        the receivers read before they write); a layer's heads at a time. Written in place:
+        small blocks made and kept between the projected heads' big ones would fragment
+        glibc's heap."""
+        out[:, 0] = torch.einsum("ntd,nrtd->nr", self.embed, grads)
+        for layer, mlp in enumerate(self.mlps[:layers]):
+            first = 1 + layer * (self.head_count + 1)
+            heads = self.layer_heads(layer)
+            out[:, first : first + self.head_count] = torch.einsum("nthd,nrtd->nhr", heads, grads)
+            del heads
+            out[:, first + self.head_count] = torch.einsum("ntd,nrtd->nr", mlp, grads)
 
 
 def sender_deltas(
@@ -225,14 +158,6 @@ def sender_deltas(
         [named[name] for name in graph.heads],
         graph.head_count,
     )
-
-
-def receiver_norms(graph: Graph) -> list[str]:
-    """Each receiver's norm, in `graph.receivers` order."""
-    layers = range(len(graph.heads))
-    return [n for i in layers for n in (graph.attention_norms[i], graph.mlp_norms[i])] + [
-        graph.final_norm
-    ]
 
 
 @dataclass(frozen=True)
@@ -259,16 +184,84 @@ def both_runs(hf: nn.Module, graph: Graph, rows: tuple, clean_ids: torch.Tensor)
         )
 
 
+def _step_scores(
+    hf: nn.Module, graph: Graph, rows: tuple, sent: Deltas, start: torch.Tensor
+) -> torch.Tensor:
+    """(N, senders, receivers): each sender's delta · each receiver's input gradient, summed
+    over positions and features, in the run whose input embeddings are `start`. `rows`:
+    corrupted ids, mask, read positions, answers, counterfactual answers."""
+    ids, mask, read, right, wrong = rows
+    named = dict(hf.named_modules())
+    layers = len(graph.heads)
+    residuals: dict[int, torch.Tensor] = {}  # what each layer's attention norm takes in
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # each layer's q/k/v projections' outputs
+    copies: list[torch.Tensor] = []  # what the MLPs' norms and the final norm take in
+
+    def copy(module, args):
+        mine = args[0] + 0  # a node of its own: its gradient flows through this norm only
+        copies.append(mine)
+        return (mine, *args[1:])
+
+    def keep_residual(layer):
+        return lambda m, a: residuals.__setitem__(layer, a[0].detach())
+
+    def keep_output(key):
+        return lambda m, a, o: outputs.__setitem__(key, o)
+
+    hooks = [ModuleHook(hf.get_input_embeddings(), lambda m, a, o: start)]
+    for layer in range(layers):
+        norm = named[graph.attention_norms[layer]]
+        hooks.append(ModuleHook(norm, keep_residual(layer), before=True))
+        for i, name in enumerate(graph.projections[layer]):
+            hooks.append(ModuleHook(named[name], keep_output((layer, i))))
+    hooks += [ModuleHook(named[n], copy, before=True) for n in [*graph.mlp_norms, graph.final_norm]]
+    with hooked(hooks):
+        out = hf(input_ids=ids, attention_mask=mask, use_cache=False)
+    keys = list(outputs)
+    grads = torch.autograd.grad(
+        logit_diff(out.logits, read, right, wrong).sum(), [outputs[k] for k in keys] + copies
+    )
+    at_projections = dict(zip(keys, grads[: len(keys)], strict=True))
+    at_norms = [g.float()[:, None] for g in grads[len(keys) :]]  # (N, 1, T, D) each
+    scores = torch.zeros(len(ids), len(graph.senders), len(graph.receivers), device=ids.device)
+    for layer in range(layers):
+        projections = [named[name] for name in graph.projections[layer]]
+        receivers, reads = graph.attention_receivers(layer), graph.reads[layer]
+        for lo in range(0, len(reads), CHUNK):
+            heads_read = read_gradients(
+                named[graph.attention_norms[layer]],
+                residuals[layer],
+                projections,
+                [at_projections[(layer, i)] for i in range(len(projections))],
+                reads[lo : lo + CHUNK],
+            )
+            first = receivers[lo]  # a layer's reads are receivers side by side
+            sent.scores(heads_read, layer, scores[:, :, first : first + len(heads_read[0])])
+        mlp = graph.mlp_receiver(layer)
+        sent.scores(at_norms[layer], layer + 1, scores[:, :, mlp : mlp + 1])
+    sent.scores(at_norms[-1], layers, scores[:, :, -1:])
+    return scores
+
+
 def edge_scores(
     hf: nn.Module, graph: Graph, rows: tuple, runs: Runs, target: tuple[torch.Tensor, int]
 ) -> torch.Tensor:
     """(N, senders, receivers) scores, NaN where the sender is not upstream. `target`: the
     clean ids the interpolated runs go toward, and their number of steps (1: eap)."""
-    ids, mask, read, right, wrong = rows
+    ids = rows[0]
     clean_ids, steps = target
-    grads = _receiver_gradients(hf, graph, ids, mask, (clean_ids, read, right, wrong), steps)
+    embed = hf.get_input_embeddings()
+    total: torch.Tensor | None = None
+    with torch.inference_mode(False), torch.enable_grad():
+        corrupt = embed(ids).detach()
+        toward = embed(clean_ids).detach() - corrupt
+        for k in range(steps):  # the scores are linear in the gradient: averaged as they come
+            start = (corrupt + (k / steps) * toward).requires_grad_(True)
+            step = _step_scores(hf, graph, rows, runs.sent, start).detach()
+            total = step if total is None else total + step
+    assert total is not None
     with torch.no_grad():
-        scores = runs.sent.scores(torch.stack(grads, 1))  # grads: (N, R, T, D)
+        scores = total / steps
         scores[:, ~graph.upstream().to(scores.device)] = float("nan")
     return scores
 
@@ -282,22 +275,22 @@ def path_patched(
     edges to them alone, every other path corrupted; NaN where it reaches none of them."""
     ids, mask, read, right, wrong = rows
     named = dict(hf.named_modules())
-    norms = receiver_norms(graph)
     upstream = graph.upstream()
     out = torch.full((len(ids), len(graph.senders)), float("nan"), device=ids.device)
     made: dict = {}  # the current layer's projected heads
     for s in range(len(graph.senders)):
-        targets = [r for r in receivers if upstream[s, r]]
+        targets = {r for r in receivers if upstream[s, r]}
         if not targets:
             continue
-
         write = sent.sender(s, made)
 
-        def add(module, args, write=write):
-            return (args[0] + write.to(args[0].dtype), *args[1:])
+        def add(asked: list[int], x: torch.Tensor, write=write, targets=targets):
+            chosen = [r for r in asked if r in targets]
+            if not chosen:
+                return None
+            return chosen, write.to(x.dtype)[:, :, None].expand(-1, -1, len(chosen), -1)
 
-        hooks = [ModuleHook(named[norms[r]], add, before=True) for r in targets]
-        with hooked(hooks), torch.no_grad():
+        with hooked(graph.shifted(named, add)), torch.no_grad():
             logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
         out[:, s] = logit_diff(logits, read, right, wrong)
     return out

@@ -6,9 +6,10 @@ write in this run — and the share of the clean − corrupted logit difference 
 
 The circuit of size k is the k edges with the largest mean |score| over the rows. Every edge
 kept: nothing is ablated, 1; none kept: each receiver reads the corrupted run's residual
-stream, 0 (to float rounding). An ablation is a pre-hook on each receiver's norm that takes
-Σ (write in this run − corrupted write) over the senders whose edge to it is cut away from
-what the norm reads; the residual stream itself is left as it is.
+stream, 0 (to float rounding). An ablation takes Σ (write in this run − corrupted write) over the
+senders whose edge to a receiver is cut away from what that receiver reads (a head's query,
+key or value: reads.shifted_reads; an MLP's or the final norm's input: a pre-hook); the
+residual stream itself is left as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from hookrun.runtime.handles import ModuleHook, hooked
-from hookrun.stages.circuit.edges import Graph, head_writes, logit_diff, receiver_norms
+from hookrun.stages.circuit.edges import head_writes, logit_diff
+from hookrun.stages.circuit.graph import Graph
 
 __all__ = ["circuit_of", "ablated_diff"]
 
@@ -37,7 +39,8 @@ def ablated_diff(
     `rows`: clean ids, mask, read positions, answers, counterfactual answers; `corrupted`:
     the corrupted run's writes (edges.writes)."""
     ids, mask, read, right, wrong = rows
-    cut = graph.upstream().to(ids.device) & ~kept.to(ids.device)  # (senders, receivers)
+    cut = graph.upstream() & ~kept.cpu()  # (senders, receivers), read on the host
+    on_device = cut.to(ids.device)
     named = dict(hf.named_modules())
     now: dict[str, torch.Tensor] = {}
     heads, layers = graph.head_count, len(graph.heads)
@@ -57,39 +60,32 @@ def ablated_diff(
 
         return hook
 
-    def ablate(receiver: int):
+    def ablated(asked: list[int], x: torch.Tensor):
+        """What the `asked` receivers with a cut edge take away from the residual x."""
+        chosen = [r for r in asked if bool(cut[:, r].any())]
+        if not chosen:
+            return None
+        into, into_device = cut[:, chosen], on_device[:, chosen].to(x.dtype)  # (senders, k)
         # Graph.senders' order: embed, then per layer its heads and its MLP.
-        by_layer = cut[1:, receiver].view(layers, heads + 1).tolist()
-        embed_cut = bool(cut[0, receiver])
+        embed = now["embed"] - corrupted["embed"].to(x.dtype)
+        taken = embed[:, :, None] * into_device[0][:, None]
+        for layer in range(layers):
+            of_layer = slice(1 + layer * (heads + 1), 1 + (layer + 1) * (heads + 1))
+            block, weights = into[of_layer], into_device[of_layer]
+            if bool(block[:heads].any()):  # the cut heads' writes: their differences projected
+                diff = now[f"z{layer}"] - corrupted[f"z{layer}"].to(x.dtype)
+                written = head_writes(named[graph.heads[layer]], diff, heads)  # (N, T, H, D)
+                taken = taken + torch.einsum("nthd,hk->ntkd", written, weights[:heads])
+            if bool(block[heads].any()):
+                diff = now[f"m{layer}"] - corrupted[f"m{layer}"].to(x.dtype)
+                taken = taken + diff[:, :, None] * weights[heads][:, None]
+        return chosen, -taken
 
-        def hook(module, args):
-            if not embed_cut and not any(any(row) for row in by_layer):
-                return None
-            x = args[0]
-            taken = torch.zeros_like(x)
-            if embed_cut:
-                taken += now["embed"] - corrupted["embed"].to(x.dtype)
-            for layer, row in enumerate(by_layer):
-                if any(row[:heads]):  # the cut heads' writes: their slices' difference projected
-                    diff = now[f"z{layer}"] - corrupted[f"z{layer}"].to(x.dtype)
-                    n, t, width = diff.shape
-                    which = torch.tensor(row[:heads], device=x.device, dtype=x.dtype)
-                    diff = (diff.view(n, t, heads, width // heads) * which[:, None]).view(
-                        n, t, width
-                    )
-                    taken += head_writes(named[graph.heads[layer]], diff, heads).sum(2)
-                if row[heads]:
-                    taken += now[f"m{layer}"] - corrupted[f"m{layer}"].to(x.dtype)
-            return (x - taken, *args[1:])
-
-        return hook
-
-    norms = receiver_norms(graph)
     hooks = [ModuleHook(named[graph.attention_norms[0]], keep_embed, before=True, prepend=True)]
     for layer, (proj, mlp) in enumerate(zip(graph.heads, graph.mlps, strict=True)):
         hooks.append(ModuleHook(named[proj], keep_heads(layer), before=True))
         hooks.append(ModuleHook(named[mlp], keep_mlp(layer)))
-    hooks += [ModuleHook(named[n], ablate(r), before=True) for r, n in enumerate(norms)]
+    hooks += graph.shifted(named, ablated)
     with hooked(hooks), torch.no_grad():
         out = hf(input_ids=ids, attention_mask=mask, use_cache=False)
     return logit_diff(out.logits, read, right, wrong)

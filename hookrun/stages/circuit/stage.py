@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,10 @@ from hookrun.io import layout
 from hookrun.io.dimensions import attach
 from hookrun.io.encoding import read_floats
 from hookrun.models.adapter import adapt
-from hookrun.models.architectures import ARCHITECTURE_KEYS, ARCHITECTURES, architecture_of
 from hookrun.runtime.hooks import run_mode
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
 from hookrun.stages.circuit.edges import (
-    Graph,
     both_runs,
     edge_scores,
     logit_diff,
@@ -37,6 +36,7 @@ from hookrun.stages.circuit.edges import (
     writes,
 )
 from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
+from hookrun.stages.circuit.graph import Graph, graph_of, path_receivers
 from hookrun.stages.circuit.keys import (
     CIRCUIT,
     CLEAN,
@@ -86,6 +86,11 @@ class CircuitPlan(Plan):
                 f"Faithfulness once the file is complete: {len(self.config.k) + 2} more passes "
                 f"over every row (circuit sizes {list(self.config.k)}, and the clean and "
                 "corrupted ends), every edge outside each circuit ablated"
+                + (
+                    " (mean ablation: one more pass for the corrupted runs' mean writes)"
+                    if self.config.ablation == "mean"
+                    else ""
+                )
             )
         return "\n".join(lines)
 
@@ -113,30 +118,56 @@ class CircuitPlan(Plan):
             f.create_dataset(FAITHFULNESS, data=np.array(shares, np.float64), fletcher32=True)
             f.create_dataset(FAITHFULNESS_DIFF, data=np.array(ablated, np.float64), fletcher32=True)
             attach(f, {FAITHFULNESS: ("size",), FAITHFULNESS_DIFF: ("size",)})
-            layout.write_attrs(
-                f, {key: {"k": list(self.config.k)} for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
-            )
+            said = {"k": list(self.config.k), "ablation": self.config.ablation}
+            layout.write_attrs(f, {key: said for key in (FAITHFULNESS, FAITHFULNESS_DIFF)})
 
     def _means(self, circuits: list[torch.Tensor]) -> tuple[float, list[float]]:
         """Over every row: the corrupted run's mean logit difference, and the clean rows'
-        with the edges outside each of `circuits` ablated (the corrupted run's writes made
-        once a batch for them all)."""
-        again, tokens = self.again, self.again.tokens
+        with the edges outside each of `circuits` ablated (the writes a cut edge carries
+        made once a batch for them all: the row's corrupted run's, or their mean)."""
+        again = self.again
         hf = adapt(again.model).language.hf
         corrupted_total, totals = 0.0, [0.0] * len(circuits)
         with run_mode(again.model), torch.inference_mode():
-            for lo in range(0, again.count, again.batch_size):
-                index = torch.arange(lo, min(lo + again.batch_size, again.count))
-                ids = tokens.ids[index]
-                mask = (torch.arange(ids.shape[1])[None] < tokens.lengths[index][:, None]).long()
-                rows = (ids, mask, tokens.reads[index], tokens.labels[index], self.wrong[index])
-                rows = tuple(t.to(again.device) for t in rows)
-                corrupt_ids = self.counterfactual[index].to(again.device)
+            mean = self._mean_writes(hf) if self.config.ablation == "mean" else None
+            for rows, corrupt_ids in self._batches():
                 corrupted, logits = writes(hf, self.graph, corrupt_ids, rows[1])
                 corrupted_total += float(logit_diff(logits, *rows[2:]).sum())
+                if mean is not None:
+                    n, t = corrupt_ids.shape
+                    corrupted = {k: v[:t].expand(n, *v[:t].shape) for k, v in mean.items()}
                 for i, kept in enumerate(circuits):
                     totals[i] += float(ablated_diff(hf, self.graph, rows, corrupted, kept).sum())
         return corrupted_total / again.count, [total / again.count for total in totals]
+
+    def _batches(self) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """Each batch of the run's rows again: (clean ids, mask, read positions, answers,
+        counterfactual answers) and the corrupted ids, on the run's device."""
+        again, tokens = self.again, self.again.tokens
+        for lo in range(0, again.count, again.batch_size):
+            index = torch.arange(lo, min(lo + again.batch_size, again.count))
+            ids = tokens.ids[index]
+            mask = (torch.arange(ids.shape[1])[None] < tokens.lengths[index][:, None]).long()
+            rows = (ids, mask, tokens.reads[index], tokens.labels[index], self.wrong[index])
+            corrupt_ids = self.counterfactual[index].to(again.device)
+            yield tuple(t.to(again.device) for t in rows), corrupt_ids
+
+    def _mean_writes(self, hf: nn.Module) -> dict[str, torch.Tensor]:
+        """circuit.ablation=mean: each sender's write in the corrupted runs averaged over the
+        rows at each position (over the rows long enough to have it), (T, ...) each; the
+        rows are padded to one width, so every batch has every position."""
+        sums: dict[str, torch.Tensor] = {}
+        count = torch.zeros(())
+        dtype = torch.float32
+        for rows, corrupt_ids in self._batches():
+            made, _ = writes(hf, self.graph, corrupt_ids, rows[1])
+            real = rows[1].to(torch.float64)[..., None]  # (N, T, 1)
+            for key, value in made.items():
+                part = (value.double() * real).sum(0)
+                sums[key] = part if key not in sums else sums[key] + part
+                dtype = value.dtype
+            count = count + real.sum(0)
+        return {k: (v / count.clamp(min=1)).to(dtype) for k, v in sums.items()}
 
     def stored(self) -> dict[str, Stored]:
         g = self.graph
@@ -145,6 +176,9 @@ class CircuitPlan(Plan):
             RECEIVERS: np.array(g.receivers, dtype=h5py.string_dtype()),
             "method": self.config.method,
             "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else 1,
+            # Grouped-query attention: query head h reads key/value head
+            # h // (heads / key_value_heads) (receivers a<layer>.kv<j>.k, .v).
+            "key_value_heads": sum(read.name.endswith(".k") for read in g.reads[0]),
         }
         out = {
             EDGES: Stored((len(g.senders), len(g.receivers)), said),
@@ -185,62 +219,6 @@ class CircuitPlan(Plan):
         return out
 
 
-def _graph(setup: Setup) -> Graph:
-    """The model's nodes from the architecture table; refused where it cannot say them."""
-    model = setup.model
-    entry = architecture_of(model)
-    hf = adapt(model).language.hf
-    model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
-    known = [
-        t
-        for a in ARCHITECTURES
-        if a.causal and a.attention_norm and not a.parallel
-        for t in a.model_types
-    ]
-    if entry is None or not entry.causal or entry.attention_norm is None:
-        raise HookrunError(
-            f"circuit: a {model_type} model, whose attention and MLP inputs hookrun does not "
-            f"know; valid: a model of {', '.join(known)} (a new family is an entry of "
-            f"models/architectures.py: {', '.join(ARCHITECTURE_KEYS)})"
-        )
-    if entry.parallel and getattr(hf.config, "use_parallel_residual", True):
-        raise HookrunError(
-            f"circuit: a {model_type} model with a parallel residual (its attention and MLP both "
-            "read the block's input), which edge attribution here does not split; valid: "
-            "use_parallel_residual=false, or a model of " + ", ".join(known)
-        )
-    named = dict(hf.named_modules())
-    layers = 0
-    while entry.heads.format(layers) in named:
-        layers += 1
-    graph = Graph(
-        heads=[entry.heads.format(i) for i in range(layers)],
-        mlps=[entry.mlp.format(i) for i in range(layers)],
-        attention_norms=[entry.attention_norm.format(i) for i in range(layers)],
-        mlp_norms=[str(entry.mlp_norm).format(i) for i in range(layers)],
-        final_norm=str(entry.final_norm),
-        head_count=int(getattr(hf.config, "num_attention_heads", 0) or 0),
-    )
-    missing = [
-        n for n in (*graph.attention_norms, *graph.mlp_norms, graph.final_norm) if n not in named
-    ]
-    if not layers or missing or not graph.head_count:
-        absent = missing[0] if missing else entry.heads.format(0)
-        raise HookrunError(
-            f"circuit: the {model_type} model has no module {absent}; valid: a {model_type} "
-            "model as transformers builds it"
-        )
-    placed = sorted({str(d) for d in (getattr(hf, "hf_device_map", None) or {}).values()})
-    offloaded = [n for n in graph.heads if named[n].weight.device.type == "meta"]
-    if len(placed) > 1 or offloaded:  # head_writes reads each projection's weight itself
-        raise HookrunError(
-            f"circuit: model.device_map puts the model on {', '.join(placed)}"
-            + (f" ({offloaded[0]}'s weights exist only during its forward)" if offloaded else "")
-            + "; valid: one device (model.device_map=null, or a map to one device)"
-        )
-    return graph
-
-
 def _sizes(edges: int) -> list[int]:
     """circuit.k=auto: 0, 1, 2, 5, 10, 20, 50, ... below the model's edges, and all of them."""
     out, step = [0], 1
@@ -248,10 +226,6 @@ def _sizes(edges: int) -> list[int]:
         out += [k for k in (step, 2 * step, 5 * step) if k < edges]
         step *= 10
     return [*out, edges]
-
-
-def _names(values: Any) -> list[str]:
-    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
 
 @register_stage
@@ -275,7 +249,7 @@ class CircuitStage(Stage):
     @classmethod
     def plan(cls, config: CircuitConfig, setup: Setup) -> Plan:
         setup.causal_language("circuit")
-        graph = _graph(setup)
+        graph = graph_of(setup)
         edges = int(graph.upstream().sum())
         if config.k == "auto":
             config = dataclasses.replace(config, k=_sizes(edges))
@@ -284,12 +258,8 @@ class CircuitStage(Stage):
                 f"circuit.k: {max(config.k)} is more than the model's {edges} edges; valid: "
                 f"sizes of 0 to {edges}"
             )
-        unknown = [r for r in config.paths if r not in graph.receivers]
-        if unknown:
-            raise HookrunError(
-                f"circuit.paths: {unknown[0]!r} is not a receiver of this model; valid: "
-                f"{', '.join(graph.receivers)}"
-            )
+        if config.paths:
+            config = dataclasses.replace(config, paths=path_receivers(graph, config.paths))
         again = _Rows(
             setup.model, setup.tokens, len(setup.data), setup.spec.batch_size, setup.device
         )
@@ -317,7 +287,12 @@ class CircuitStage(Stage):
         if FAITHFULNESS in f:
             sizes, shares = layout.attr(f[FAITHFULNESS], "k"), f[FAITHFULNESS][()]
             said = ", ".join(f"{int(k)} edges {s:.3f}" for k, s in zip(sizes, shares, strict=True))
-            lines.append(f"{CIRCUIT}: faithfulness (share of clean - corrupted kept): {said}")
+            how = "mean-ablated" if layout.attr(f[FAITHFULNESS], "ablation") == "mean" else ""
+            lines.append(
+                f"{CIRCUIT}: faithfulness (share of clean - corrupted kept"
+                + (f", the other edges {how}" if how else "")
+                + f"): {said}"
+            )
         return lines
 
     @classmethod
