@@ -279,6 +279,7 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
         ("gpt2", ["circuit.ablation=zero"], "circuit.ablation: 'zero'; valid: corrupted, mean"),
         ("gpt2", ["circuit.paths=[a1.h0]"], "circuit.paths: 'a1.h0' is not a receiver"),
         ("gpt2", ["circuit.paths=[a2]"], "circuit.paths: 'a2' is not a receiver"),
+        ("gpt2", ["circuit.paths=[a01]"], "circuit.paths: 'a01' is not a receiver"),
         ("gpt_neox", [], "circuit: a gpt_neox model with a parallel residual"),
     ],
 )
@@ -476,10 +477,26 @@ def test_a_layout_the_projections_do_not_have_is_refused_naming_them(tmp_path):
     said = str(err.value)
     assert said.startswith("circuit: the projections c_attn put out [96] features, not a separate")
     assert "\n" not in said
+    lm_head = dict(model.named_modules())["lm_head"]
     with pytest.raises(HookrunError, match=r"circuit: lm_head is a Linear, whose weight"):
-        lm_head = dict(model.named_modules())["lm_head"]
         lm_head.weight = torch.nn.Parameter(torch.zeros(3))  # not (out, in): a packed weight
         attention_reads(0, [("lm_head", lm_head)], "per_head", 2, 2)
+    with pytest.raises(HookrunError, match=r"circuit: lm_head is a Linear, whose weight"):
+        # 8-bit weights in their (out, in) shape, the scales elsewhere
+        lm_head.weight = torch.nn.Parameter(
+            torch.zeros(lm_head.out_features, lm_head.in_features, dtype=torch.int8),
+            requires_grad=False,
+        )
+        attention_reads(0, [("lm_head", lm_head)], "per_head", 2, 2)
+
+
+def test_a_file_from_before_per_head_receivers_is_still_drawn():
+    """Files written before receivers were per head name a layer's attention a<layer>."""
+    from hookrun.stages.circuit.draw import _place
+
+    assert _place("a1", 4, 4) == (-1.0, 2.5)
+    assert _place("a1.h2", 4, 4) == (2.0, 3.0)
+    assert _place("a1.kv0.k", 4, 2) == (0.5, 2.7)  # below query heads 0 and 1
 
 
 def test_auto_sizes_run_up_to_every_edge():

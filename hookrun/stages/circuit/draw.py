@@ -49,8 +49,10 @@ def _place(name: str, heads: int, kv_heads: int) -> tuple[float, float]:
             else int(parts[1][2:]) * group + (group - 1) / 2
         )
         return (x + {"q": -0.22, "k": 0.0, "v": 0.22}[parts[2]], 2.0 * layer + 0.7)
-    if name.startswith("a"):  # a<layer>.h<head>: the head itself
+    if name.startswith("a") and len(parts) == 2:  # a<layer>.h<head>: the head itself
         return (float(parts[1][1:]), 2.0 * layer + 1)
+    if name.startswith("a"):  # a<layer>: a file from before receivers were per head
+        return (-1.0, 2.0 * layer + 0.5)
     return (middle, 2.0 * layer + 2)
 
 

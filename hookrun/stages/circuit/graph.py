@@ -163,7 +163,7 @@ def path_receivers(graph: Graph, names: list[str]) -> list[str]:
         layer = name[1:] if name.startswith("a") else ""
         if name in receivers:
             out.append(name)
-        elif layer.isdigit() and int(layer) < len(graph.heads):
+        elif layer.isdigit() and layer == str(int(layer)) and int(layer) < len(graph.heads):
             out += [receivers[r] for r in graph.attention_receivers(int(layer))]
         else:
             shown = receivers if len(receivers) <= 24 else [*receivers[:20], "...", receivers[-1]]

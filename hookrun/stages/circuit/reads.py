@@ -60,7 +60,10 @@ def _width(module: nn.Module) -> tuple[int, int] | None:
     """(input width, output width) of a linear projection as transformers builds one: an
     nn.Linear (weight (out, in)) or GPT-2's Conv1D (weight (in, out)); None otherwise."""
     weight = getattr(module, "weight", None)
+    # An integer weight (8-bit quantized: its scales live elsewhere) is no slice to use.
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if not weight.dtype.is_floating_point:
         return None
     if isinstance(module, nn.Linear) and tuple(weight.shape) == (
         module.out_features,
