@@ -224,22 +224,34 @@ def _step_scores(
     at_projections = dict(zip(keys, grads[: len(keys)], strict=True))
     at_norms = [g.float()[:, None] for g in grads[len(keys) :]]  # (N, 1, T, D) each
     scores = torch.zeros(len(ids), len(graph.senders), len(graph.receivers), device=ids.device)
-    for layer in range(layers):
+    # The receivers side by side from the MLP of layer l - 1 to the reads of layer l have
+    # the same senders (layers before l): scored together, a chunk at a time, so the
+    # earlier layers' heads are projected once per chunk (the MLP rides with the first).
+    first = 0
+    for layer in range(layers + 1):
+        mlp = [at_norms[layer - 1]] if layer else []  # (N, 1, T, D)
+        if layer == layers:  # the last MLP and the logits
+            block = torch.cat([*mlp, at_norms[-1]], 1)
+            sent.scores(block, layers, scores[:, :, first:])
+            break
         projections = [named[name] for name in graph.projections[layer]]
-        receivers, reads = graph.attention_receivers(layer), graph.reads[layer]
+        reads = graph.reads[layer]
         for lo in range(0, len(reads), CHUNK):
-            heads_read = read_gradients(
+            chunk = reads[lo : lo + CHUNK]
+            n, t, width = residuals[layer].shape
+            block = scores.new_empty(n, len(mlp) + len(chunk), t, width)
+            if mlp:
+                block[:, :1] = mlp.pop()
+            read_gradients(
                 named[graph.attention_norms[layer]],
                 residuals[layer],
                 projections,
                 [at_projections[(layer, i)] for i in range(len(projections))],
-                reads[lo : lo + CHUNK],
+                chunk,
+                block[:, block.shape[1] - len(chunk) :],  # after the MLP's, if any
             )
-            first = receivers[lo]  # a layer's reads are receivers side by side
-            sent.scores(heads_read, layer, scores[:, :, first : first + len(heads_read[0])])
-        mlp = graph.mlp_receiver(layer)
-        sent.scores(at_norms[layer], layer + 1, scores[:, :, mlp : mlp + 1])
-    sent.scores(at_norms[-1], layers, scores[:, :, -1:])
+            sent.scores(block, layer, scores[:, :, first : first + block.shape[1]])
+            first += block.shape[1]
     return scores
 
 

@@ -147,11 +147,12 @@ def read_gradients(
     projections: list[nn.Module],
     grads: list[torch.Tensor],
     reads: list[Read],
-) -> torch.Tensor:
-    """(N, reads, T, D) float32: the gradient with respect to the residual stream each read
-    takes in (`residual` (N, T, D), the norm's input), through that read alone; `grads`:
-    the gradient at each projection's output. Callers pass at most CHUNK reads: each costs
-    a few copies of the residual stream here."""
+    out: torch.Tensor,
+) -> None:
+    """Into `out` (N, reads, T, D) float32: the gradient with respect to the residual
+    stream each read takes in (`residual` (N, T, D), the norm's input), through that read
+    alone; `grads`: the gradient at each projection's output. Callers pass at most CHUNK
+    reads: each costs a few copies of the residual stream here."""
     n, t, width = residual.shape
     cotangent = residual.new_empty(n, t, len(reads), width)
     for j, read in enumerate(reads):
@@ -162,7 +163,7 @@ def read_gradients(
         repeated = residual.detach()[:, :, None].expand(-1, -1, len(reads), -1).clone()
         repeated.requires_grad_(True)
         (grad,) = torch.autograd.grad(norm(repeated), repeated, cotangent)
-    return grad.float().transpose(1, 2).contiguous()
+    out.copy_(grad.transpose(1, 2))
 
 
 # Of the receivers asked about (indices into Graph.receivers) and the residual stream x
