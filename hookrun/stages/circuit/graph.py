@@ -115,7 +115,7 @@ def graph_of(setup: Setup) -> Graph:
     names += [p.format(i) for i in range(layers) for p in entry.qkv]
     missing = [n for n in names if n not in named]
     heads = int(getattr(hf.config, "num_attention_heads", 0) or 0)
-    if not layers or missing or not heads or not entry.qkv:
+    if not layers or missing or not heads:
         absent = missing[0] if missing else entry.heads.format(0)
         raise HookrunError(
             f"circuit: the {model_type} model has no module {absent}; valid: a {model_type} "
@@ -175,6 +175,6 @@ def path_receivers(graph: Graph, names: list[str]) -> list[str]:
     twice = sorted({r for r in out if out.count(r) > 1})
     if twice:
         raise HookrunError(
-            f"circuit.paths: {names} names the receiver {twice[0]} twice; valid: each once"
+            f"circuit.paths: {list(names)} names the receiver {twice[0]} twice; valid: each once"
         )
     return out

@@ -90,20 +90,14 @@ def attention_reads(
             "(an unquantized model)"
         )
     outs = [w[1] for w in widths if w is not None]
-    expected = {"stacked": 1, "separate": 3, "per_head": 1}[layout]
-    size = (
-        {"stacked": outs[0] // (heads + 2 * kv_heads), "per_head": outs[0] // (3 * heads)}.get(
-            layout, outs[0] // heads
-        )
-        if len(outs) == expected
-        else 0
-    )
-    wanted = {
-        "stacked": [(heads + 2 * kv_heads) * size],
-        "separate": [heads * size, kv_heads * size, kv_heads * size],
-        "per_head": [3 * heads * size],
+    # Heads' worth of outputs each projection puts out.
+    counts = {
+        "stacked": [heads + 2 * kv_heads],
+        "separate": [heads, kv_heads, kv_heads],
+        "per_head": [3 * heads],
     }[layout]
-    if not size or outs != wanted:
+    size = outs[0] // counts[0] if len(outs) == len(counts) else 0
+    if not size or outs != [c * size for c in counts]:
         names = ", ".join(name for name, _ in projections)
         raise HookrunError(
             f"circuit: the projections {names} put out {outs} features, not a {layout} layout "
@@ -113,9 +107,8 @@ def attention_reads(
     kv = "h" if kv_heads == heads else "kv"
     reads = []
     for h in range(heads):
-        at = {"stacked": (0, h * size), "separate": (0, h * size), "per_head": (0, 3 * h * size)}
-        module, start = at[layout]
-        reads.append(Read(f"a{layer}.h{h}.q", module, start, start + size))
+        start = 3 * h * size if layout == "per_head" else h * size
+        reads.append(Read(f"a{layer}.h{h}.q", 0, start, start + size))
     for part, letter in ((1, "k"), (2, "v")):
         for j in range(kv_heads):
             module, start = {
@@ -187,6 +180,7 @@ class _LayerReads:
     ):
         self.norm, self.projections, self.reads, self.shift = norm, projections, reads, shift
         self.receivers = receivers  # the reads' indices among the graph's receivers
+        self.at = {r: i for i, r in enumerate(receivers)}  # a receiver's read
         self.made: list[tuple[Read, torch.Tensor]] = []
 
     def before_norm(self, module: nn.Module, args: tuple) -> None:
@@ -196,17 +190,19 @@ class _LayerReads:
         # stream per read) only while they are made: the slices get one block, taken
         # before the chunks', so that small blocks kept between big freed ones do not
         # leave the heap fragmented (glibc holds such a heap's peak resident).
-        width = self.reads[0].stop - self.reads[0].start
-        slices = x.new_empty(len(self.reads), *x.shape[:-1], width)
+        slices = None
         for lo in range(0, len(self.receivers), CHUNK):
             found = self.shift(self.receivers[lo : lo + CHUNK], x)
             if found is None:
                 continue
+            if slices is None:
+                width = self.reads[0].stop - self.reads[0].start
+                slices = x.new_empty(len(self.reads), *x.shape[:-1], width)
             chosen, delta = found
             # The norm's own forward, not its hooks (this is one of them).
             normed = self.norm.forward(x[:, :, None] + delta)
             for j, r in enumerate(chosen):
-                at = self.receivers.index(r)
+                at = self.at[r]
                 read = self.reads[at]
                 slices[at] = _project(self.projections[read.module], normed[:, :, j], read)
                 self.made.append((read, slices[at]))

@@ -87,7 +87,7 @@ class CircuitPlan(Plan):
                 f"over every row (circuit sizes {list(self.config.k)}, and the clean and "
                 "corrupted ends), every edge outside each circuit ablated"
                 + (
-                    " (mean ablation: one more pass for the corrupted runs' mean writes)"
+                    " (mean ablation: the corrupted runs first, for their mean writes)"
                     if self.config.ablation == "mean"
                     else ""
                 )
@@ -129,11 +129,14 @@ class CircuitPlan(Plan):
         hf = adapt(again.model).language.hf
         corrupted_total, totals = 0.0, [0.0] * len(circuits)
         with run_mode(again.model), torch.inference_mode():
-            mean = self._mean_writes(hf) if self.config.ablation == "mean" else None
+            mean = None
+            if self.config.ablation == "mean":  # the corrupted runs once, for their mean
+                mean, corrupted_total = self._mean_writes(hf)
             for rows, corrupt_ids in self._batches():
-                corrupted, logits = writes(hf, self.graph, corrupt_ids, rows[1])
-                corrupted_total += float(logit_diff(logits, *rows[2:]).sum())
-                if mean is not None:
+                if mean is None:
+                    corrupted, logits = writes(hf, self.graph, corrupt_ids, rows[1])
+                    corrupted_total += float(logit_diff(logits, *rows[2:]).sum())
+                else:
                     n, t = corrupt_ids.shape
                     corrupted = {k: v[:t].expand(n, *v[:t].shape) for k, v in mean.items()}
                 for i, kept in enumerate(circuits):
@@ -152,22 +155,25 @@ class CircuitPlan(Plan):
             corrupt_ids = self.counterfactual[index].to(again.device)
             yield tuple(t.to(again.device) for t in rows), corrupt_ids
 
-    def _mean_writes(self, hf: nn.Module) -> dict[str, torch.Tensor]:
+    def _mean_writes(self, hf: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
         """circuit.ablation=mean: each sender's write in the corrupted runs averaged over the
-        rows at each position (over the rows long enough to have it), (T, ...) each; the
-        rows are padded to one width, so every batch has every position."""
+        rows at each position (over the rows long enough to have it), (T, ...) each — the
+        rows are padded to one width, so every batch has every position; and the corrupted
+        runs' summed logit difference."""
         sums: dict[str, torch.Tensor] = {}
         count = torch.zeros(())
         dtype = torch.float32
+        corrupted_total = 0.0
         for rows, corrupt_ids in self._batches():
-            made, _ = writes(hf, self.graph, corrupt_ids, rows[1])
+            made, logits = writes(hf, self.graph, corrupt_ids, rows[1])
+            corrupted_total += float(logit_diff(logits, *rows[2:]).sum())
             real = rows[1].to(torch.float64)[..., None]  # (N, T, 1)
             for key, value in made.items():
                 part = (value.double() * real).sum(0)
                 sums[key] = part if key not in sums else sums[key] + part
                 dtype = value.dtype
             count = count + real.sum(0)
-        return {k: (v / count.clamp(min=1)).to(dtype) for k, v in sums.items()}
+        return {k: (v / count.clamp(min=1)).to(dtype) for k, v in sums.items()}, corrupted_total
 
     def stored(self) -> dict[str, Stored]:
         g = self.graph
