@@ -29,6 +29,7 @@ def main(cfg: DictConfig) -> None:
     (a write fault: 1; SIGTERM/SIGINT: 143/130; an internal error: 1, traceback in the log);
     in a sweep (-m) a failing job is logged and recorded, and the other jobs go on."""
     from hookrun.config.build import build_spec, release_model_keys
+    from hookrun.pipeline.claim import MEMORY
     from hookrun.pipeline.runner import execute
     from hookrun.scale.sweeps import write_job_summary
 
@@ -39,6 +40,12 @@ def main(cfg: DictConfig) -> None:
     try:
         release_model_keys(cfg, overrides, caller_model=False)
         spec = build_spec(cfg, hydra_cfg.runtime.choices.get("experiment"))
+        if spec.sink.path == MEMORY:
+            raise HookrunError(
+                "sink.path: memory keeps the file in the Python process that called "
+                "hookrun.run, and this command's process ends with the run; valid here: a "
+                "file path (the default: <run dir>/captures.h5)"
+            )
         result = execute(spec, run_dir)
     except (Exception, Interrupted) as err:  # Interrupted: a BaseException (errors.py)
         if sweeping:

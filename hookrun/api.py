@@ -78,6 +78,12 @@ def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> R
     return replace(spec, model=new_model, config_yaml=OmegaConf.to_yaml(tree))
 
 
+def _dataset_key(override: str) -> bool:
+    """Whether an override sets a key of the dataset node (`dataset.pack=false`), not the
+    dataset kind (`dataset=text`)."""
+    return override.lstrip("+~").startswith("dataset.")
+
+
 def _refuse_text_without_language_model(cfg: DictConfig, model: Any, kind: str) -> None:
     """Strings and prompt dicts are read with a language model's tokenizer."""
     from hookrun.models.adapter import adapt
@@ -150,7 +156,9 @@ def run(
     inline = inline_rows(dataset)
     if inline is not None:  # written into the run dir, read by the kind from there
         kind, rows = inline
-        cfg, _, default_dir = _compose(overrides)
+        # The kind the config names without the caller's dataset.* keys, which are the
+        # rows' kind's: composed against another kind's node they could not be set.
+        cfg, _, default_dir = _compose([o for o in overrides or [] if not _dataset_key(o)])
         _refuse_text_without_language_model(cfg, model, kind)
         folder = Path(run_dir).expanduser().absolute() if run_dir is not None else default_dir
         run_dir, dataset = folder, None

@@ -18,8 +18,10 @@ A stage's life in a run:
    tensor or array), beside the hooked passes' own; `guard(model)` is held around the
    batches (what the stage changes in the model comes back).
 5. At the end: `Stage.complete(f, rows, shards)` writes what the file says of all its rows
-   before it is marked complete (the sanity verdicts); `Plan.finish(path)` does whole-run
-   work on the complete file (the induction scores); `Stage.summary(f, rows)`,
+   (the sanity verdicts); `Plan.finish(f)` computes the datasets of the whole run that
+   `Plan.finishes()` declared (the induction scores, the circuits' faithfulness) once every
+   row is in the file, which is marked complete only once they are in it too (a resume
+   computes those still pending, and only those); `Stage.summary(f, rows)`,
    `Stage.draw(f, out_dir, rows, config)` and `Stage.damage(f, complete)` read the file
    alone, so the summary, `python -m hookrun.render` and `python -m hookrun.verify` work
    without the run.
@@ -47,6 +49,7 @@ from torch import nn
 from hookrun.data.batch import Batch
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import name_axes
+from hookrun.io.whole_run import WholeRun
 from hookrun.memory import format_bytes
 from hookrun.registry import Registry
 
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Stored",
+    "WholeRun",
     "describe_stored",
     "ParseContext",
     "Setup",
@@ -219,8 +223,18 @@ class Plan:
         """Its records of one batch (host tensors or arrays), keyed by path."""
         return {}
 
-    def finish(self, path: Path) -> None:
-        """Whole-run work on the complete file at `path` (rank 0, after the torchrun join)."""
+    def finishes(self) -> Mapping[str, WholeRun]:
+        """The datasets of the whole run its `finish` writes once every row is in the file
+        (path → shape, dtype, attributes): made with the file, pending until then; the file
+        is complete only once each holds its values."""
+        return {}
+
+    def finish(self, f: h5py.File) -> Mapping[str, Any]:
+        """Whole-run work, once every row is in the file `f` (rank 0, after the torchrun
+        join; `f` open for reading, its rows are final): the values of every dataset
+        `finishes()` names (path → array of its shape). A resume calls it only when one of
+        them is still pending, and writes them all again."""
+        return {}
 
 
 class Stage:

@@ -1,10 +1,11 @@
 """`python -m hookrun.verify FILE`: is this captures.h5 complete and intact?
 
 Reads every chunk of every dataset (HDF5 checks each chunk's fletcher32 checksum as it reads
-it), checks that every dataset holds the rows `completed` promises, that every axis has its
-dimension name (the `sample` coordinate holding the dataset indices), and that the file is
-not cut short. Prints the status, the rows and any damage; exit status 0 only for a complete,
-intact file, 1 otherwise (2 for a path that is not a file).
+it), checks that every dataset holds the rows `completed` promises, that every stage's
+whole-run results are written (a file killed during that work holds them pending), that every
+axis has its dimension name (the `sample` coordinate holding the dataset indices), and that
+the file is not cut short. Prints the status, the rows and any damage; exit status 0 only for
+a complete, intact file, 1 otherwise (2 for a path that is not a file).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hookrun.io.layout import (
     SAMPLES_INDEX,
     dataset_names,
     open_readonly,
+    pending,
     read_state,
     rows_for,
 )
@@ -46,8 +48,17 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
     ]
     for stage in stages():  # what a stage says of its part (a sanity check's verdicts)
         damage += stage.damage(f, state.status == "complete")
+    waiting = pending(f)
+    for name in waiting:  # a whole-run result its stage has not written (a kill, a signal)
+        stage = name.split("/")[0]
+        damage.append(
+            f"{name}: not written: the {stage} stage's whole-run work is not in the file "
+            "(resume=true computes it)"
+        )
     for name in names:
         ds = f[name]
+        if name in waiting:
+            continue  # holds no values: what it holds is not damage
         rows = ds.shape[0] if ds.shape else 0
         # A record stored once per batch holds a row per batch of the completed samples.
         need = rows_for(ds, state.completed)

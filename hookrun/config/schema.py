@@ -64,7 +64,9 @@ class Compression(str, Enum):
 
 @dataclass
 class SinkConfig(Frozen):
-    # Where captures.h5 goes; null = <run dir>/captures.h5.
+    # Where captures.h5 goes; null = <run dir>/captures.h5; memory = kept in the calling
+    # Python process (hookrun.run's result.open() reads it; written to a private temporary
+    # folder while the run streams it, removed at its end), not from the command line.
     path: str | None = None
     dtype: StoreDtype = StoreDtype.float32
     compression: Compression | None = None

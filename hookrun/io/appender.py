@@ -33,6 +33,7 @@ from hookrun.io.layout import (
     SAMPLES_INDEX,
     Provenance,
     dataset_names,
+    is_whole_run,
     mark_bfloat16,
     mark_completed,
     mark_rows,
@@ -44,6 +45,7 @@ from hookrun.io.layout import (
     write_header,
 )
 from hookrun.io.storage import chunk_shape
+from hookrun.io.whole_run import WholeRun, make_pending, open_swmr_writer, pending_of
 
 __all__ = ["FileOptions", "CapturesFile", "Summaries"]
 
@@ -74,6 +76,9 @@ class FileOptions:
     # What the file says of all its rows, written before it is marked complete (the
     # stages': hookrun/stage.py `complete`): (file, rows, shards or None).
     summaries: Summaries | None = None
+    # The stages' whole-run datasets (io/whole_run.py), made with the file and written once
+    # every row is in: until then it is not marked complete (path → shape, dtype, attrs).
+    finishes: Mapping[str, WholeRun] = dataclasses.field(default_factory=dict)
 
     def dtype_of(self, key: str) -> str:
         """The float the dataset at `key` is stored in."""
@@ -127,10 +132,12 @@ class CapturesFile:
         self.broken = False  # HDF5 failed a write: the handle must not flush again
 
     def _use(self, file: h5py.File) -> None:
-        """Append to `file` from here (its datasets, rows and layout as it holds them)."""
+        """Append to `file` from here (its datasets of rows, rows and layout as it holds
+        them; the whole-run datasets get no rows)."""
         self.file = file
         self.rows = read_state(file).completed
-        self.datasets = {k: file[k] for k in dataset_names(file)}
+        names = dataset_names(file)
+        self.datasets = {k: file[k] for k in names if not is_whole_run(file[k])}
         self.keys = set(self.datasets)
         self.batch = {k: per_batch(ds) for k, ds in self.datasets.items()}
 
@@ -151,7 +158,8 @@ class CapturesFile:
         copies a killed writer's file into one); one with no rows yet stays closed until
         its first batch."""
         out = cls(path, options, None)
-        f = h5py.File(path, "r+", libver="latest")
+        # In SWMR mode from the first moment: killed here, the file still opens with its rows.
+        f = open_swmr_writer(path)
         try:
             completed = read_state(f).completed
             for key in dataset_names(f):  # rows past `completed` may be half written
@@ -159,9 +167,7 @@ class CapturesFile:
             mark_status(f, "running")
             f.flush()
             out._use(f)
-            if out.keys:
-                f.swmr_mode = True
-            else:
+            if not out.keys:  # no batch yet: its datasets are made when it comes (not SWMR)
                 f.close()
                 out.file = None
         except BaseException:
@@ -214,6 +220,7 @@ class CapturesFile:
         if not self.keys:
             for key, array in arrays.items():
                 self._create(key, array)
+            make_pending(self.file, self.options.finishes, self.options.checksum)
             # Scales write attributes, which SWMR forbids: every axis is named first.
             name_dimensions(self.file, self.options.axes, self.options.checksum)
             write_attrs(self.file, self.options.attrs)  # SWMR allows no new attributes
@@ -297,7 +304,10 @@ class CapturesFile:
             if error is None:
                 if self.options.summaries is not None:  # of every row, then the mark
                     self.options.summaries(self.file, self.rows, None)
-                mark_status(self.file, "complete")
+                # With whole-run work to come the file stays `running` until it is done
+                # (io/whole_run.py `finishing` marks it complete).
+                if not pending_of(self.file, list(self.options.finishes)):
+                    mark_status(self.file, "complete")
             else:
                 status = "interrupted" if interrupted else "failed"
                 mark_status(self.file, status, f"{type(error).__name__}: {error}")

@@ -40,6 +40,7 @@ from hookrun.io.layout import (
     SAMPLES_TOKENS,
     dataset_names,
     folded,
+    is_whole_run,
     pattern_key,
     per_batch,
 )
@@ -261,7 +262,8 @@ def check_dimensions(f: h5py.File, completed: int) -> list[str]:
     damage = []
     for path, names in named.items():
         ds = f[path]
-        row = axis_names(path, ds, AxisFacts())[0]
+        # A whole-run dataset has no row axis, whatever a stage this hookrun lacks named it.
+        row = None if is_whole_run(ds) else axis_names(path, ds, AxisFacts())[0]
         if row in _ROWS and names[0] != row:
             damage.append(f"{path}: axis 0 is {names[0]!r}, not the {row!r} dimension")
         for axis, name in enumerate(names):

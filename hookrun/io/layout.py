@@ -6,8 +6,9 @@ stage's keys module and read and written through the helpers here (`attr`, `set_
 Every axis is a named dimension (io/dimensions.py attaches the scales).
 
 Root attributes: the provenance fields below, then `error`, `status` (running → complete |
-failed | interrupted) and `completed` (rows written *and flushed*, never ahead of the data).
-Captures not stored one row per sample carry PER_BATCH or FOLDED (below).
+failed | interrupted; running until every row and every whole-run dataset is in) and
+`completed` (rows written *and flushed*, never ahead of the data). Captures not stored one
+row per sample carry PER_BATCH or FOLDED, whole-run datasets WRITTEN (below).
 
 Crash safety (io/appender.py appends the rows): SWMR mode once the first batch's datasets
 exist, a flush every batch; a killed writer's file opens read-only (`open_readonly`) with
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
 from hookrun.io import storage
 from hookrun.io.storage import CHUNK_BYTES, chunk_shape, open_readonly
@@ -41,7 +43,8 @@ __all__ = [
     "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
     "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension",
     "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
-    "attr", "has_attrs", "set_attrs", "modify_attrs",
+    "attr", "has_attrs", "set_attrs", "modify_attrs", "WRITTEN", "is_whole_run",
+    "mark_pending", "mark_written", "is_pending", "pending",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -124,9 +127,15 @@ def folded(ds: h5py.Dataset) -> int:
     return int(ds.attrs.get(FOLDED, 0))
 
 
-# Datasets of a whole run, with no sample axis, written once the file is complete (a
-# stage's summary over every row, e.g. the induction score per head): path → registered.
+# Datasets of a whole run, with no sample axis (a stage's result over every row, e.g. the
+# induction score per head): path → registered.
 WHOLE_RUN: set[str] = set()
+
+# A whole-run dataset a stage computes once every row is in the file (its `finish`) is made
+# with the file, holding its fill value, with WRITTEN = 0; once the stage's values are in it
+# and flushed, WRITTEN = 1. A file is marked complete only when none says 0. A dataset without
+# the attribute was written whole when it was made (files of hookrun before the mark).
+WRITTEN = "written"
 
 
 def whole_run(*paths: str) -> None:
@@ -135,11 +144,37 @@ def whole_run(*paths: str) -> None:
     WHOLE_RUN.update(paths)
 
 
+def is_whole_run(ds: h5py.Dataset) -> bool:
+    """Whether `ds` is a dataset of the whole run (no sample axis): registered, or made to
+    be written once every row is in (it carries WRITTEN)."""
+    name = ds.name.lstrip("/")
+    return WRITTEN in ds.attrs or any(fnmatch.fnmatchcase(name, p) for p in WHOLE_RUN)
+
+
+def mark_pending(ds: h5py.Dataset) -> None:
+    """A new whole-run dataset holds no values yet (before SWMR: the attribute is new)."""
+    ds.attrs[WRITTEN] = np.int8(0)
+
+
+def mark_written(ds: h5py.Dataset) -> None:
+    """A whole-run dataset's values are in the file and flushed (in place: SWMR allows it)."""
+    ds.attrs.modify(WRITTEN, np.int8(1))
+
+
+def is_pending(ds: h5py.Dataset) -> bool:
+    """Whether a whole-run dataset still waits for its values (WRITTEN = 0)."""
+    return int(ds.attrs.get(WRITTEN, 1)) == 0
+
+
+def pending(f: h5py.File) -> list[str]:
+    """The whole-run datasets of `f` that wait for their values, by path."""
+    return [name for name in dataset_names(f) if is_pending(f[name])]
+
+
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
     """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
-    (a whole-run dataset, WHOLE_RUN, holds the rows it has: it has no sample axis)."""
-    name = ds.name.lstrip("/")
-    if any(fnmatch.fnmatchcase(name, pattern) for pattern in WHOLE_RUN):
+    (a whole-run dataset holds the rows it has: it has no sample axis)."""
+    if is_whole_run(ds):
         return ds.shape[0]
     size = per_batch(ds)
     return -(-completed // size) if size else completed
@@ -229,7 +264,7 @@ def read_state(source: Path | h5py.File) -> FileState:
     with open_readonly(source) as f:
         state = _state(f)
         size = Path(source).stat().st_size
-        for ds in (f[name] for name in dataset_names(f)):
+        for ds in (f[name] for name in dataset_names(f) if not is_pending(f[name])):
             reason = storage.missing_rows([ds], rows_for(ds, state.completed), size)
             if reason:
                 raise OSError(reason)

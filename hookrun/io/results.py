@@ -6,6 +6,7 @@ requirement for reading it.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -15,7 +16,7 @@ import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, did_you_mean
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
 
@@ -23,7 +24,8 @@ __all__ = ["Results", "open_results", "summary"]
 
 
 class Results:
-    """A finished (or interrupted) run's captures.h5, opened read-only.
+    """A finished (or interrupted) run's captures.h5, opened read-only: a path, or the file's
+    bytes (a run with sink.path=memory: `result.open()`).
 
     `results.layers` lists `{layer: {site: shape}}` (`repr` also says which datasets are
     not one row per sample: layout.rows_note); `results[path]` (a path such as
@@ -35,7 +37,13 @@ class Results:
     `results.config` is the resolved run config.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path | bytes) -> None:
+        if isinstance(path, bytes | bytearray):  # a file in memory (sink.path=memory)
+            self.image: bytes | None = bytes(path)
+            self.path = Path("memory")
+            self.file = h5py.File(io.BytesIO(self.image), "r")
+            return
+        self.image = None
         self.path = Path(path)
         self.file = layout.open_readonly(self.path)  # also a run killed mid-way
 
@@ -54,10 +62,35 @@ class Results:
         self.file.close()
 
     def __getitem__(self, key: str) -> Any:
-        return decoded_node(self.file[key])
+        path = str(key).lstrip("/")
+        if path not in self.file:
+            raise KeyError(f"{key!r}: no such dataset or group in {self.path}{self._near(path)}")
+        node = self.file[path]
+        if isinstance(node, h5py.Dataset) and layout.is_pending(node):
+            raise KeyError(
+                f"{key!r}: not written yet: the {path.split('/')[0]} stage's whole-run work is "
+                f"not in {self.path} (status {self.status}; resume=true computes it)"
+            )
+        return decoded_node(node)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.file
+        path = str(key).lstrip("/")
+        node = self.file.get(path)
+        return node is not None and not (isinstance(node, h5py.Dataset) and layout.is_pending(node))
+
+    def keys(self) -> list[str]:
+        """Every dataset `results[key]` opens, by path (those only naming a dimension, and
+        whole-run results not written yet, left out)."""
+        return [p for p in layout.dataset_names(self.file) if p in self]
+
+    def _near(self, path: str) -> str:
+        """The hint for a path that is not in the file: a dataset whose path ends with it
+        (`feature_ablation/input` → `derived/feature_ablation/input`), else the closest."""
+        keys = self.keys()
+        ending = [k for k in keys if k.endswith("/" + path)]
+        if ending:
+            return f" (did you mean '{ending[0]}'?)"
+        return did_you_mean(path, keys)
 
     def capture(self, layer: str, site: str) -> Any:
         """The dataset of one capture, e.g. capture('layer4', 'grad_output')."""
@@ -109,32 +142,21 @@ class Results:
                 "'hookrun[xarray]' (xarray and h5netcdf)"
             ) from None
         swmr = {"swmr": True} if self.file.swmr_mode else None  # a killed or running writer
-        tree = xarray.open_datatree(
-            self.path, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr
-        )
+        source = io.BytesIO(self.image) if self.image is not None else self.path
+        tree = xarray.open_datatree(source, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr)
         return tree.map_over_datasets(_decode_bfloat16)
 
     def __repr__(self) -> str:
+        """The file's status and every dataset by the key `results[key]` opens it with."""
         lines = [f"<hookrun results {self.path} status={self.status} rows={self.completed}>"]
-        found = {**walk.captures_of(self.file), **walk.derived_of(self.file)}
-        for layer, sites in found.items():
-            for site, ds in sites.items():
+        for path in layout.dataset_names(self.file):
+            ds = self.file[path]
+            if layout.is_pending(ds):
+                note = "not written yet: resume=true computes it"
+            else:
                 note = layout.rows_note(ds)
-                lines.append(f"  {layer}/{site}: {ds.shape}" + (f" ({note})" if note else ""))
-        shown = {ds.name for sites in found.values() for ds in sites.values()}
-        others: list[str] = []
-
-        def visit(name: str, obj: object) -> None:
-            # Every other dataset of every group (samples, model, patching, induction, ...).
-            if (
-                isinstance(obj, h5py.Dataset)
-                and obj.name not in shown
-                and not layout.is_dimension(obj)
-            ):
-                others.append(f"  /{name}: {obj.shape}")
-
-        self.file.visititems(visit)
-        return "\n".join(lines + others)
+            lines.append(f"  {path}: {ds.shape}" + (f" ({note})" if note else ""))
+        return "\n".join(lines)
 
 
 def _decode_bfloat16(ds: Any) -> Any:
@@ -160,8 +182,9 @@ def _decode_bfloat16(ds: Any) -> Any:
     return ds.assign(changed) if changed else ds
 
 
-def open_results(path: str | Path) -> Results:
-    """Open a captures.h5 for reading (also available as `hookrun.open`)."""
+def open_results(path: str | Path | bytes) -> Results:
+    """Open a captures.h5 for reading (also available as `hookrun.open`): a path, or a
+    file's bytes."""
     return Results(path)
 
 
@@ -173,15 +196,16 @@ def summary(
     show: int = 8,
     computed: int | None = None,
     more: Callable[[h5py.File, int], list[str]] | None = None,
+    name: str | None = None,
 ) -> str:
     """The end-of-run text: where things are, rows, top-1 classes, time and throughput.
     `computed`: the rows this process computed (a resumed run found the others done), which
-    is what the throughput counts; `more(file, rows)`: the lines the stages add."""
+    is what the throughput counts; `more(file, rows)`: the lines the stages add; `name`: what
+    to call the file instead of its path (`memory`)."""
     with Results(path) as res:
         rows = res.completed
-        lines = [
-            f"captures: {path} ({rows} rows, {path.stat().st_size / 2**20:.1f} MiB, {res.status})"
-        ]
+        size = path.stat().st_size / 2**20
+        lines = [f"captures: {name or path} ({rows} rows, {size:.1f} MiB, {res.status})"]
         if images is not None:
             count = len(list(images.glob("*.png"))) if images.is_dir() else 0
             lines.append(f"pictures: {images} ({count} files)")

@@ -16,6 +16,7 @@ from hookrun.io.layout import (
     SAMPLES_INDEX,
     Provenance,
     dataset_names,
+    is_pending,
     read_paths,
     read_provenance,
     read_state,
@@ -131,6 +132,8 @@ def _refuse_damage(path: Path, completed: int) -> None:
     try:
         with open_readonly(path) as f:
             for name in dataset_names(f):
+                if is_pending(f[name]):
+                    continue  # a whole-run result not written yet: computed again
                 reason = unreadable_rows(f[name], rows_for(f[name], completed))
                 if reason:
                     raise HookrunError(

@@ -29,6 +29,7 @@ from hookrun.io.encoding import host_array
 from hookrun.io.layout import Provenance
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
+from hookrun.io.whole_run import WholeRun
 from hookrun.timing import StageTimer
 
 __all__ = ["SinkOptions", "HDF5Sink", "check_sink_path"]
@@ -56,6 +57,8 @@ class SinkOptions:
     dtypes: Mapping[str, str] = field(default_factory=dict)
     # What the file says of all its rows before it is marked complete (io/appender.py).
     summaries: Summaries | None = None
+    # The stages' whole-run datasets, made with the file (io/whole_run.py).
+    finishes: Mapping[str, WholeRun] = field(default_factory=dict)
 
     @property
     def file_options(self) -> FileOptions:
@@ -70,6 +73,7 @@ class SinkOptions:
             attrs=dict(self.attrs),
             dtypes=dict(self.dtypes),
             summaries=self.summaries,
+            finishes=dict(self.finishes),
         )
 
 

@@ -5,6 +5,8 @@ Paths and attributes come from io/layout.py."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,20 @@ from hookrun.io.layout import (
     copy_attrs,
     copy_group_attrs,
     dataset_names,
+    is_pending,
     mark_complete,
+    mark_completed,
+    mark_status,
+    mark_written,
     open_readonly,
+    pending,
     read_state,
     rows_for,
     rows_note,
+    write_attrs,
     write_header,
 )
+from hookrun.io.whole_run import WholeRun, make_pending, name_whole_run
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
 
@@ -94,9 +103,12 @@ def rewrite_rows(path: Path) -> None:
                 compression=ds.compression,
                 compression_opts=ds.compression_opts,
                 fletcher32=ds.fletcher32,
+                fillvalue=ds.fillvalue,
                 track_times=False,
             )
             copy_attrs(ds, out)
+            if is_pending(ds):  # a whole-run dataset not written yet: a torn write is no data
+                continue
             step = max(1, ds.chunks[0])
             for start in range(0, rows, step):
                 out[start : start + step] = ds[start : min(rows, start + step)]
@@ -112,16 +124,28 @@ def join_shards(
     header: Provenance | Mapping[str, Any],
     replace: bool = False,
     summaries: Summaries | None = None,
+    finishes: Mapping[str, WholeRun] | None = None,
+    attrs: Mapping[str, Mapping[str, Any]] | None = None,
+    written: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """Write `path` as virtual datasets over complete shard files, in the given order; an
     existing `path` only with `replace`; `summaries` writes what the file says of all its
-    rows, over every shard's. Raises ValueError naming an incomplete shard."""
+    rows, over every shard's; `finishes`: the whole-run datasets made pending (the file is
+    then marked complete once they are written: io/whole_run.py), `attrs` those of their
+    datasets and groups, which no shard holds (path → {name: value}); `written`: values of
+    some of them already computed (an earlier join's: a resume computes only the others).
+    The join is made under
+    another name and takes its own when whole: a kill while joining leaves no half-made
+    captures.h5. Raises ValueError naming an incomplete shard."""
     opened = [h5py.File(s, "r") for s in shards]
+    part = path.with_name(f".{path.stem}.join{path.suffix}")
     try:
         for shard, f in zip(shards, opened, strict=True):
             if read_state(f).status != "complete":
                 raise ValueError(f"the shard {shard} is not complete")
-        with h5py.File(path, "w" if replace else "w-", libver="latest") as out:
+        if path.exists() and not replace:
+            raise FileExistsError(errno.EEXIST, "file exists", str(path))
+        with h5py.File(part, "w", libver="latest") as out:
             write_header(out, header)
             for key in dataset_names(opened[0]):
                 first = opened[0][key]
@@ -141,14 +165,27 @@ def join_shards(
                 if offset != total:
                     raise ValueError(f"the shards hold {offset} rows of /{key}, not {total}")
                 copy_attrs(first, out.create_virtual_dataset(key, virtual))
-            attach(out, read_names(opened[0]), _checksummed(opened[0]))
+            checksum = _checksummed(opened[0])
+            attach(out, read_names(opened[0]), checksum)
+            make_pending(out, finishes or {}, checksum)
+            name_whole_run(out, list(finishes or {}), checksum)
+            for key, value in (written or {}).items():
+                out[key][...] = value
+                mark_written(out[key])
             copy_group_attrs(opened[0], out)
+            write_attrs(out, attrs or {})
             if summaries is not None:
                 summaries(out, samples, opened)  # over every shard's rows
-            mark_complete(out, samples)
+            if pending(out):  # every row is in: complete once the whole-run datasets are
+                mark_completed(out, samples)
+                mark_status(out, "running")
+            else:
+                mark_complete(out, samples)
+        os.replace(part, path)  # the same folder: whole or not at all
     finally:
         for f in opened:
             f.close()
+        part.unlink(missing_ok=True)
 
 
 def _checksummed(f: h5py.File) -> bool:

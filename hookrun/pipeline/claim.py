@@ -4,12 +4,18 @@ written, and where a resumed run starts."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hookrun.config.build import RunSpec
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, first_line
+from hookrun.io.layout import read_state
 from hookrun.io.lock import WriterLock
 from hookrun.io.resume import Resumed, resume_point
 from hookrun.io.sink import check_sink_path
@@ -17,7 +23,12 @@ from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.signals import interruptible
 
-__all__ = ["Claim", "claim_file", "images_dir"]
+__all__ = ["MEMORY", "Claim", "claim_file", "images_dir"]
+
+# sink.path: memory keeps the file in the calling process (Result.open() reads it).
+MEMORY = "memory"
+
+log = logging.getLogger("hookrun")
 
 
 @dataclass
@@ -29,10 +40,21 @@ class Claim:
     sink_path: Path  # the file this process writes (a shard under torchrun)
     lock: WriterLock | None = None
     resumed: Resumed = field(default_factory=Resumed)
+    # sink.path=memory: the private folder the file is written in, read into the run's
+    # Result at its end (`kept`) and removed with it.
+    scratch: Path | None = None
+
+    def kept(self, image: Callable[[bytes], Any], result: Any) -> Any:
+        """The run's result; with sink.path=memory, `image(the file's bytes)` of it."""
+        if self.scratch is None or not self.final_path.is_file():
+            return result
+        return image(self.final_path.read_bytes())
 
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
+        if self.scratch is not None:  # a file in memory leaves nothing on disk
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
@@ -43,14 +65,21 @@ def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
             f"sink.path: {spec.sink.path} ends with '/', which names a folder; valid: a file "
             f"path, e.g. {spec.sink.path}captures.h5"
         )
-    final_path = Path(spec.sink.path).expanduser() if spec.sink.path else run_dir / "captures.h5"
+    scratch = _memory_scratch(spec, world) if spec.sink.path == MEMORY else None
+    if scratch is not None:
+        final_path = scratch / "captures.h5"
+    elif spec.sink.path:
+        final_path = Path(spec.sink.path).expanduser()
+    else:
+        final_path = run_dir / "captures.h5"
     if final_path.is_symlink() and final_path.exists():
         # Through a link the file it names is the one written and locked: two names of one
         # file must not give two writers, and the link itself stays a link.
         final_path = Path(os.path.realpath(final_path))
     sink_path = distributed.shard_path(final_path, world) if world.parallel else final_path
     # The lock first: the checks below then cannot race another run on the same file.
-    claim = Claim(final_path, sink_path, None if spec.dry_run else WriterLock(sink_path))
+    lock = None if spec.dry_run else WriterLock(sink_path)
+    claim = Claim(final_path, sink_path, lock, scratch=scratch)
     try:
         with interruptible():  # a resume's damage check reads the whole file
             claim.resumed = _check_paths(spec, final_path, sink_path, world, run_dir)
@@ -58,6 +87,38 @@ def claim_file(spec: RunSpec, run_dir: Path, world: World) -> Claim:
         claim.release()
         raise
     return claim
+
+
+def _memory_scratch(spec: RunSpec, world: World) -> Path:
+    """sink.path=memory: a private folder for the file while the run writes it (HDF5 needs
+    a file to stream rows into with SWMR); refused where a file on disk is the point."""
+    if spec.resume:
+        raise HookrunError(
+            "resume: true with sink.path: memory, whose file ends with the run that made "
+            "it; valid: resume=false, or a sink.path on disk"
+        )
+    if world.parallel:
+        raise HookrunError(
+            f"sink.path: memory under torchrun ({world.size} processes), whose shards are "
+            "joined through files; valid: a file path (the default <run dir>/captures.h5)"
+        )
+    return Path(tempfile.mkdtemp(prefix="hookrun-memory-"))
+
+
+def _readable(joined: Path) -> bool:
+    """Whether the join of a torchrun job's shards exists and reads. One that does not (an
+    older hookrun made it in place, and a kill cut it short) holds nothing the shards do
+    not: the resume joins them again, replacing it."""
+    if not joined.exists():
+        return False
+    try:
+        read_state(joined)
+    except (OSError, KeyError, RuntimeError, ValueError) as err:
+        log.warning(
+            "resume: %s cannot be read (%s); the shards are joined again", joined, first_line(err)
+        )
+        return False
+    return True
 
 
 def images_dir(spec: RunSpec, run_dir: Path) -> Path:
@@ -80,7 +141,7 @@ def _check_paths(
     spec: RunSpec, final_path: Path, sink_path: Path, world: World, run_dir: Path
 ) -> Resumed:
     """Where a resumed run starts, after refusing paths that exist or cannot be written."""
-    if spec.resume and world.parallel and final_path.exists():
+    if spec.resume and world.parallel and _readable(final_path):
         joined = resume_point(final_path, spec.config_yaml)
         if joined.complete:  # every shard was complete and joined: nothing to compute
             return joined

@@ -1,6 +1,6 @@
-"""Step 3 of a run — finish: join torchrun shards, each stage's whole-run work on the
-complete file, the pictures drawn from it, and the summary (file, pictures, top-1 classes,
-each stage's lines, throughput)."""
+"""Step 3 of a run — finish: join torchrun shards, each stage's whole-run work once every
+row is in the file (which is complete only then), the pictures drawn from it, and the
+summary (file, pictures, top-1 classes, each stage's lines, throughput)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import torch
 from hookrun.config.build import RunSpec
 from hookrun.data import token_cache
 from hookrun.io.results import Results, summary
+from hookrun.io.whole_run import finishing, pending_of, write_whole_run, written_values
 from hookrun.models.adapter import adapt
 from hookrun.models.sources import class_names
-from hookrun.pipeline.claim import Claim, images_dir
+from hookrun.pipeline.claim import MEMORY, Claim, images_dir
 from hookrun.pipeline.prepare import Prepared
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World
-from hookrun.signals import interruptible
+from hookrun.signals import deferred, interruptible
 from hookrun.stage import completed, summarised
 
 __all__ = ["Result", "finish", "dry_result"]
@@ -44,9 +45,12 @@ class Result:
     summary: str = ""
     images: Path | None = None
     profile: dict[str, float] | None = field(default=None)  # seconds per stage (profile=true)
+    memory: bytes | None = None  # sink.path=memory: the file itself (`path` is None)
 
     def open(self) -> Results:
         """The captures.h5 opened read-only (`with result.open() as res: ...`)."""
+        if self.memory is not None:
+            return Results(self.memory)
         if self.path is None:
             raise ValueError("a dry run writes no captures.h5")
         return Results(self.path)
@@ -124,8 +128,29 @@ def already_complete(
     return Result(path, run_dir, claim.resumed.rows, "", seconds, summary=text, images=images)
 
 
+def _whole_run(run: Prepared, path: Path) -> list[str]:
+    """Each stage's whole-run work still pending in the complete rows' file (all of it in a
+    new run; in a resumed one only what a kill left unwritten), written into the file, which
+    is then marked complete (io/whole_run.py). The stages that computed."""
+    if not run.finishes:
+        return []
+    done = []
+    with finishing(path, run.finishes, run.spec.sink.checksum) as f:
+        for name, plan in run.stages.items():
+            keys = list(plan.finishes())
+            if not keys or not pending_of(f, keys):
+                continue  # none, or written before the kill a resume continues
+            with run.timer.stage(name), interruptible():
+                values = plan.finish(f)
+            with deferred():  # the values and their marks, whole
+                write_whole_run(f, {key: values[key] for key in keys})
+            done.append(name)
+    return done
+
+
 def finish(run: Prepared, rows_here: int) -> Result:
-    """After the last batch: rank 0 joins the shards, then pictures and summary."""
+    """After the last batch: rank 0 joins the shards, each stage's whole-run work, then
+    pictures and summary."""
     spec, world = run.spec, run.world
     total = len(run.data)
     path = run.claim.final_path
@@ -134,24 +159,32 @@ def finish(run: Prepared, rows_here: int) -> Result:
         if world.rank != 0:
             seconds = time.perf_counter() - run.started
             return Result(run.claim.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
+        # A resume joins the shards again (virtual datasets: no rows are copied), keeping
+        # the whole-run results an earlier join holds written (a kill during that work).
+        kept = written_values(path, list(run.finishes)) if spec.resume else {}
         distributed.merge_shards(
             path,
             world,
             total,
             spec.batch_size,
             run.header,
-            replace=spec.sink.overwrite or spec.resume,  # a resume may redo a merge cut short
+            replace=spec.sink.overwrite or spec.resume,
             summaries=completed,
+            finishes=run.finishes,
+            attrs=run.attrs,
+            written=kept,
         )
-    for plan in run.stages.values():  # whole-run work on the complete file
-        plan.finish(path)
+    finished = _whole_run(run, path)
+    if spec.resume and finished:
+        log.warning("resume: computed the whole-run results of %s", ", ".join(finished))
     token_cache.remove(run.run_dir)  # complete: no rank or resume needs the ids again
     images = _draw(spec, path, run.run_dir, run.plan_text)
     seconds = time.perf_counter() - run.started
     computed = rows_here if spec.resume or world.parallel else None
     # A language model's output columns are its vocabulary: the summary shows the tokens.
     names = class_names(spec.model) or adapt(run.model).output_names()
-    text = summary(path, seconds, names, images, computed=computed, more=summarised)
+    shown = MEMORY if run.claim.scratch is not None else None
+    text = summary(path, seconds, names, images, computed=computed, more=summarised, name=shown)
     if spec.profile:
         text += "\n" + run.timer.report(seconds)
     log.info("\n%s", text)

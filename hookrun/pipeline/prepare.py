@@ -41,7 +41,7 @@ from hookrun.pipeline.camlayer import resolve_cam_layer
 from hookrun.pipeline.claim import Claim
 from hookrun.pipeline.measure import measure_vectors
 from hookrun.pipeline.plan_text import FileShape, describe_plan
-from hookrun.pipeline.tokencheck import check_token_model, check_token_run
+from hookrun.pipeline.tokencheck import check_reads_tokens, check_token_model, check_token_run
 from hookrun.runtime.layouts import axis_facts
 from hookrun.runtime.plan import CallShapes, HookPlan, check_reached, compile_plan
 from hookrun.runtime.probe import probe_shapes
@@ -51,7 +51,7 @@ from hookrun.scale import distributed
 from hookrun.scale.distributed import World
 from hookrun.scale.provenance import provenance
 from hookrun.signals import interruptible
-from hookrun.stage import Plan, Setup, stages
+from hookrun.stage import Plan, Setup, WholeRun, stages
 from hookrun.timing import StageTimer
 
 __all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
@@ -96,6 +96,8 @@ class Prepared:
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
     # Attributes of the datasets and groups the stages create, by path.
     attrs: dict[str, dict] = field(default_factory=dict)
+    # The stages' datasets of the whole run, written once every row is in (io/whole_run.py).
+    finishes: dict[str, WholeRun] = field(default_factory=dict)
 
     @property
     def store_dtype(self) -> torch.dtype:
@@ -134,6 +136,7 @@ def prepare(
         data = _data(spec, caller, run_dir)  # first: its checks are cheap, the weights may be large
         model, weights_file = _model(spec, caller, device)
         tokens = token_rows(data)
+        check_reads_tokens(model, tokens)
         if tokens is not None:
             check_vocab(tokens, int(model.config.vocab_size))  # a LanguageModel (models/hf.py)
         check_token_model(spec, model, data, tokens)
@@ -192,6 +195,7 @@ def prepare(
             dtypes=_capture_dtypes(plan, probed.shapes),
             axes=axis_facts(captures | shaped, folds, model, sample),
             attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
+            finishes={k: v for p in planned.values() for k, v in p.finishes().items()},
         )
         run.plan_text = _plan_text(run, probed, setup.made)
         return run

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from hookrun.config.build import RunSpec
@@ -80,7 +81,9 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
                 if world.rank == 0:
                     log.info("\n%s", run.plan_text)
                 rows_here = stream(run)
-                return finish(run, rows_here)
+                result = finish(run, rows_here)
+                # sink.path=memory: the file's bytes in the result, the file removed below.
+                return claim.kept(lambda image: replace(result, path=None, memory=image), result)
             except Interrupted as err:
                 raise Interrupted(f"{err}: {_left(claim)}", err.signum) from None
             finally:

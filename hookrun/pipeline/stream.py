@@ -76,6 +76,8 @@ def _sink(run: Prepared, rows: int) -> HDF5Sink:
         axes=run.axes,
         attrs=run.attrs,
         summaries=completed,  # what the stages write of all the rows, before `complete`
+        # A shard holds rows only: the torchrun join makes the whole-run datasets.
+        finishes={} if run.world.parallel else run.finishes,
     )
     claim = run.claim
     return HDF5Sink(

@@ -116,6 +116,18 @@ def _check_positions(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> N
     raise HookrunError(f"{given}, past the model's {most} positions ({key}); valid: {valid}")
 
 
+def check_reads_tokens(model: Any, tokens: Any) -> None:
+    """Token rows go to a language model (hookrun's LanguageModel around a transformers
+    one); any other model is refused before anything reads its config."""
+    if tokens is not None and adapt(model).language is None:
+        raise HookrunError(
+            f"dataset: token rows are a language model's input, and this run's model (a "
+            f"{type(model).__name__}) is not one; valid: a transformers model with tokenizer= "
+            "(hookrun.run), model=hf or model=tiny_lm, or data this model takes (tensors, "
+            "images)"
+        )
+
+
 def check_token_model(spec: RunSpec, model: Any, data: Dataset, tokens: Any) -> None:
     """What can be refused on token data once the model is built, before its first forward
     pass (the probe): a stage whose work needs the input's gradient, and rows longer than

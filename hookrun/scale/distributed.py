@@ -22,6 +22,7 @@ from hookrun.errors import HookrunError
 from hookrun.io.appender import Summaries
 from hookrun.io.layout import Provenance
 from hookrun.io.stored import join_shards
+from hookrun.io.whole_run import WholeRun
 
 __all__ = [
     "World",
@@ -103,10 +104,15 @@ def merge_shards(
     *,
     replace: bool,
     summaries: Summaries | None = None,
+    finishes: Mapping[str, WholeRun] | None = None,
+    attrs: Mapping[str, Mapping[str, Any]] | None = None,
+    written: Mapping[str, Any] | None = None,
 ) -> None:
     """Rank 0: write `path` as virtual datasets over every rank's shard, in index order;
     an existing `path` only with `replace`; `summaries`: what the file says of all its rows
-    (io/appender.py), over every shard's."""
+    (io/appender.py), over every shard's; `finishes`: the whole-run datasets made pending
+    (io/whole_run.py), with `attrs` (path → {name: value}) on them and their groups, and
+    those of them already `written` (path → values)."""
     shards = []
     for rank in range(world.size):
         rank_world = World(rank, world.size)
@@ -117,6 +123,6 @@ def merge_shards(
             raise HookrunError(f"merge: the shard {shard} of rank {rank} is missing")
         shards.append(shard)
     try:
-        join_shards(path, shards, samples, header, replace, summaries)
+        join_shards(path, shards, samples, header, replace, summaries, finishes, attrs, written)
     except ValueError as err:
         raise HookrunError(f"merge: {err}") from None

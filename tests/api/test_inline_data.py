@@ -154,3 +154,29 @@ def test_bad_token_ids_are_refused_before_any_work(lm, tmp_path, given, said):
         hookrun.run(base, dataset=given, run_dir=tmp_path / "r")
     assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not (tmp_path / "r" / "captures.h5").exists()
+
+
+def test_strings_with_keys_of_dataset_text_and_a_model_object(lm, tmp_path):
+    """Strings are read as dataset=text: its keys (`dataset.pack`, `dataset.context`) can be
+    set beside them from Python, with no experiment naming the kind (issue 40)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm)
+    keys = ["dataset.pack=false", "dataset.context=32", "render=false", "progress=false"]
+    got = hookrun.run(keys, model=model, tokenizer=tokenizer(), dataset=DOCUMENTS, run_dir=tmp_path)
+    with hookrun.open(got.path) as res:
+        assert res.config.dataset.pack is False and res.config.dataset.context == 32
+        assert res.completed == len(DOCUMENTS)  # one row per document: not packed
+        lengths = res["samples/mask"][()].sum(axis=1)
+    want = [min(len(tokenizer()(d)["input_ids"]), 32) for d in DOCUMENTS]
+    assert lengths.tolist() == want
+
+
+def test_token_ids_for_a_model_that_is_no_language_model_are_refused(tmp_path):
+    import torchvision
+
+    ids = {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}
+    with pytest.raises(HookrunError) as err:
+        hookrun.run(
+            ["render=false"], model=torchvision.models.resnet18(), dataset=ids, run_dir=tmp_path
+        )
+    said = "dataset: token rows are a language model's input, and this run's model (a ResNet)"
+    assert str(err.value).startswith(said) and "valid: " in str(err.value)

@@ -122,17 +122,20 @@ def test_open_lists_layers_and_reads_lazily(run_hookrun):
         )
         assert res.config.dataset.size == 3 and res.config.hooks.a.select.name == "layer1"
         assert res.status == "complete" and res.completed == 3
-        assert "layer1/output: (3, 64, 8, 8)" in repr(res)
+        assert "  captures/layer1/output: (3, 64, 8, 8)" in repr(res)
         # Every dataset of every group, read with plain h5py (scales that only name an axis
-        # hold no data and are left out).
+        # hold no data and are left out), listed by the key that opens it.
         with h5py.File(result.path) as f:
             stored = []
             f.visititems(lambda n, o: stored.append(n) if isinstance(o, h5py.Dataset) else None)
             data_paths = [n for n in stored if "netCDF" not in str(f[n].attrs.get("NAME", ""))]
-        for name in data_paths:
-            group, _, rest = name.partition("/")
-            shown = rest if group in ("captures", "derived") else f"/{name}"
-            assert f"{shown}: " in repr(res), name
+        listed = [line.split(":")[0].strip() for line in repr(res).splitlines()[1:]]
+        assert sorted(listed) == sorted(data_paths) == sorted(res.keys())
+        for name in listed:
+            assert res[name].shape == data[name].shape, name
+        # A key without its group is named with the one that opens it.
+        with pytest.raises(KeyError, match=r"did you mean 'captures/layer1/output'"):
+            res["layer1/output"]
 
 
 def test_render_cli_redraws_an_old_run(run_hookrun, tmp_path):

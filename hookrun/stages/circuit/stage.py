@@ -12,7 +12,6 @@ import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import h5py
@@ -22,11 +21,19 @@ from torch import nn
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.io.dimensions import attach
 from hookrun.io.encoding import read_floats
 from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import run_mode
-from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stage import (
+    ParseContext,
+    Plan,
+    Setup,
+    Stage,
+    Stored,
+    WholeRun,
+    Work,
+    register_stage,
+)
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
 from hookrun.stages.circuit.edges import (
     both_runs,
@@ -83,7 +90,7 @@ class CircuitPlan(Plan):
         lines = [super().describe(itemsize)]
         if self.config.k:
             lines.append(
-                f"Faithfulness once the file is complete: {len(self.config.k) + 2} more passes "
+                f"Faithfulness once every row is in: {len(self.config.k) + 2} more passes "
                 f"over every row (circuit sizes {list(self.config.k)}, and the clean and "
                 "corrupted ends), every edge outside each circuit ablated"
                 + (
@@ -94,15 +101,18 @@ class CircuitPlan(Plan):
             )
         return "\n".join(lines)
 
-    def finish(self, path: Path) -> None:
-        """The circuits of sizes circuit.k, each run with every other edge ablated over
-        every row: /circuit/faithfulness (once: a resume of a complete file finds it)."""
+    def finishes(self) -> dict[str, WholeRun]:
         if not self.config.k:
-            return
-        with h5py.File(path, "r") as f:
-            if FAITHFULNESS in f or EDGES not in f:
-                return
-            edges = read_floats(f[EDGES], slice(0, self.again.count)).astype(np.float64)
+            return {}
+        said = {"k": list(self.config.k), "ablation": self.config.ablation}
+        sizes = (len(self.config.k),)
+        return {key: WholeRun(sizes, attrs=said) for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
+
+    def finish(self, f: h5py.File) -> dict[str, np.ndarray]:
+        """The circuits of sizes circuit.k, each run with every other edge ablated over
+        every row: their share of the clean - corrupted logit difference and their logit
+        difference (/circuit/faithfulness, /circuit/faithfulness_logit_diff)."""
+        edges = read_floats(f[EDGES], slice(0, self.again.count)).astype(np.float64)
         with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
             warnings.simplefilter("ignore", RuntimeWarning)
             mean = torch.from_numpy(np.nanmean(edges, axis=0))
@@ -114,12 +124,10 @@ class CircuitPlan(Plan):
         )
         gap = clean - corrupted
         shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
-        with h5py.File(path, "r+") as f:
-            f.create_dataset(FAITHFULNESS, data=np.array(shares, np.float64), fletcher32=True)
-            f.create_dataset(FAITHFULNESS_DIFF, data=np.array(ablated, np.float64), fletcher32=True)
-            attach(f, {FAITHFULNESS: ("size",), FAITHFULNESS_DIFF: ("size",)})
-            said = {"k": list(self.config.k), "ablation": self.config.ablation}
-            layout.write_attrs(f, {key: said for key in (FAITHFULNESS, FAITHFULNESS_DIFF)})
+        return {
+            FAITHFULNESS: np.array(shares, np.float64),
+            FAITHFULNESS_DIFF: np.array(ablated, np.float64),
+        }
 
     def _means(self, circuits: list[torch.Tensor]) -> tuple[float, list[float]]:
         """Over every row: the corrupted run's mean logit difference, and the clean rows'
@@ -290,7 +298,7 @@ class CircuitStage(Stage):
             shown.append(f"{senders[s]} -> {receivers[r]} {mean[s, r]:+.4g}")
         method = layout.attr(ds, "method")
         lines = [f"{CIRCUIT}: the edges with the largest mean {method} score: " + ", ".join(shown)]
-        if FAITHFULNESS in f:
+        if FAITHFULNESS in f and not layout.is_pending(f[FAITHFULNESS]):
             sizes, shares = layout.attr(f[FAITHFULNESS], "k"), f[FAITHFULNESS][()]
             said = ", ".join(f"{int(k)} edges {s:.3f}" for k, s in zip(sizes, shares, strict=True))
             how = "mean-ablated" if layout.attr(f[FAITHFULNESS], "ablation") == "mean" else ""

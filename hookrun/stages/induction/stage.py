@@ -1,21 +1,23 @@
 """The induction-score stage: a run over `dataset=repeated_tokens` that captures attention
-patterns (experiment=induction) gets each head's induction score, written once its file is
-complete (scores.py). It reads no config node: the data and the hooks say it is wanted."""
+patterns (experiment=induction) gets each row's induction score per head, batch by batch,
+and each head's score over every row once they are all in the file (scores.py). It reads no
+config node: the data and the hooks say it is wanted."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
+import torch
 
 from hookrun.data.repeated import KIND
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.runtime.sites import Site
-from hookrun.stage import Plan, Setup, Stage, register_stage
-from hookrun.stages.induction.keys import INDUCTION_ROWS, INDUCTION_SCORE
-from hookrun.stages.induction.scores import write_induction
+from hookrun.stage import Plan, Setup, Stage, Stored, WholeRun, Work, register_stage
+from hookrun.stages.induction.keys import INDUCTION_ROWS, INDUCTION_SCORE, LAYERS_ATTR
+from hookrun.stages.induction.scores import batch_rows, induction_score
 
 __all__ = ["InductionStage"]
 
@@ -23,11 +25,27 @@ layout.whole_run(INDUCTION_SCORE)  # one score per head for the run: no sample a
 
 
 class InductionPlan(Plan):
-    def __init__(self, modules: list[str], length: int, start: int) -> None:
-        self.modules, self.length, self.start = modules, length, start
+    def __init__(self, layers: list[str], heads: int, length: int, start: int, rows: int):
+        self.layers, self.heads, self.rows = layers, heads, rows
+        self.length, self.start = length, start
 
-    def finish(self, path: Path) -> None:
-        write_induction(path, self.modules, self.length, self.start)
+    def stored(self) -> dict[str, Stored]:
+        return {INDUCTION_ROWS: Stored((len(self.layers), self.heads))}
+
+    def batch(self, work: Work) -> dict[str, Any]:
+        """Each row's score per head, from the patterns as the file stores them."""
+        patterns = [
+            torch.as_tensor(work.records[layout.pattern_key(layer)]).double().numpy()
+            for layer in self.layers
+        ]
+        return {INDUCTION_ROWS: batch_rows(patterns, self.length, self.start)}
+
+    def finishes(self) -> dict[str, WholeRun]:
+        shape = (len(self.layers), self.heads)
+        return {INDUCTION_SCORE: WholeRun(shape, "float32", {LAYERS_ATTR: list(self.layers)})}
+
+    def finish(self, f: h5py.File) -> dict[str, np.ndarray]:
+        return {INDUCTION_SCORE: induction_score(f, self.rows)}
 
 
 @register_stage
@@ -56,8 +74,17 @@ class InductionStage(Stage):
                 "token after its earlier copy the query itself, so the induction score would "
                 "be each head's attention to its own position; valid: 2 or more"
             )
-        modules = [name for name, _ in setup.model.named_modules()]
-        return InductionPlan(modules, int(dataset.length), int(bool(dataset.prepend_bos)))
+        # The modules whose (first) pattern is captured, in model order.
+        layers = [
+            name
+            for name, _ in setup.model.named_modules()
+            if layout.pattern_key(name) in setup.captures
+        ]
+        if not layers:
+            return None
+        heads = int(setup.captures[layout.pattern_key(layers[0])][0])
+        start = int(bool(dataset.prepend_bos))
+        return InductionPlan(layers, heads, int(dataset.length), start, len(setup.data))
 
     @classmethod
     def draw(cls, f: h5py.File, out_dir: Any, rows: int, config: dict) -> list:

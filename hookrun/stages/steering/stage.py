@@ -20,9 +20,8 @@ from omegaconf import OmegaConf
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.io.dimensions import attach
 from hookrun.runtime.plan import PlannedHook
-from hookrun.stage import ParseContext, Plan, Setup, Stage, register_stage
+from hookrun.stage import ParseContext, Plan, Setup, Stage, WholeRun, register_stage
 from hookrun.stages.steering.config import SteeringConfig, parse_steering
 from hookrun.stages.steering.keys import STEERING, VECTORS, site_of, vector_key
 from hookrun.stages.steering.ranking import write_steering_ranking
@@ -38,32 +37,37 @@ class SteeringPlan(Plan):
 
     def describe(self, itemsize: int) -> str:
         sites = [site for hook in self.hooks for site in hook.action.vectors]
-        return f"/{VECTORS}: {len(sites)} vector(s), written when the run is complete"
+        return f"/{VECTORS}: {len(sites)} vector(s), written once every row is in"
 
-    def finish(self, path: Path) -> None:
-        """The vectors and what they came from, into the complete file (once: a resume of
-        a complete file finds them)."""
-        with h5py.File(path, "r+") as f:
-            if VECTORS in f:
-                return
-            attrs: dict[str, dict[str, Any]] = {}
-            names: dict[str, tuple[str, ...]] = {}
-            for hook in self.hooks:
-                action = hook.action
-                said = {"hook": hook.name, "action": action.name, "source": _json(action)}
-                said |= {
-                    k: getattr(action.args, k)
-                    for k in ("scale", "normalize")
-                    if hasattr(action.args, k)
-                }
-                said |= action.sources()
-                for site, vector in action.vectors.items():
-                    f.create_dataset(vector_key(site), data=vector.numpy(), fletcher32=True)
-                    attrs[vector_key(site)] = said
-                    names[vector_key(site)] = ("feature",)
-            attach(f, names)
-            attrs[STEERING] = self._said()
-            layout.write_attrs(f, attrs)
+    def _vectors(self) -> dict[str, tuple[Any, dict[str, Any]]]:
+        """Each vector the hooks add, by path: (the vector, what it came from)."""
+        out: dict[str, tuple[Any, dict[str, Any]]] = {}
+        for hook in self.hooks:
+            action = hook.action
+            said = {"hook": hook.name, "action": action.name, "source": _json(action)}
+            said |= {
+                k: getattr(action.args, k)
+                for k in ("scale", "normalize")
+                if hasattr(action.args, k)
+            }
+            said |= action.sources()
+            for site, vector in action.vectors.items():
+                out[vector_key(site)] = (vector, said)
+        return out
+
+    def attrs(self) -> dict[str, dict[str, Any]]:
+        return {STEERING: self._said()}
+
+    def finishes(self) -> dict[str, WholeRun]:
+        """The vectors and what they came from (measured before any work, written with the
+        run's other whole-run results)."""
+        return {
+            key: WholeRun(tuple(vector.shape), str(vector.numpy().dtype), said)
+            for key, (vector, said) in self._vectors().items()
+        }
+
+    def finish(self, f: h5py.File) -> dict[str, np.ndarray]:
+        return {key: vector.numpy() for key, (vector, _) in self._vectors().items()}
 
     def _said(self) -> dict[str, Any]:
         """The run's steering as its hooks did it (an override of hooks.steer included):
