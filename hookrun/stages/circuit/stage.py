@@ -35,7 +35,7 @@ from hookrun.stages.circuit.edges import (
     path_patched,
     writes,
 )
-from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
+from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_attrs, circuit_of
 from hookrun.stages.circuit.graph import Graph, graph_of, path_receivers
 from hookrun.stages.circuit.keys import (
     CIRCUIT,
@@ -44,6 +44,7 @@ from hookrun.stages.circuit.keys import (
     EDGES,
     FAITHFULNESS,
     FAITHFULNESS_DIFF,
+    KEPT,
     PATHS,
     PATHS_DIFF,
     RECEIVERS,
@@ -109,9 +110,8 @@ class CircuitPlan(Plan):
         # The ends measured again in float32 (not read back in sink.dtype): with every edge
         # kept a circuit is the clean run to the bit.
         every = self.graph.upstream()
-        corrupted, (clean, *ablated) = self._means(
-            [every] + [circuit_of(mean, k) for k in self.config.k]
-        )
+        circuits = [circuit_of(mean, k, self.graph) for k in self.config.k]
+        corrupted, (clean, *ablated) = self._means([every, *circuits])
         gap = clean - corrupted
         shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
         with h5py.File(path, "r+") as f:
@@ -119,6 +119,7 @@ class CircuitPlan(Plan):
             f.create_dataset(FAITHFULNESS_DIFF, data=np.array(ablated, np.float64), fletcher32=True)
             attach(f, {FAITHFULNESS: ("size",), FAITHFULNESS_DIFF: ("size",)})
             said = {"k": list(self.config.k), "ablation": self.config.ablation}
+            said |= circuit_attrs(circuits)
             layout.write_attrs(f, {key: said for key in (FAITHFULNESS, FAITHFULNESS_DIFF)})
 
     def _means(self, circuits: list[torch.Tensor]) -> tuple[float, list[float]]:
@@ -234,6 +235,57 @@ def _sizes(edges: int) -> list[int]:
     return [*out, edges]
 
 
+def _names(values: Any) -> list[str]:
+    return [str(v.decode() if isinstance(v, bytes) else v) for v in values]
+
+
+def _row_mean(ds: h5py.Dataset, rows: int) -> np.ndarray:
+    """The mean over the first `rows` rows, NaN where every row is NaN (no edge, or no
+    sender reaching the receivers), without numpy's warning for those."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(read_floats(ds, slice(0, rows)).astype(np.float64), axis=0)
+
+
+def _faithfulness_line(ds: h5py.Dataset) -> str:
+    """Each circuit size's share of clean − corrupted kept, with the edges it kept where
+    the path rule dropped some of the k chosen (`kept`: files from before it have none)."""
+    sizes, shares = layout.attr(ds, "k"), ds[()]
+    kept = layout.attr(ds, KEPT)
+    kept = list(sizes) if kept is None else list(kept)
+    said = ", ".join(
+        f"{int(k)} edges {s:.3f}" if int(n) == int(k) else f"{int(k)} edges ({int(n)} kept) {s:.3f}"
+        for k, n, s in zip(sizes, kept, shares, strict=True)
+    )
+    how = "mean-ablated" if layout.attr(ds, "ablation") == "mean" else ""
+    path = ", only those on a path embed -> logits" if layout.attr(ds, KEPT) is not None else ""
+    return (
+        f"{CIRCUIT}: faithfulness (share of clean - corrupted kept by the k largest edges{path}"
+        + (f"; the other edges {how}" if how else "")
+        + f"): {said}"
+    )
+
+
+def _paths_line(ds: h5py.Dataset, rows: int) -> str:
+    """Path patching: the senders whose clean write, read by circuit.paths' receivers alone,
+    brings back the largest mean share of clean − corrupted (rows whose share is NaN — clean
+    = corrupted — left out of the mean)."""
+    senders, receivers = _names(layout.attr(ds, SENDERS)), _names(layout.attr(ds, RECEIVERS))
+    mean = _row_mean(ds, rows)
+    reach = np.isfinite(mean)
+    order = [int(s) for s in np.argsort(-np.abs(np.where(reach, mean, 0.0))) if reach[s]]
+    shown = ", ".join(f"{senders[s]} {mean[s]:+.3f}" for s in order[:_PATHS_SHOWN])
+    more = f" ({len(order) - _PATHS_SHOWN} more)" if len(order) > _PATHS_SHOWN else ""
+    into = ", ".join(receivers) if len(receivers) <= 6 else f"{len(receivers)} receivers"
+    return (
+        f"{CIRCUIT}: path patching into {into} (mean share of clean - corrupted each sender's "
+        f"clean write brings back along those edges alone): {shown}{more}"
+    )
+
+
+_PATHS_SHOWN = 8
+
+
 @register_stage
 class CircuitStage(Stage):
     name = node = "circuit"
@@ -276,13 +328,8 @@ class CircuitStage(Stage):
         if EDGES not in f or not rows:
             return []
         ds = f[EDGES]
-        senders = [str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, SENDERS)]
-        receivers = [
-            str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, RECEIVERS)
-        ]
-        with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean = np.nanmean(read_floats(ds, slice(0, rows)).astype(np.float64), axis=0)
+        senders, receivers = _names(layout.attr(ds, SENDERS)), _names(layout.attr(ds, RECEIVERS))
+        mean = _row_mean(ds, rows)
         order = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None)
         shown = []
         for flat in order[: int(min(10, np.isfinite(mean).sum()))]:
@@ -291,14 +338,9 @@ class CircuitStage(Stage):
         method = layout.attr(ds, "method")
         lines = [f"{CIRCUIT}: the edges with the largest mean {method} score: " + ", ".join(shown)]
         if FAITHFULNESS in f:
-            sizes, shares = layout.attr(f[FAITHFULNESS], "k"), f[FAITHFULNESS][()]
-            said = ", ".join(f"{int(k)} edges {s:.3f}" for k, s in zip(sizes, shares, strict=True))
-            how = "mean-ablated" if layout.attr(f[FAITHFULNESS], "ablation") == "mean" else ""
-            lines.append(
-                f"{CIRCUIT}: faithfulness (share of clean - corrupted kept"
-                + (f", the other edges {how}" if how else "")
-                + f"): {said}"
-            )
+            lines.append(_faithfulness_line(f[FAITHFULNESS]))
+        if PATHS in f:
+            lines.append(_paths_line(f[PATHS], rows))
         return lines
 
     @classmethod
