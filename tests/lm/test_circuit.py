@@ -233,6 +233,12 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
         edges = f["circuit/edges"][()]
         senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]
         receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
+        score, at = (str(f["circuit/edges"].attrs[k]) for k in ("score", "gradient_at"))
+    # What the file says a score is: the hand formula below (its sign, its points k / steps
+    # for k = 0 ... steps - 1, as _hand_gradients takes them).
+    assert score.startswith("(sender's clean write - its corrupted write) . d(logit(answer)")
+    assert ("k = 0 ... 2: the corrupted end in" in at) == (method == "eap_ig"), at
+    assert at.startswith("the corrupted run") == (method == "eap"), at
     layers = model.config.num_hidden_layers
     assert len(senders) == 1 + layers * (HEADS + 1) and receivers == _receivers(model, family)
     assert edges.shape[1:] == (len(senders), len(receivers))

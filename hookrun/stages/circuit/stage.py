@@ -29,8 +29,10 @@ from hookrun.runtime.hooks import run_mode
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
 from hookrun.stages.circuit.edges import (
+    SCORE,
     both_runs,
     edge_scores,
+    gradient_at,
     logit_diff,
     path_patched,
     writes,
@@ -178,11 +180,14 @@ class CircuitPlan(Plan):
 
     def stored(self) -> dict[str, Stored]:
         g = self.graph
+        steps = self.config.ig_steps if self.config.method == "eap_ig" else 1
         said = {
             SENDERS: np.array(g.senders, dtype=h5py.string_dtype()),
             RECEIVERS: np.array(g.receivers, dtype=h5py.string_dtype()),
             "method": self.config.method,
-            "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else 1,
+            "ig_steps": steps,
+            "score": SCORE,
+            "gradient_at": gradient_at(self.config.method, steps),
             # Grouped-query attention: query head h reads key/value head
             # h // (heads / key_value_heads) (receivers a<layer>.kv<j>.k, .v).
             "key_value_heads": sum(read.name.endswith(".k") for read in g.reads[0]),
