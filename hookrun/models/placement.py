@@ -123,13 +123,31 @@ def check_placement(cfg: Any, meta: nn.Module | None) -> None:
     sizes = _sizes(meta, cfg.dtype)
     on_disk = sorted({m for m, d in placed.items() if d == "disk"})
     if on_disk and cfg.offload_folder is None:
-        held = sum(sizes.get(m, 0) for m in on_disk)
-        raise HookrunError(
-            f"model.max_memory: {cfg.max_memory!r} leaves {held:,} of the model's "
-            f"{sizes.get('', 0):,} bytes ({', '.join(on_disk[:3])}"
-            f"{', …' if len(on_disk) > 3 else ''}) for the disk; valid: "
-            "model.offload_folder=DIR, or more max_memory"
+        raise HookrunError(_disk_without_folder(cfg, on_disk, sizes))
+
+
+def _disk_without_folder(cfg: Any, on_disk: list[str], sizes: dict[str, int]) -> str:
+    """The refusal of weights sent to disk with no offload folder, naming what sent them
+    there: the map itself ({module: disk}), or a strategy under model.max_memory (or, with
+    none given, under the memory Accelerate found free on this machine)."""
+    held = sum(sizes.get(m, 0) for m in on_disk)
+    modules = ", ".join(on_disk[:3]) + (", …" if len(on_disk) > 3 else "")
+    # A module whose weights are tied to another's (GPT-2's lm_head) counts 0 bytes of its own.
+    weights = f"{modules} ({held:,} of the model's {sizes.get('', 0):,} bytes)" if held else modules
+    if not isinstance(cfg.device_map, str):  # the user's own map says disk
+        return (
+            f"model.device_map: sends {weights} to disk without model.offload_folder; valid: "
+            "model.offload_folder=DIR, or cpu / cuda:N for those modules"
         )
+    under = (
+        f"under model.max_memory {cfg.max_memory!r}"
+        if cfg.max_memory is not None
+        else "(model.max_memory null: the memory free on this machine)"
+    )
+    return (
+        f"model.device_map: {cfg.device_map!r} {under} leaves {weights} for the disk, without "
+        "model.offload_folder; valid: model.offload_folder=DIR, or more model.max_memory"
+    )
 
 
 def _sizes(meta: nn.Module, dtype: str) -> dict[str, int]:

@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 from conftest import run_config
 from lm_models import save_lm
+from test_circuit import hand_pruned, top_edges
 from test_lm_patching import ROWS, _args, _prompts
 
 REFERENCE = """
@@ -140,9 +141,9 @@ def test_edge_scores_and_faithfulness_equal_transformer_lens(tmp_path):
     """Every edge's EAP score — a head's query, key and value its own receivers — equals
     TransformerLens' edge-granularity score summed over positions (it scores each
     position's edge apart), in the same units (the metric's, gradient at the corrupted
-    run); and the faithfulness of two circuits equals TransformerLens' `faithfulness` of
-    the same edges at every position, each row measured alone and the rows' logit
-    differences averaged as hookrun does."""
+    run); and the faithfulness of two circuits (the k largest edges, those on a path embed ->
+    logits) equals TransformerLens' `faithfulness` of the same edges at every position, each
+    row measured alone and the rows' logit differences averaged as hookrun does."""
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "p.jsonl")
     args = [
@@ -162,11 +163,11 @@ def test_edge_scores_and_faithfulness_equal_transformer_lens(tmp_path):
     with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
         warnings.simplefilter("ignore", RuntimeWarning)
         mean = np.nanmean(got.astype(np.float64), axis=0)
-    ranked = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None)
+    # Each circuit: the k largest edges, those on a path embed -> logits (EAP-IG's prune).
     circuits = [
         [
             f"{senders[s]} -> {receivers[r]}"
-            for s, r in (np.unravel_index(i, mean.shape) for i in ranked[:k])
+            for s, r in sorted(hand_pruned(top_edges(mean, k), senders, receivers))
         ]
         for k in (6, 15)
     ]

@@ -233,6 +233,12 @@ def test_every_edge_score_equals_the_formula_by_hand(tmp_path, family, method, s
         edges = f["circuit/edges"][()]
         senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]
         receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
+        score, at = (str(f["circuit/edges"].attrs[k]) for k in ("score", "gradient_at"))
+    # What the file says a score is: the hand formula below (its sign, its points k / steps
+    # for k = 0 ... steps - 1, as _hand_gradients takes them).
+    assert score.startswith("(sender's clean write - its corrupted write) . d(logit(answer)")
+    assert ("k = 0 ... 2: the corrupted end in" in at) == (method == "eap_ig"), at
+    assert at.startswith("the corrupted run") == (method == "eap"), at
     layers = model.config.num_hidden_layers
     assert len(senders) == 1 + layers * (HEADS + 1) and receivers == _receivers(model, family)
     assert edges.shape[1:] == (len(senders), len(receivers))
@@ -358,6 +364,149 @@ def _hand_ablated(model, family, clean, corrupt, answers, cut, carried=None):
     return float(logits[answers[0]] - logits[answers[1]])
 
 
+def _read_by(receiver: str, heads: int, kv_heads: int) -> list[str]:
+    """The nodes that read a receiver, by its name: a head its query, key and value; the
+    query heads h // (heads / key_value_heads) == j a shared a<l>.kv<j>.k or .v; an MLP its
+    input; nobody the logits."""
+    parts = receiver.split(".")
+    if receiver == "logits":
+        return []
+    if len(parts) == 1:
+        return [receiver]
+    if parts[1].startswith("kv"):
+        group = heads // kv_heads
+        return [f"{parts[0]}.h{h}" for h in range(heads) if h // group == int(parts[1][2:])]
+    return [f"{parts[0]}.{parts[1]}"]
+
+
+def hand_pruned(chosen, senders, receivers, heads=HEADS, kv_heads=HEADS) -> set:
+    """EAP-IG's Graph.prune (hannamw/EAP-IG) by hand, on names: until nothing changes, a node
+    stays if a chosen edge leaves it and one enters it (the embeddings need none entering,
+    the logits always stay), and an edge stays if its sender and a node reading its
+    receiver (or the logits) stay. `chosen`: (sender, receiver) indices."""
+    edges = set(chosen)
+    while True:
+        leaving = {senders[s] for s, _ in edges}
+        entered = {"embed"} | {n for _, r in edges for n in _read_by(receivers[r], heads, kv_heads)}
+        staying = (leaving & entered) | {"logits"}
+        kept = {
+            (s, r)
+            for s, r in edges
+            if senders[s] in staying
+            and (
+                receivers[r] == "logits"
+                or any(n in staying for n in _read_by(receivers[r], heads, kv_heads))
+            )
+        }
+        if kept == edges:
+            return edges
+        edges = kept
+
+
+def top_edges(mean, k) -> set:
+    """The k edges of largest mean |score| (NaN: no edge), as (sender, receiver) indices."""
+    ranked = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None, kind="stable")
+    return {tuple(int(i) for i in np.unravel_index(i, mean.shape)) for i in ranked[:k]}
+
+
+# A 2-layer model of 2 heads, as /circuit/edges names its nodes.
+SENDERS = ["embed", "a0.h0", "a0.h1", "m0", "a1.h0", "a1.h1", "m1"]
+RECEIVERS = [
+    *(f"a0.h{h}.{x}" for x in "qkv" for h in range(2)),
+    "m0",
+    *(f"a1.h{h}.{x}" for x in "qkv" for h in range(2)),
+    "m1",
+    "logits",
+]
+# The same with grouped-query attention: 2 query heads sharing one key/value head.
+GQA = ["a0.h0.q", "a0.h1.q", "a0.kv0.k", "a0.kv0.v", "m0"]
+GQA += ["a1.h0.q", "a1.h1.q", "a1.kv0.k", "a1.kv0.v", "m1", "logits"]
+
+
+@pytest.mark.parametrize(
+    ("receivers", "chosen", "kept"),
+    [
+        # The largest edge alone, from a head nothing chosen reaches: no path, nothing kept.
+        (RECEIVERS, ["a1.h1 -> logits"], []),
+        (
+            RECEIVERS,
+            ["a1.h1 -> logits", "m0 -> a1.h1.v", "embed -> m0"],
+            ["a1.h1 -> logits", "m0 -> a1.h1.v", "embed -> m0"],
+        ),
+        (
+            RECEIVERS,
+            [
+                "a1.h1 -> logits",
+                "m0 -> a1.h1.v",
+                "embed -> m0",
+                "a0.h0 -> m0",  # a0.h0: no chosen edge into its query, key or value
+                "embed -> a0.h1.k",  # a0.h1 -> a1.h0.q: a1.h0 reaches the logits by none
+                "a0.h1 -> a1.h0.q",
+                "embed -> m1",  # m1: no chosen edge out
+            ],
+            ["a1.h1 -> logits", "m0 -> a1.h1.v", "embed -> m0"],
+        ),
+        # A head reached through its query alone, an MLP through a head: a path each.
+        (
+            RECEIVERS,
+            ["embed -> a0.h1.q", "a0.h1 -> m1", "m1 -> logits", "embed -> logits"],
+            ["embed -> a0.h1.q", "a0.h1 -> m1", "m1 -> logits", "embed -> logits"],
+        ),
+        # A shared key/value head: read by both query heads; a1.h1 leads on to the logits.
+        (GQA, ["embed -> a1.kv0.v", "a1.h1 -> logits"], ["embed -> a1.kv0.v", "a1.h1 -> logits"]),
+        (GQA, ["embed -> a1.kv0.v", "a1.h0 -> m1"], []),
+    ],
+)
+def test_a_circuit_keeps_the_chosen_edges_on_a_path_from_embed_to_logits(receivers, chosen, kept):
+    """Which of a chosen edge set a circuit keeps, written out by hand, and the same by a
+    hand transcription of EAP-IG's pruning."""
+    from hookrun.stages.circuit.paths import on_paths, readers
+
+    def indices(names):
+        return {(SENDERS.index(a), receivers.index(b)) for a, b in (n.split(" -> ") for n in names)}
+
+    picked = np.zeros((len(SENDERS), len(receivers)), dtype=bool)
+    for s, r in indices(chosen):
+        picked[s, r] = True
+    got = on_paths(picked, readers(SENDERS, receivers))
+    want = indices(kept)
+    assert {(int(s), int(r)) for s, r in zip(*np.nonzero(got), strict=True)} == want
+    kv_heads = 1 if receivers is GQA else 2
+    assert hand_pruned(indices(chosen), SENDERS, receivers, 2, kv_heads) == want
+
+
+def test_the_circuits_of_tiny_lm_keep_their_edges_on_a_path_and_say_so(tmp_path):
+    """experiment=circuit as shipped (tiny_lm, the patching prompts): each size's circuit is
+    the k largest edges, those on a path embed -> logits (EAP-IG's prune by hand on the
+    stored scores), the file says how many it kept and by what rule, the summary too; k = 1
+    and 2 choose edges no path joins (a1.h3 -> logits, whose head nothing chosen reaches)
+    and keep none: the empty circuit's number, exactly."""
+    args = ["experiment=circuit", "circuit.k=[0,1,2,5,10]", "circuit.paths=logits", "render=false"]
+    result = run_config(tmp_path / "run", args)
+    with h5py.File(result.path) as f:
+        edges = f["circuit/edges"][()].astype(np.float64)
+        senders = [str(s) for s in f["circuit/edges"].attrs["senders"]]
+        receivers = [str(s) for s in f["circuit/edges"].attrs["receivers"]]
+        shares = f["circuit/faithfulness"][()]
+        kept = list(f["circuit/faithfulness_kept"][()])
+        rule = str(f["circuit/faithfulness"].attrs["selection"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(edges, axis=0)
+    want = [
+        len(hand_pruned(top_edges(mean, k), senders, receivers, 4, 4)) for k in (0, 1, 2, 5, 10)
+    ]
+    assert kept == want
+    assert kept[:3] == [0, 0, 0] and 0 < kept[3] < 5 and kept[4] < 10, kept
+    assert top_edges(mean, 1) == {(senders.index("a1.h3"), receivers.index("logits"))}
+    assert shares[1] == shares[0] and shares[2] == shares[0]  # the same, empty circuit
+    assert "on a path from embed to logits" in rule and "apply_topn" in rule
+    assert "1 edges (0 kept) " in result.summary and f"5 edges ({kept[3]} kept) " in result.summary
+    # Path patching's line shows 8 of its 11 senders and says how many more there are.
+    (line,) = [x for x in result.summary.splitlines() if x.startswith("circuit: path patching")]
+    assert line.startswith("circuit: path patching into logits (") and line.endswith("(3 more)")
+
+
 def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path):
     model, _ = save_lm(tmp_path / "lm", "gpt2")
     model.requires_grad_(False)
@@ -381,24 +530,36 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
     with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
         warnings.simplefilter("ignore", RuntimeWarning)
         mean = np.nanmean(edges, axis=0)
-    ranked = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None)
     tok = tokenizer()
+    pruned = []
     for k, share in ((4, shares[1]), (7, shares[2])):
-        kept = {np.unravel_index(i, mean.shape) for i in ranked[:k]}
-        cut: dict[str, list[str]] = {}
-        for s, r in zip(*np.nonzero(np.isfinite(mean)), strict=True):
-            if (s, r) not in kept:
-                cut.setdefault(receivers[r], []).append(senders[s])
-        ablated, clean_d, corrupt_d = [], [], []
-        for prompt, answer, counterfactual, wrong in ROWS:
-            clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
-            answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
-            ablated.append(_hand_ablated(model, "gpt2", clean, corrupt, answers, cut))
-            clean_d.append(_hand_ablated(model, "gpt2", clean, corrupt, answers, {}))
-            corrupt_d.append(_hand_ablated(model, "gpt2", corrupt, corrupt, answers, {}))
-        want = (np.mean(ablated) - np.mean(corrupt_d)) / (np.mean(clean_d) - np.mean(corrupt_d))
-        assert share == pytest.approx(want, abs=1e-4), (k, share, want)
-    assert "circuit: faithfulness (share of clean - corrupted kept): 0 edges" in result.summary
+        top = top_edges(mean, k)
+        kept = hand_pruned(top, senders, receivers)
+        pruned.append(len(top - kept))
+        wants = []
+        for circuit in (kept, top):  # the circuit, and the k edges before the path rule
+            cut: dict[str, list[str]] = {}
+            for s, r in zip(*np.nonzero(np.isfinite(mean)), strict=True):
+                if (s, r) not in circuit:
+                    cut.setdefault(receivers[r], []).append(senders[s])
+            ablated, clean_d, corrupt_d = [], [], []
+            for prompt, answer, counterfactual, wrong in ROWS:
+                clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
+                answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
+                ablated.append(_hand_ablated(model, "gpt2", clean, corrupt, answers, cut))
+                clean_d.append(_hand_ablated(model, "gpt2", clean, corrupt, answers, {}))
+                corrupt_d.append(_hand_ablated(model, "gpt2", corrupt, corrupt, answers, {}))
+            gap = np.mean(clean_d) - np.mean(corrupt_d)
+            wants.append((np.mean(ablated) - np.mean(corrupt_d)) / gap)
+        assert share == pytest.approx(wants[0], abs=1e-4), (k, share, wants)
+        # Under corrupted ablation the edges the path rule drops carry nothing the logits
+        # read: the k edges before it give the same number.
+        assert wants[1] == pytest.approx(wants[0], abs=1e-4), (k, wants)
+    assert sum(pruned) > 0  # the rule dropped an edge of one of these circuits
+    assert (
+        "circuit: faithfulness (share of clean - corrupted kept by the k largest edges, only "
+        "those on a path embed -> logits): 0 edges"
+    ) in result.summary
     # A resume of the complete file changes nothing (the sizes are measured once).
     again = run_config(
         tmp_path / "run", [*_args(tmp_path / "lm", data, "circuit.k=[0,4,7,46]"), "resume=true"]
@@ -411,11 +572,14 @@ def test_faithfulness_equals_a_hand_edge_ablation_and_holds_at_its_ends(tmp_path
 
 def test_mean_ablation_equals_a_hand_edge_ablation_with_the_mean_writes(tmp_path):
     """circuit.ablation=mean: a cut edge carries its sender's write averaged over every
-    row's corrupted run at that position (the rows long enough to have it)."""
+    row's corrupted run at that position (the rows long enough to have it). Of the 4 largest
+    edges, a1.h0 -> logits and a1.h1 -> logits start at heads no chosen edge reaches: the
+    circuit is the other 2, and here those 2 would have changed the number (each head would
+    write what its mean-ablated inputs make, not its mean write)."""
     model, _ = save_lm(tmp_path / "lm", "llama")
     model.requires_grad_(False)
     data = _prompts(tmp_path / "p.jsonl")
-    args = _args(tmp_path / "lm", data, "circuit.k=[0,5,36]", "circuit.ablation=mean")
+    args = _args(tmp_path / "lm", data, "circuit.k=[0,4,36]", "circuit.ablation=mean")
     result = run_config(tmp_path / "run", args)
     with h5py.File(result.path) as f:
         edges = f["circuit/edges"][()]
@@ -441,22 +605,30 @@ def test_mean_ablation_equals_a_hand_edge_ablation_with_the_mean_writes(tmp_path
         mean.append(total / count)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ranked = np.argsort(-np.nan_to_num(np.abs(np.nanmean(edges, 0)), nan=-1.0), axis=None)
+        mean_scores = np.nanmean(edges, 0)
     scored = np.isfinite(edges[0])
     clean_d = [_hand_ablated(model, "llama", c, x, a, {}) for c, x, a in pairs]
     corrupt_d = [_hand_ablated(model, "llama", x, x, a, {}) for c, x, a in pairs]
-    for k, share in zip((0, 5, 36), shares, strict=True):
-        kept = {np.unravel_index(i, edges.shape[1:]) for i in ranked[:k]}
+
+    def hand_share(circuit):
         cut: dict[str, list[str]] = {}
         for s, r in zip(*np.nonzero(scored), strict=True):
-            if (s, r) not in kept:
+            if (s, r) not in circuit:
                 cut.setdefault(receivers[r], []).append(senders[s])
         ablated = [
             _hand_ablated(model, "llama", c, x, a, cut, [m[: len(c)] for m in mean])
             for c, x, a in pairs
         ]
-        want = (np.mean(ablated) - np.mean(corrupt_d)) / (np.mean(clean_d) - np.mean(corrupt_d))
+        return (np.mean(ablated) - np.mean(corrupt_d)) / (np.mean(clean_d) - np.mean(corrupt_d))
+
+    for k, share in zip((0, 4, 36), shares, strict=True):
+        top = top_edges(mean_scores, k)
+        kept = hand_pruned(top, senders, receivers, HEADS, 1)
+        want = hand_share(kept)
         assert share == pytest.approx(want, abs=1e-4), (k, share, want)
+        if k == 4:
+            heads_out = {(senders.index(f"a1.h{h}"), receivers.index("logits")) for h in (0, 1)}
+            assert top - kept == heads_out and abs(hand_share(top) - want) > 1e-3
     assert shares[2] == pytest.approx(1.0, abs=1e-6)  # every edge kept: the clean run
     assert abs(shares[0]) > 1e-3  # nothing kept: the mean, not the corrupted run
 
@@ -496,7 +668,105 @@ def test_a_file_from_before_per_head_receivers_is_still_drawn():
 
     assert _place("a1", 4, 4) == (-1.0, 2.5)
     assert _place("a1.h2", 4, 4) == (2.0, 3.0)
-    assert _place("a1.kv0.k", 4, 2) == (0.5, 2.7)  # below query heads 0 and 1
+    assert _place("a1.kv0.k", 4, 2) == (0.35, 2.4)  # below query heads 0 and 1
+    assert _place("a1.h1.q", 4, 2) == (1.0, 2.7)  # a shared key/value: the query alone
+
+
+def _nodes(heads: int, kv_heads: int, layers: int = 2) -> tuple[list[str], list[str]]:
+    """Senders and receivers as /circuit/edges names them."""
+    senders, receivers = ["embed"], []
+    kv = "h" if kv_heads == heads else "kv"
+    for layer in range(layers):
+        senders += [f"a{layer}.h{h}" for h in range(heads)] + [f"m{layer}"]
+        receivers += [f"a{layer}.h{h}.q" for h in range(heads)]
+        receivers += [f"a{layer}.{kv}{j}.{x}" for x in "kv" for j in range(kv_heads)]
+        receivers.append(f"m{layer}")
+    return senders, [*receivers, "logits"]
+
+
+def _writes_before(sender: str, receiver: str) -> bool:
+    """Whether the sender writes before the receiver reads: the embeddings first, a layer's
+    heads before its MLP, its MLP before the next layer's heads, the logits last."""
+
+    def at(name: str, reading: bool) -> float:
+        if name in ("embed", "logits"):
+            return -1.0 if name == "embed" else 99.0
+        layer = int(name.split(".")[0][1:])
+        if name.startswith("m"):
+            return layer + 0.5
+        return layer - 0.25 if reading else float(layer)
+
+    return at(sender, False) < at(receiver, True)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_every_edge_of_the_circuit_picture_passes_clear_of_the_other_nodes(kv_heads):
+    """Issue 40: tiny_lm's nodes (2 layers of 4 heads; 2 key/value heads: grouped-query
+    attention), every head's input drawn: each edge the picture could draw runs between its
+    own two nodes and keeps CLEAR pixels from every other one (a dot's or a square's) —
+    m0 -> logits no longer through m1, whose dot a straight line crosses."""
+    import matplotlib.pyplot as plt
+
+    from hookrun.stages.circuit.draw import CLEAR, canvas
+
+    senders, receivers = _nodes(4, kv_heads)
+    squares = [r for r in receivers if r.count(".") == 2]
+    drawing = canvas(senders, receivers, kv_heads, squares)
+    pixels = drawing.ax.transData.transform
+    where = {n: pixels(np.array([drawing.spot[n]]))[0] for n in drawing.nodes}
+    try:
+        for sender in senders:
+            for receiver in receivers:
+                if not _writes_before(sender, receiver):
+                    continue
+                line = pixels(drawing.line(sender, receiver))
+                np.testing.assert_allclose(line[[0, -1]], [where[sender], where[receiver]])
+                # Every 1/20 of each segment: no closer than CLEAR to another node's centre.
+                t = np.linspace(0, 1, 21)[None, :, None]
+                dense = (line[:-1, None] + t * (line[1:, None] - line[:-1, None])).reshape(-1, 2)
+                for name, at in where.items():
+                    if name not in (sender, receiver):
+                        gap = np.sqrt(((dense - at) ** 2).sum(1)).min()
+                        least = CLEAR["square" if name.count(".") == 2 else "dot"]
+                        assert gap >= least - 0.5, (sender, receiver, name, gap)
+        m0, m1, logits = where["m0"], where["m1"], where["logits"]
+        # m1 sits on the straight line between them: one column, m1 between in height.
+        assert abs(m1[0] - m0[0]) < 1e-6 and abs(logits[0] - m0[0]) < 1e-6
+        assert m0[1] < m1[1] < logits[1]
+    finally:
+        plt.close(drawing.fig)
+
+
+def test_the_faithfulness_curve_is_drawn_at_the_edges_kept_on_a_log_like_axis(
+    tmp_path, monkeypatch
+):
+    """Issue 40: sizes k = 0, 1, 2, 5, 10 that kept 0, 0, 0, 4 and 8 edges are drawn at 0, 0,
+    0, 4, 8 on a symmetric-log axis (0 to 1 linear, then logarithmic: 0, 1, 2, 5 apart, not
+    squashed against 10), each point whose circuit kept fewer than k named by its k."""
+    from hookrun.stages.circuit import draw
+
+    seen = {}
+
+    def keep(fig, target):
+        ax = fig.axes[0]
+        seen["scale"] = ax.get_xscale()
+        seen["x"], seen["y"] = (list(v) for v in ax.lines[0].get_data())
+        seen["said"] = sorted(t.get_text() for t in ax.texts)
+        seen["to_pixels"] = ax.transData.transform
+        return target
+
+    monkeypatch.setattr(draw, "save_figure", keep)
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        ds = f.create_dataset("circuit/faithfulness", data=[0.0, 0.0, 0.0, 0.47, 0.8])
+        ds.attrs["k"] = [0, 1, 2, 5, 10]
+        f.create_dataset("circuit/faithfulness_kept", data=[0, 0, 0, 4, 8])
+        draw._faithfulness_picture(ds, tmp_path)
+    assert seen["scale"] == "symlog"
+    assert seen["x"] == [0, 0, 0, 4, 8] and seen["y"] == [0.0, 0.0, 0.0, 0.47, 0.8]
+    assert seen["said"] == ["k=0, 1, 2", "k=10", "k=5"]
+    xs = [seen["to_pixels"]((x, 0))[0] for x in (0, 1, 2, 5, 10)]
+    steps = np.diff(xs)
+    assert steps.min() > 0.5 * steps.max(), steps  # each size as far apart as the next
 
 
 def test_auto_sizes_run_up_to_every_edge():
@@ -519,7 +789,8 @@ PATHS = {
 def test_path_patching_equals_a_hand_loop(tmp_path, family):
     """circuit.paths: the corrupted row alone, the named receivers (a head's query, key or
     value; an MLP's or the final norm's input) reading each sender's clean write instead of
-    its corrupted one, the others untouched."""
+    its corrupted one, the others untouched; the summary names the senders that bring most
+    back."""
     model, _ = save_lm(tmp_path / "lm", family)
     data = _prompts(tmp_path / "p.jsonl")
     given, receivers = PATHS[family]
@@ -536,6 +807,7 @@ def test_path_patching_equals_a_hand_loop(tmp_path, family):
     reaches = {r: before for r in receivers if r.startswith("a1")}
     reaches |= {"m1": before | {"a1.h0", "a1.h1"}, "logits": set(senders)}
     tok = tokenizer()
+    hand = np.zeros((len(ROWS), len(senders)))
     for r, (prompt, answer, counterfactual, wrong) in enumerate(ROWS):
         clean, corrupt = tok(prompt)["input_ids"], tok(counterfactual)["input_ids"]
         answers = (tok(answer)["input_ids"][0], tok(wrong)["input_ids"][0])
@@ -571,6 +843,18 @@ def test_path_patching_equals_a_hand_loop(tmp_path, family):
             added = {v: deltas[s] for v in receivers if sender in reaches[v]}
             want = (run(added) - corrupt_diff) / (clean_diff - corrupt_diff)
             assert shares[r, s] == pytest.approx(want, abs=1e-4), (r, sender)
+            hand[r, s] = want
+    # The summary (issue 40): the senders by the largest mean |share| over the rows, the
+    # hand loop's, with their means.
+    (line,) = [x for x in result.summary.splitlines() if x.startswith("circuit: path patching")]
+    assert line.startswith(f"circuit: path patching into {', '.join(receivers)} (mean share")
+    mean = hand.mean(axis=0)
+    order = np.argsort(-np.abs(mean), kind="stable")
+    said = [item.rsplit(" ", 1) for item in line.split("): ", 1)[1].split(" (")[0].split(", ")]
+    assert [name for name, _ in said] == [senders[s] for s in order], line
+    for (_, value), s in zip(said, order, strict=True):
+        assert float(value) == pytest.approx(mean[s], abs=1.5e-3), line
+    assert len(senders) == 7 and not line.endswith("more)"), line  # every sender shown
     with pytest.raises(HookrunError, match=r"circuit.paths: 'm9' is not a receiver of this model"):
         run_config(tmp_path / "refused", _args(tmp_path / "lm", data, "circuit.paths=[m9]"))
     with pytest.raises(HookrunError, match=r"names the receiver a1.h0.q twice; valid: each once"):

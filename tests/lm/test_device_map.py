@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import run_config, torchrun
+from conftest import hookrun_cli, run_config, torchrun
 from lm_models import save_lm, write_jsonl
 from test_lm_patching import _prompts
 
@@ -113,7 +113,10 @@ def test_the_patching_grid_and_generation_are_the_one_device_runs(tmp_path, lm):
         (["model.device_map=fast"], "model.device_map: 'fast'; valid: auto, balanced"),
         (
             ["model.device_map=auto", "model.max_memory={cpu: 100000}"],
-            "for the disk; valid: model.offload_folder=DIR, or more max_memory",
+            "model.device_map: 'auto' under model.max_memory {'cpu': 100000} leaves "
+            "transformer.h, transformer.ln_f (101,888 of the model's 148,992 bytes) for the "
+            "disk, without model.offload_folder; valid: model.offload_folder=DIR, or more "
+            "model.max_memory",
         ),
         (
             ["model.device_map=auto", "model.max_memory={3: 1GiB}"],
@@ -140,6 +143,33 @@ def test_what_cannot_be_placed_is_refused_before_any_work(tmp_path, lm, extra, s
         run_config(tmp_path / "run", [*lm, "dataset=prompts", f"dataset.path={data}", *extra])
     assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_a_map_naming_disk_without_an_offload_folder_is_refused_naming_the_map(tmp_path, lm):
+    """Issue 40: a map of the user's own sending the blocks to disk, typed on the command line
+    with no model.max_memory and no model.offload_folder, is refused naming the map and the
+    offload folder (not model.max_memory, which was never given), with the blocks' bytes:
+    GPT-2's 2 blocks of width 16 in float32, counted here from the saved model."""
+    data = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    parts = "transformer.wte: cpu, transformer.wpe: cpu, transformer.h: disk, "
+    parts += "transformer.ln_f: cpu, lm_head: cpu"
+    job = hookrun_cli(
+        [*lm, "dataset=prompts", f"dataset.path={data}", f"model.device_map={{{parts}}}"],
+        tmp_path,
+    )
+    assert job.returncode != 0
+    said = [line for line in job.stderr.splitlines() if line.startswith("hookrun: error:")]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    blocks = sum(p.numel() * 4 for p in model.transformer.h.parameters())
+    whole = sum(p.numel() * 4 for p in model.parameters())  # lm_head tied: counted once
+    assert said == [
+        f"hookrun: error: model.device_map: sends transformer.h ({blocks:,} of the model's "
+        f"{whole:,} bytes) to disk without model.offload_folder; valid: "
+        "model.offload_folder=DIR, or cpu / cuda:N for those modules"
+    ], job.stderr[-2000:]
+    assert not list(tmp_path.rglob("captures.h5"))
 
 
 def test_a_random_init_or_torchrun_with_a_map_is_refused(tmp_path, lm):

@@ -245,6 +245,67 @@ def test_listed_positions_are_those_columns_of_the_full_grid(tmp_path):
         )
 
 
+def test_read_aligned_lines_rows_up_at_their_read_positions_by_hand():
+    """Three rows read at positions 2, 4 and 1 of 5 (NaN past each read, as padding is):
+    column j holds each row's cell at read + (j − 4), NaN where the row has none; 3, 2 or 1
+    rows hold a column."""
+    from hookrun.stages.patching.draw import read_aligned
+
+    nan = np.nan
+    scores = np.array(
+        [
+            [[10, 11, 12, nan, nan]],
+            [[20, 21, 22, 23, 24]],
+            [[30, 31, nan, nan, nan]],
+        ]
+    )
+    aligned, offsets, holding = read_aligned(scores, np.array([2, 4, 1]))
+    assert offsets.tolist() == [-4, -3, -2, -1, 0]
+    want = np.array(
+        [
+            [[nan, nan, 10, 11, 12]],
+            [[20, 21, 22, 23, 24]],
+            [[nan, nan, nan, 30, 31]],
+        ]
+    )
+    np.testing.assert_array_equal(aligned, want)
+    assert holding.tolist() == [1, 1, 2, 3, 3]
+
+
+def test_the_mean_picture_lines_rows_up_at_their_read_positions(tmp_path):
+    """Issue 40: rows of 8, 10 and 14 tokens, read at their last token. The mean panel's
+    columns are positions counted back from each row's read — the read column is the mean of
+    the three reads, the last block's 1 there — and a column the shorter rows do not reach
+    says how many rows it holds (not row 0's padding labels over the longest row's read)."""
+    from hookrun.stages.patching.draw import _mean_over_rows
+
+    save_lm(tmp_path / "lm", "gpt2")
+    data = _prompts(tmp_path / "prompts.jsonl")
+    args = [a for a in _args(tmp_path / "lm", data) if a != "render=false"]
+    path = run_config(tmp_path / "run", args).path
+    (drawn,) = (tmp_path / "run").rglob("patching_resid.png")
+    assert drawn.stat().st_size > 1000
+    tok = tokenizer()
+    reads = [len(tok(prompt)["input_ids"]) - 1 for prompt, *_ in ROWS]
+    assert reads == [7, 9, 13]
+    with h5py.File(path) as f:
+        grid = f["patching/resid"][()]  # (3, layers, 14)
+        positions = np.asarray(f["patching/resid"].attrs["positions"])
+        labels = [str(p) for p in positions]
+        mean, shown, title = _mean_over_rows(f, grid, positions, labels, {})
+    assert mean.shape == (grid.shape[1], 14) and len(shown) == 14
+    for j, offset in enumerate(range(-13, 1)):
+        rows = [r for r, read in enumerate(reads) if read + offset >= 0]
+        want = np.mean([grid[r, :, reads[r] + offset] for r in rows], axis=0)
+        np.testing.assert_allclose(mean[:, j], want, atol=1e-7, err_msg=str(offset))
+        said = shown[j]
+        assert said.startswith("read" if offset == 0 else f"{offset:+d}"), said
+        assert said.endswith(f" [{len(rows)}]") == (len(rows) < 3), said
+    assert mean[-1, -1] == 1.0  # the last block's output at every row's read: the clean run
+    assert np.nanargmax(np.abs(mean[-1])) == 13  # the brightest cell: the read
+    assert "lined up at its read position" in title
+
+
 def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
     """One cluster job per layer (`--multirun patching.layer=0,1`, the basic launcher here):
     each job's grid is that layer's slice of the one-run grid, named in `layers`: the clean and

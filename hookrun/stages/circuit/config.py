@@ -18,13 +18,15 @@ ABLATIONS = ("corrupted", "mean")
 
 @dataclass
 class CircuitConfig(Frozen):
-    # eap: the gradient at the corrupted run; eap_ig: averaged over ig_steps runs from the
-    # corrupted input to the clean one (edges.py).
+    # eap: the gradient at the corrupted run; eap_ig: averaged over ig_steps runs whose
+    # input embeddings lie k / ig_steps of the way from the corrupted prompt to the clean
+    # one, k = 0 ... ig_steps - 1 (edges.py; beside Hanna et al.'s: edges.gradient_at).
     method: str = "eap"
     ig_steps: int = 8
-    # Circuits of these sizes (the top-k edges by mean |score|), each run with every other
-    # edge ablated once the scores are known: /circuit/faithfulness. []: none; auto: 0, 1,
-    # 2, 5, 10, 20, 50, ... up to every edge of the model.
+    # Circuits of these sizes (the k edges of largest mean |score|, those of them on a path
+    # from the embeddings to the logits: faithfulness.circuit_of), each run with every
+    # other edge ablated once the scores are known: /circuit/faithfulness. []: none; auto:
+    # 0, 1, 2, 5, 10, 20, 50, ... up to every edge of the model.
     k: Any = field(default_factory=list)
     # What an edge outside the circuit carries instead of its sender's write: the
     # sender's write in the row's corrupted run, or its mean over every row's corrupted

@@ -10,11 +10,14 @@ instead of the corrupted run's, on that edge alone:
 
 summed over positions and features, the gradient taken through v alone at the corrupted run
 (eap) or averaged over `ig_steps` runs whose input embeddings lie k/ig_steps of the way from
-the corrupted prompt to the clean one (eap_ig). The receivers are each head's query, key
-and value (reads.py: the residual stream before the attention norm, through that head's
-slice of the projections alone), each MLP and the logits (the input of the MLP's norm and
-of the final norm: a pre-hook hands the norm a copy of it, so the gradient to that copy is
-the gradient through that receiver only).
+the corrupted prompt to the clean one, k = 0 … ig_steps − 1 (eap_ig). Beside Hanna et al.
+(2024), `SCORE` and `gradient_at` say it in the file: the same sign as theirs (their loss is
+−logit_diff), their EAP's gradient at the clean run, their paper code's k = 1 … m.
+
+The receivers are each head's query, key and value (reads.py: the residual stream before
+the attention norm, through that head's slice of the projections alone), each MLP and the
+logits (the input of the MLP's norm and of the final norm: a pre-hook hands the norm a copy
+of it, so the gradient to that copy is the gradient through that receiver only).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from hookrun.stages.circuit.graph import Graph
 from hookrun.stages.circuit.reads import CHUNK, read_gradients
 
 __all__ = [
+    "SCORE",
+    "gradient_at",
     "Deltas",
     "Runs",
     "both_runs",
@@ -39,6 +44,30 @@ __all__ = [
     "writes",
     "sender_deltas",
 ]
+
+
+# /circuit/edges' attribute `score`: what a score is, and its sign beside Hanna et al.'s.
+SCORE = (
+    "(sender's clean write - its corrupted write) . d(logit(answer) - "
+    "logit(counterfactual_answer)) / d(receiver's input), summed over positions and features, "
+    "per row; > 0: the clean write moves toward the clean answer. Hanna et al. 2024 score "
+    "(corrupted - clean) . d(loss), their loss -logit_diff: the same sign"
+)
+
+
+def gradient_at(method: str, steps: int) -> str:
+    """/circuit/edges' attribute `gradient_at`: where the gradient is taken (edge_scores)."""
+    if method == "eap":
+        return (
+            "the corrupted run (EAP-IG's k = 0 term alone; Hanna et al.'s EAP takes it at the "
+            "clean run)"
+        )
+    return (
+        f"averaged over runs whose input embeddings are corrupted + (k / {steps}) (clean - "
+        f"corrupted), k = 0 ... {steps - 1}: the corrupted end in, the clean end out, as "
+        "EAP-IG's get_scores_eap_ig; Hanna et al.'s paper code (attribute_mem.py) takes "
+        "k = 1 ... m"
+    )
 
 
 def logit_diff(

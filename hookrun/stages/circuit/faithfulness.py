@@ -4,12 +4,22 @@ write in this run — and the share of the clean − corrupted logit difference 
 
     (mean ablated − mean corrupted) / (mean clean − mean corrupted)     over the rows
 
-The circuit of size k is the k edges with the largest mean |score| over the rows. Every edge
-kept: nothing is ablated, 1; none kept: each receiver reads the corrupted run's residual
-stream, 0 (to float rounding). An ablation takes Σ (write in this run − corrupted write) over the
-senders whose edge to a receiver is cut away from what that receiver reads (a head's query,
-key or value: reads.shifted_reads; an MLP's or the final norm's input: a pre-hook); the
-residual stream itself is left as it is.
+The circuit of size k: the k edges with the largest mean |score| over the rows, then only
+those on a path from the embeddings to the logits through those k (paths.py), as Hanna et
+al. (2024) evaluate circuits — EAP-IG's `Graph.apply_topn(k, absolute=True, prune=True)`,
+which its `evaluate_area_under_curve` calls. k counts the edges chosen; a circuit holds at
+most k, and the file says how many (/circuit/faithfulness_kept). A chosen edge off every
+such path is ablated like the rest. Under `ablation=corrupted` that changes no number (to float
+rounding), only the count: a node no kept path reaches reads the corrupted residual stream
+and writes its corrupted write, and an edge whose receiver reaches the logits through no
+kept edge moves nothing they read. Under `ablation=mean` it does change the number: such a
+node would write what the mean-ablated inputs make, not its mean write.
+
+Every edge kept: nothing is ablated, 1; none kept: each receiver reads the corrupted run's
+residual stream, 0 (to float rounding). An ablation takes Σ (write in this run − corrupted
+write) over the senders whose edge to a receiver is cut away from what that receiver reads
+(a head's query, key or value: reads.shifted_reads; an MLP's or the final norm's input: a
+pre-hook); the residual stream itself is left as it is.
 """
 
 from __future__ import annotations
@@ -20,16 +30,30 @@ from torch import nn
 from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.stages.circuit.edges import head_writes, logit_diff
 from hookrun.stages.circuit.graph import Graph
+from hookrun.stages.circuit.paths import on_paths, readers
 
-__all__ = ["circuit_of", "ablated_diff"]
+__all__ = ["circuit_of", "ablated_diff", "SELECTED"]
+
+# /circuit/faithfulness' attribute `selection`: how each circuit was chosen.
+SELECTED = (
+    "the k edges of largest mean |score| over the rows, then only those on a path from embed "
+    "to logits through them (Hanna et al. 2024; EAP-IG Graph.apply_topn(k, absolute=True, "
+    "prune=True)); /circuit/faithfulness_kept: each circuit's edges"
+)
 
 
-def circuit_of(mean_scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(senders, receivers) bool: the k edges of the largest mean |score| (NaN: no edge)."""
-    magnitude = torch.nan_to_num(mean_scores.abs(), nan=-1.0).flatten()
-    keep = torch.zeros_like(magnitude, dtype=torch.bool)
-    keep[magnitude.argsort(descending=True)[:k]] = True
-    return keep.view(mean_scores.shape)
+def circuit_of(mean_scores: torch.Tensor, k: int, graph: Graph) -> torch.Tensor:
+    """(senders, receivers) bool: the circuit of size k — the k edges of the graph with the
+    largest mean |score| (ties: the first in the file's order; an edge scored NaN in every
+    row is chosen last), those on a path from the embeddings to the logits through them."""
+    edge = graph.upstream()
+    magnitude = torch.nan_to_num(mean_scores.abs().double(), nan=-1.0)
+    magnitude[~edge] = -2.0  # a sender that writes after the receiver reads: no edge at all
+    chosen = torch.zeros(magnitude.numel(), dtype=torch.bool)
+    chosen[magnitude.flatten().argsort(descending=True, stable=True)[:k]] = True
+    chosen = chosen.view(mean_scores.shape) & edge
+    kept = on_paths(chosen.numpy(), readers(graph.senders, graph.receivers))
+    return torch.from_numpy(kept)
 
 
 def ablated_diff(

@@ -36,13 +36,15 @@ from hookrun.stage import (
 )
 from hookrun.stages.circuit.config import CircuitConfig, parse_circuit
 from hookrun.stages.circuit.edges import (
+    SCORE,
     both_runs,
     edge_scores,
+    gradient_at,
     logit_diff,
     path_patched,
     writes,
 )
-from hookrun.stages.circuit.faithfulness import ablated_diff, circuit_of
+from hookrun.stages.circuit.faithfulness import SELECTED, ablated_diff, circuit_of
 from hookrun.stages.circuit.graph import Graph, graph_of, path_receivers
 from hookrun.stages.circuit.keys import (
     CIRCUIT,
@@ -51,16 +53,19 @@ from hookrun.stages.circuit.keys import (
     EDGES,
     FAITHFULNESS,
     FAITHFULNESS_DIFF,
+    FAITHFULNESS_KEPT,
     PATHS,
     PATHS_DIFF,
     RECEIVERS,
+    SELECTION,
     SENDERS,
+    kept_of,
 )
 from hookrun.stages.patching.grid import counterfactuals
 
 __all__ = ["CircuitStage"]
 
-layout.whole_run(FAITHFULNESS, FAITHFULNESS_DIFF)  # one number per circuit size
+layout.whole_run(FAITHFULNESS, FAITHFULNESS_DIFF, FAITHFULNESS_KEPT)  # one per circuit size
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,10 @@ class CircuitPlan(Plan):
     def finishes(self) -> dict[str, WholeRun]:
         if not self.config.k:
             return {}
-        said = {"k": list(self.config.k), "ablation": self.config.ablation}
+        said = {"k": list(self.config.k), "ablation": self.config.ablation, SELECTION: SELECTED}
         sizes = (len(self.config.k),)
-        return {key: WholeRun(sizes, attrs=said) for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
+        out = {key: WholeRun(sizes, attrs=said) for key in (FAITHFULNESS, FAITHFULNESS_DIFF)}
+        return out | {FAITHFULNESS_KEPT: WholeRun(sizes, "int64")}
 
     def finish(self, f: h5py.File) -> dict[str, np.ndarray]:
         """The circuits of sizes circuit.k, each run with every other edge ablated over
@@ -119,14 +125,14 @@ class CircuitPlan(Plan):
         # The ends measured again in float32 (not read back in sink.dtype): with every edge
         # kept a circuit is the clean run to the bit.
         every = self.graph.upstream()
-        corrupted, (clean, *ablated) = self._means(
-            [every] + [circuit_of(mean, k) for k in self.config.k]
-        )
+        circuits = [circuit_of(mean, k, self.graph) for k in self.config.k]
+        corrupted, (clean, *ablated) = self._means([every, *circuits])
         gap = clean - corrupted
         shares = [(a - corrupted) / gap if gap else float("nan") for a in ablated]
         return {
             FAITHFULNESS: np.array(shares, np.float64),
             FAITHFULNESS_DIFF: np.array(ablated, np.float64),
+            FAITHFULNESS_KEPT: np.array([int(c.sum()) for c in circuits], np.int64),
         }
 
     def _means(self, circuits: list[torch.Tensor]) -> tuple[float, list[float]]:
@@ -185,11 +191,14 @@ class CircuitPlan(Plan):
 
     def stored(self) -> dict[str, Stored]:
         g = self.graph
+        steps = self.config.ig_steps if self.config.method == "eap_ig" else 1
         said = {
             SENDERS: np.array(g.senders, dtype=h5py.string_dtype()),
             RECEIVERS: np.array(g.receivers, dtype=h5py.string_dtype()),
             "method": self.config.method,
-            "ig_steps": self.config.ig_steps if self.config.method == "eap_ig" else 1,
+            "ig_steps": steps,
+            "score": SCORE,
+            "gradient_at": gradient_at(self.config.method, steps),
             # Grouped-query attention: query head h reads key/value head
             # h // (heads / key_value_heads) (receivers a<layer>.kv<j>.k, .v).
             "key_value_heads": sum(read.name.endswith(".k") for read in g.reads[0]),
@@ -242,6 +251,57 @@ def _sizes(edges: int) -> list[int]:
     return [*out, edges]
 
 
+def _names(values: Any) -> list[str]:
+    return [str(v.decode() if isinstance(v, bytes) else v) for v in values]
+
+
+def _row_mean(ds: h5py.Dataset, rows: int) -> np.ndarray:
+    """The mean over the first `rows` rows, NaN where every row is NaN (no edge, or no
+    sender reaching the receivers), without numpy's warning for those."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(read_floats(ds, slice(0, rows)).astype(np.float64), axis=0)
+
+
+def _faithfulness_line(ds: h5py.Dataset) -> str:
+    """Each circuit size's share of clean − corrupted kept, with the edges it kept where
+    the path rule dropped some of the k chosen (`kept`: files from before it have none)."""
+    sizes, shares = layout.attr(ds, "k"), ds[()]
+    kept = kept_of(ds.file)
+    kept = list(sizes) if kept is None else list(kept)
+    said = ", ".join(
+        f"{int(k)} edges {s:.3f}" if int(n) == int(k) else f"{int(k)} edges ({int(n)} kept) {s:.3f}"
+        for k, n, s in zip(sizes, kept, shares, strict=True)
+    )
+    how = "mean-ablated" if layout.attr(ds, "ablation") == "mean" else ""
+    path = ", only those on a path embed -> logits" if kept_of(ds.file) is not None else ""
+    return (
+        f"{CIRCUIT}: faithfulness (share of clean - corrupted kept by the k largest edges{path}"
+        + (f"; the other edges {how}" if how else "")
+        + f"): {said}"
+    )
+
+
+def _paths_line(ds: h5py.Dataset, rows: int) -> str:
+    """Path patching: the senders whose clean write, read by circuit.paths' receivers alone,
+    brings back the largest mean share of clean − corrupted (rows whose share is NaN — clean
+    = corrupted — left out of the mean)."""
+    senders, receivers = _names(layout.attr(ds, SENDERS)), _names(layout.attr(ds, RECEIVERS))
+    mean = _row_mean(ds, rows)
+    reach = np.isfinite(mean)
+    order = [int(s) for s in np.argsort(-np.abs(np.where(reach, mean, 0.0))) if reach[s]]
+    shown = ", ".join(f"{senders[s]} {mean[s]:+.3f}" for s in order[:_PATHS_SHOWN])
+    more = f" ({len(order) - _PATHS_SHOWN} more)" if len(order) > _PATHS_SHOWN else ""
+    into = ", ".join(receivers) if len(receivers) <= 6 else f"{len(receivers)} receivers"
+    return (
+        f"{CIRCUIT}: path patching into {into} (mean share of clean - corrupted each sender's "
+        f"clean write brings back along those edges alone): {shown}{more}"
+    )
+
+
+_PATHS_SHOWN = 8
+
+
 @register_stage
 class CircuitStage(Stage):
     name = node = "circuit"
@@ -251,6 +311,7 @@ class CircuitStage(Stage):
         f"{PATHS}*": "sample sender",
         FAITHFULNESS: "size",
         FAITHFULNESS_DIFF: "size",
+        FAITHFULNESS_KEPT: "size",
         CLEAN: "sample",
         CORRUPTED: "sample",
     }
@@ -284,13 +345,8 @@ class CircuitStage(Stage):
         if EDGES not in f or not rows:
             return []
         ds = f[EDGES]
-        senders = [str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, SENDERS)]
-        receivers = [
-            str(s.decode() if isinstance(s, bytes) else s) for s in layout.attr(ds, RECEIVERS)
-        ]
-        with warnings.catch_warnings():  # edges no sender reaches: NaN in every row
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean = np.nanmean(read_floats(ds, slice(0, rows)).astype(np.float64), axis=0)
+        senders, receivers = _names(layout.attr(ds, SENDERS)), _names(layout.attr(ds, RECEIVERS))
+        mean = _row_mean(ds, rows)
         order = np.argsort(-np.nan_to_num(np.abs(mean), nan=-1.0), axis=None)
         shown = []
         for flat in order[: int(min(10, np.isfinite(mean).sum()))]:
@@ -299,14 +355,9 @@ class CircuitStage(Stage):
         method = layout.attr(ds, "method")
         lines = [f"{CIRCUIT}: the edges with the largest mean {method} score: " + ", ".join(shown)]
         if FAITHFULNESS in f and not layout.is_pending(f[FAITHFULNESS]):
-            sizes, shares = layout.attr(f[FAITHFULNESS], "k"), f[FAITHFULNESS][()]
-            said = ", ".join(f"{int(k)} edges {s:.3f}" for k, s in zip(sizes, shares, strict=True))
-            how = "mean-ablated" if layout.attr(f[FAITHFULNESS], "ablation") == "mean" else ""
-            lines.append(
-                f"{CIRCUIT}: faithfulness (share of clean - corrupted kept"
-                + (f", the other edges {how}" if how else "")
-                + f"): {said}"
-            )
+            lines.append(_faithfulness_line(f[FAITHFULNESS]))
+        if PATHS in f:
+            lines.append(_paths_line(f[PATHS], rows))
         return lines
 
     @classmethod

@@ -1,6 +1,13 @@
 """The pictures of an activation patching run (experiment=lm_patching): per site kind, the
 layers × positions grid of (patched − corrupted) / (clean − corrupted), averaged over rows
-and for the first row, with the first row's tokens as the position labels."""
+and for the first row, with the first row's tokens as the position labels.
+
+The rows are prompts of different lengths padded on the right, each read at its last token.
+With every position patched, the mean lines the rows up at their read position — its
+columns are positions counted back from it (read, −1, −2, ...) — so the read column
+averages every row's read, not row 0's read with other rows' middles; a column that fewer
+rows reach (a longer row's start) says how many it holds. With listed positions (inside
+every row) the columns are those positions."""
 
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from hookrun.stages.patching.keys import PATCHING, PEARSON, SPEARMAN, patching_k
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-__all__ = ["render_patching"]
+__all__ = ["render_patching", "read_aligned"]
 
 
 def _labels(f: h5py.File, positions: np.ndarray, config: dict) -> list[str]:
@@ -29,6 +36,33 @@ def _labels(f: h5py.File, positions: np.ndarray, config: dict) -> list[str]:
     ids = f[layout.SAMPLES_TOKENS][0]
     texts = token_texts(config, ids[positions])
     return [f"{p} {t}" for p, t in zip(positions.tolist(), texts, strict=True)]
+
+
+def _reads(f: h5py.File) -> np.ndarray:
+    """Each row's read position: its last real token (/samples/mask; unpadded: the last)."""
+    ids = f[layout.SAMPLES_TOKENS]
+    if layout.SAMPLES_MASK not in f:
+        return np.full(ids.shape[0], ids.shape[1] - 1, dtype=np.int64)
+    mask = f[layout.SAMPLES_MASK][()].astype(bool)
+    return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+
+
+def read_aligned(
+    scores: np.ndarray, reads: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every row's cells (scores (N, sites, positions): positions 0 … T−1) lined up at its read
+    position: (N, sites, columns) with column j at position read + offsets[j] (offsets from
+    the most any row has before its read, to the most after), NaN where a row has no cell
+    there; and each column's rows holding a number (finite at some site)."""
+    n, sites, width = scores.shape
+    offsets = np.arange(-int(reads.max()), width - int(reads.min()))
+    at = reads[:, None] + offsets[None, :]  # (N, columns): each row's position per column
+    inside = (at >= 0) & (at < width)
+    taken = np.take_along_axis(scores, np.clip(at, 0, width - 1)[:, None, :].repeat(sites, 1), 2)
+    aligned = np.where(inside[:, None, :], taken, np.nan)
+    holding = np.isfinite(aligned).any(axis=1).sum(axis=0)
+    keep = holding > 0  # columns no row reaches (past every row's last token) left out
+    return aligned[..., keep], offsets[keep], holding[keep]
 
 
 def _panel(ax: plt.Axes, grid: np.ndarray, rows: tuple[list[str], list[str]], title: str):
@@ -65,23 +99,21 @@ def _grid_picture(f: h5py.File, out_dir: Path, config: dict, kind: str) -> Path:
     if scores.ndim == 4:  # heads: (N, layers, heads, positions), a row per head
         names = [f"{name} h{h}" for name in names for h in range(scores.shape[2])]
         scores = scores.reshape(scores.shape[0], len(names), scores.shape[3])
-    with warnings.catch_warnings():  # a cell past every row's tokens: NaN, not a warning
-        warnings.simplefilter("ignore", RuntimeWarning)
-        mean = np.nanmean(scores, axis=0)
+    first = int(f[layout.SAMPLES_INDEX][0])
+    mean, mean_labels, title = _mean_over_rows(f, scores, positions, labels, config)
     fig, axes = plt.subplots(
         2,
         1,
         figsize=(
-            max(6, 0.35 * len(labels) + 3),
+            max(6, 0.35 * max(len(labels), len(mean_labels)) + 3),
             2 + min(0.8, 6 / len(names) + 0.12) * len(names),
         ),
     )
-    first = int(f[layout.SAMPLES_INDEX][0])
-    for ax, grid, title in (
-        (axes[0], mean, f"{kind}: mean over {len(scores)} rows (tokens of row {first})"),
-        (axes[1], scores[0], f"{kind}: row {first}"),
+    for ax, grid, said, shown in (
+        (axes[0], mean, f"{kind}: {title}", mean_labels),
+        (axes[1], scores[0], f"{kind}: row {first}", labels),
     ):
-        image = _panel(ax, grid, (names, labels), title)
+        image = _panel(ax, grid, (names, shown), said)
         fig.colorbar(image, ax=ax, fraction=0.02)
     fig.suptitle(
         "(patched − corrupted) / (clean − corrupted) logit difference; clean = prompt, "
@@ -90,6 +122,39 @@ def _grid_picture(f: h5py.File, out_dir: Path, config: dict, kind: str) -> Path:
     )
     fig.tight_layout()
     return save_figure(fig, out_dir / f"patching_{kind}.png")
+
+
+def _mean_over_rows(
+    f: h5py.File, scores: np.ndarray, positions: np.ndarray, labels: list[str], config: dict
+) -> tuple[np.ndarray, list[str], str]:
+    """The mean panel's grid (sites, columns), its column labels and its title: with every
+    position patched, the rows lined up at their read positions (read_aligned), a column
+    labelled by its offset from the read, row 0's token there, and [n] where only n of the
+    scored rows reach it; with listed positions (inside every row), those positions."""
+    first = int(f[layout.SAMPLES_INDEX][0])
+    rows = int(np.isfinite(scores).any(axis=(1, 2)).sum())  # unscorable rows: NaN throughout
+    with warnings.catch_warnings():  # a column some rows do not reach: NaN there, no warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if positions.tolist() != list(range(f[layout.SAMPLES_TOKENS].shape[1])):
+            return (
+                np.nanmean(scores, axis=0),
+                labels,
+                f"mean over {rows} rows (tokens of row {first})",
+            )
+        reads = _reads(f)[: len(scores)]
+        aligned, offsets, holding = read_aligned(scores, reads)
+        mean = np.nanmean(aligned, axis=0)
+    texts = token_texts(config, f[layout.SAMPLES_TOKENS][0])
+    shown = []
+    for offset, held in zip(offsets.tolist(), holding.tolist(), strict=True):
+        at = int(reads[0]) + offset  # row 0's position in this column
+        said = ("read" if offset == 0 else f"{offset:+d}") + (f" {texts[at]}" if at >= 0 else "")
+        shown.append(said + (f" [{held}]" if held < rows else ""))
+    title = (
+        f"mean over {rows} rows, each lined up at its read position (its last token; tokens "
+        f"of row {first}; [n]: a column only n rows reach)"
+    )
+    return mean, shown, title
 
 
 def _agreement_picture(f: h5py.File, out_dir: Path, kind: str) -> list[Path]:
