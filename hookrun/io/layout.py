@@ -231,6 +231,9 @@ class Provenance:
     never_ran: str = ""
     # Files read during the run (the `patch` action), JSON {hook: {file, sha256}}; "" if none.
     patch_sources: str = ""
+    # Where each module ran under model.device_map (Accelerate's map: JSON {module: device,
+    # "cpu" or "disk"}); "" for a model on one device.
+    device_map: str = ""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ before the captures file is created (pipeline/claim.py claimed its path before).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -169,6 +170,7 @@ def prepare(
             provenance(spec, weights_file, device, world.size, sources),
             data_files_sha256=files_fingerprint(data),
             never_ran=probed.never_ran,
+            device_map=_device_map(model),
         )
         if spec.resume:
             check_sources(claim.sink_path, header)
@@ -229,6 +231,13 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
     if caller.model is None and is_placed(spec.model):
         return model, weights_file  # each module where model.device_map put it
     return model.to(device), weights_file
+
+
+def _device_map(model: nn.Module) -> str:
+    """The map a model spread over devices ran with (Accelerate's `hf_device_map`: module →
+    device, cpu or disk) as JSON; '' for a model on one device."""
+    placed = getattr(adapt(model).transformers_model(), "hf_device_map", None)
+    return json.dumps({k: str(v) for k, v in placed.items()}) if placed else ""
 
 
 def _tokenizer(spec: RunSpec, caller_model: nn.Module | None) -> Any:

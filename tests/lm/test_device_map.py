@@ -6,6 +6,8 @@ refused in one line before any work."""
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -84,6 +86,12 @@ def test_captures_gradients_and_the_lens_are_the_one_device_runs(tmp_path, lm):
     one, spread = _both(tmp_path, "captures", args)
     _same(one, spread, "captures/")
     assert np.abs(one["captures/transformer.wte/grad_output"]).max() > 1e-4
+    # The file says where each module ran (the map Accelerate made), the one-device run none.
+    with h5py.File(tmp_path / "captures-spread" / "captures.h5") as f:
+        placed = json.loads(f.attrs["device_map"])
+    with h5py.File(tmp_path / "captures-one" / "captures.h5") as f:
+        assert f.attrs["device_map"] == ""
+    assert set(placed.values()) == {"cpu", "disk"} and "transformer.h" in placed, placed
     lens = [*lm, "experiment=logit_lens", f"dataset.path={data}", "batch_size=2"]
     one, spread = _both(tmp_path, "lens", lens)
     _same(one, spread, "derived/logit_lens/")
