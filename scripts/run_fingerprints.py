@@ -119,7 +119,13 @@ RUNS: dict[str, list[str]] = {
     "circuit": ["experiment=circuit", "limit=4", "batch_size=2", "circuit.k=[0,3]"],
     "steering": ["experiment=steering", "limit=4", "batch_size=2", "generate.max_new_tokens=3"],
     "generate": ["experiment=generate", "limit=4", "batch_size=2", "generate.max_new_tokens=4"],
-    "metrics": ["experiment=logit_lens", "limit=2", "batch_size=2", "metrics=lm", "metrics.names=[loss,kl]"],
+    "metrics": [
+        "experiment=logit_lens",
+        "limit=2",
+        "batch_size=2",
+        "metrics=lm",
+        "metrics.names=[loss,kl]",
+    ],
     "lm_gradients": [
         "experiment=integrated_gradients",
         "model=tiny_lm",
