@@ -45,7 +45,13 @@ from hookrun.io.layout import (
     write_header,
 )
 from hookrun.io.storage import chunk_shape
-from hookrun.io.whole_run import WholeRun, make_pending, open_swmr_writer, pending_of
+from hookrun.io.whole_run import (
+    WholeRun,
+    make_constants,
+    make_pending,
+    open_swmr_writer,
+    pending_of,
+)
 
 __all__ = ["FileOptions", "CapturesFile", "Summaries"]
 
@@ -79,6 +85,8 @@ class FileOptions:
     # The stages' whole-run datasets (io/whole_run.py), made with the file and written once
     # every row is in: until then it is not marked complete (path → shape, dtype, attrs).
     finishes: Mapping[str, WholeRun] = dataclasses.field(default_factory=dict)
+    # Whole-run datasets known before any work (path → values), written with the first batch.
+    constants: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def dtype_of(self, key: str) -> str:
         """The float the dataset at `key` is stored in."""
@@ -220,6 +228,7 @@ class CapturesFile:
         if not self.keys:
             for key, array in arrays.items():
                 self._create(key, array)
+            make_constants(self.file, self.options.constants, self.options.checksum)
             make_pending(self.file, self.options.finishes, self.options.checksum)
             # Scales write attributes, which SWMR forbids: every axis is named first.
             name_dimensions(self.file, self.options.axes, self.options.checksum)

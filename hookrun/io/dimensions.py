@@ -32,6 +32,7 @@ import numpy as np
 from hookrun.io.layout import (
     CAPTURES,
     MODEL_OUTPUT,
+    MODEL_VOCABULARY,
     NOT_A_VARIABLE,
     SAMPLE,
     SAMPLES,
@@ -73,6 +74,7 @@ AXES: dict[str, str] = {
     SAMPLES_MASK: "sample token",
     f"{SAMPLES}/*": "sample",
     MODEL_OUTPUT: "sample class",
+    f"{MODEL_VOCABULARY}*": "vocabulary",
     pattern_key("*"): "sample head query key",
     f"{CAPTURES}/*": "sample {layout}",
 }

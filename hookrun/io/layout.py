@@ -44,7 +44,8 @@ __all__ = [
     "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension",
     "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
     "attr", "has_attrs", "set_attrs", "modify_attrs", "WRITTEN", "is_whole_run",
-    "mark_pending", "mark_written", "is_pending", "pending",
+    "mark_pending", "mark_written", "is_pending", "pending", "MODEL_VOCABULARY",
+    "vocabulary_arrays", "read_vocabulary", "MODEL_VOCABULARY_LENGTH",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -62,6 +63,10 @@ SAMPLES_MASK = "samples/mask"  # (N, T) bool, True at real tokens, when rows are
 SAMPLES_LINE = "samples/line"  # token data: each row's 1-based line in its /samples/path file
 # (dataset=hf_disk: its 0-based row in the /samples/path folder)
 MODEL_OUTPUT = "model/output"
+# Token data: each token id's text as the run's tokenizer decodes it alone (V,) UTF-8, so the
+# summary and the pictures label tokens from the file (a caller's tokenizer, another machine).
+MODEL_VOCABULARY = "model/vocabulary"
+MODEL_VOCABULARY_LENGTH = "model/vocabulary_length"  # each text's UTF-8 bytes
 
 
 def capture_key(
@@ -169,6 +174,43 @@ def is_pending(ds: h5py.Dataset) -> bool:
 def pending(f: h5py.File) -> list[str]:
     """The whole-run datasets of `f` that wait for their values, by path."""
     return [name for name in dataset_names(f) if is_pending(f[name])]
+
+
+whole_run(MODEL_VOCABULARY, MODEL_VOCABULARY_LENGTH)
+
+
+def vocabulary_arrays(texts: list[str]) -> dict[str, np.ndarray]:
+    """Texts as the file stores them: /model/vocabulary, fixed-length UTF-8 (checksummed:
+    HDF5 filters no variable-length data, which takes no NUL either), and each text's length
+    in bytes, /model/vocabulary_length: a fixed-length string loses its trailing NULs, and
+    every byte-level BPE vocabulary has a token that decodes to a NUL."""
+    encoded = [t.encode("utf-8", errors="surrogateescape") for t in texts]
+    width = max((len(e) for e in encoded), default=1) or 1
+    return {
+        MODEL_VOCABULARY: np.array(encoded, dtype=f"S{width}"),
+        MODEL_VOCABULARY_LENGTH: np.array([len(e) for e in encoded], dtype=np.int32),
+    }
+
+
+def read_vocabulary(f: h5py.File, ids: Any) -> list[str | None] | None:
+    """The texts of token `ids` from /model/vocabulary (None for an id past it), reading
+    only those; None for a file without one."""
+    if MODEL_VOCABULARY not in f:
+        return None
+    ds = f[MODEL_VOCABULARY]
+    wanted = [int(i) for i in np.asarray(ids).reshape(-1)]
+    inside = sorted({i for i in wanted if 0 <= i < len(ds)})
+    texts = ds[inside] if inside else []
+    lengths = (
+        f[MODEL_VOCABULARY_LENGTH][inside] if inside and MODEL_VOCABULARY_LENGTH in f else None
+    )
+    found = {}
+    for n, (i, raw) in enumerate(zip(inside, texts, strict=True)):
+        raw = bytes(raw)
+        if lengths is not None:  # the trailing NULs numpy's fixed-length strings drop
+            raw = raw.ljust(int(lengths[n]), b"\0")
+        found[i] = raw.decode("utf-8", errors="replace")
+    return [found.get(i) for i in wanted]
 
 
 def rows_for(ds: h5py.Dataset, completed: int) -> int:

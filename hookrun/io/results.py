@@ -62,7 +62,7 @@ class Results:
         self.file.close()
 
     def __getitem__(self, key: str) -> Any:
-        path = str(key).lstrip("/")
+        path = str(key).lstrip("/") or "/"
         if path not in self.file:
             raise KeyError(f"{key!r}: no such dataset or group in {self.path}{self._near(path)}")
         node = self.file[path]
@@ -74,7 +74,7 @@ class Results:
         return decoded_node(node)
 
     def __contains__(self, key: str) -> bool:
-        path = str(key).lstrip("/")
+        path = str(key).lstrip("/") or "/"
         node = self.file.get(path)
         return node is not None and not (isinstance(node, h5py.Dataset) and layout.is_pending(node))
 
@@ -217,9 +217,11 @@ def summary(
                 prob = np.exp(row - row.max())
                 prob /= prob.sum()
                 top = int(row.argmax())
-                name = (
-                    class_names[top] if class_names and top < len(class_names) else f"class {top}"
-                )
+                if class_names and top < len(class_names):
+                    name = class_names[top]
+                else:  # a language model's run from its file alone (a resume): its vocabulary
+                    text = (layout.read_vocabulary(res.file, [top]) or [None])[0]
+                    name = f"class {top}" if text is None else f"token {top} {text!r}"
                 lines.append(f"  sample {int(i)}: top-1 {name} (p={prob[top]:.2f})")
             if rows > show:
                 lines.append(f"  ... {rows - show} more")

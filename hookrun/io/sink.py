@@ -59,6 +59,8 @@ class SinkOptions:
     summaries: Summaries | None = None
     # The stages' whole-run datasets, made with the file (io/whole_run.py).
     finishes: Mapping[str, WholeRun] = field(default_factory=dict)
+    # Whole-run datasets known before any work (path → values: the vocabulary's texts).
+    constants: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def file_options(self) -> FileOptions:
@@ -74,6 +76,7 @@ class SinkOptions:
             dtypes=dict(self.dtypes),
             summaries=self.summaries,
             finishes=dict(self.finishes),
+            constants=dict(self.constants),
         )
 
 

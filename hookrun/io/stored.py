@@ -25,6 +25,7 @@ from hookrun.io.layout import (
     copy_group_attrs,
     dataset_names,
     is_pending,
+    is_whole_run,
     mark_complete,
     mark_completed,
     mark_status,
@@ -149,6 +150,10 @@ def join_shards(
             write_header(out, header)
             for key in dataset_names(opened[0]):
                 first = opened[0][key]
+                if is_whole_run(first):  # the same in every shard (the vocabulary): copied
+                    # once (a virtual dataset takes no variable-length strings)
+                    opened[0].copy(first, out, name=key)
+                    continue
                 # Shards hold whole batches in order, so a record stored once per batch
                 # joins in global batch order too.
                 total = rows_for(first, samples)

@@ -13,6 +13,7 @@ is the file marked complete. A resume finds the pending ones and computes those 
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hookrun.errors import Interrupted
+from hookrun.errors import Interrupted, RunFault
 from hookrun.io import storage
 from hookrun.io.dimensions import AxisFacts, attach, axis_names
 from hookrun.io.layout import (
@@ -46,6 +47,7 @@ __all__ = [
     "pending_of",
     "name_whole_run",
     "written_values",
+    "make_constants",
 ]
 
 
@@ -80,6 +82,23 @@ def make_pending(f: h5py.File, made: Mapping[str, WholeRun], checksum: bool) -> 
         mark_pending(ds)
 
 
+def make_constants(f: h5py.File, constants: Mapping[str, np.ndarray], checksum: bool) -> None:
+    """Whole-run datasets known before any work (the vocabulary's texts), written whole into
+    a new file with its first batch (before SWMR); compressed: they are written once."""
+    for key, data in constants.items():
+        if key in f:
+            continue
+        array = np.asarray(data)
+        f.create_dataset(
+            key,
+            data=array,
+            chunks=chunk_shape(array.shape[1:], array.dtype.itemsize, max(1, len(array))),
+            compression="gzip",
+            fletcher32=checksum,
+            track_times=False,
+        )
+
+
 def name_whole_run(f: h5py.File, keys: list[str], checksum: bool) -> None:
     """Name the axes of whole-run datasets made after the file's other datasets were named
     (the torchrun join's, an older file's), as a new file names them (io/dimensions.py)."""
@@ -99,16 +118,34 @@ def open_swmr_writer(path: Path) -> h5py.File:
 def write_whole_run(f: h5py.File, values: Mapping[str, Any]) -> None:
     """Write one stage's whole-run values into their pending datasets: every value first,
     flushed, then every mark (a kill between them leaves them pending: computed again)."""
-    for key, value in values.items():
-        ds = f[key]
-        array = np.asarray(value)
-        if array.shape != ds.shape:
-            raise ValueError(f"/{key}: values of shape {array.shape}, the dataset {ds.shape}")
-        ds[...] = array.astype(ds.dtype, copy=False)
-    f.flush()
-    for key in values:
-        mark_written(f[key])
-    f.flush()
+    arrays = {key: np.asarray(value) for key, value in values.items()}
+    for key, array in arrays.items():
+        if array.shape != f[key].shape:
+            raise ValueError(f"/{key}: values of shape {array.shape}, the dataset {f[key].shape}")
+    datasets = [f[key] for key in arrays]
+    try:
+        # Room first (io/storage.py): on a full disk the request fails, HDF5 untouched.
+        rows = max((len(d) for d in datasets), default=1)
+        storage.reserve(f, storage.batch_need(datasets, 0, rows))
+        for ds, array in zip(datasets, arrays.values(), strict=True):
+            ds[...] = array.astype(ds.dtype, copy=False)
+        f.flush()
+        for ds in datasets:
+            mark_written(ds)
+        f.flush()
+    except (OSError, RuntimeError) as err:
+        code = storage.disk_errno(err)
+        if code is None:
+            raise
+        raise _DiskFault(code) from err
+
+
+class _DiskFault(Exception):
+    """Writing whole-run values failed for the disk's sake (its errno)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(os.strerror(code))
+        self.code = code
 
 
 @contextmanager
@@ -127,10 +164,15 @@ def finishing(path: Path, made: Mapping[str, WholeRun], checksum: bool) -> Itera
     f = open_swmr_writer(path)
     try:
         yield f
+    except _DiskFault as err:  # the file as after its last flush; HDF5 must not write again
+        storage.abandon(f)
+        room = err.code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        raise RunFault(
+            f"writing {path} failed: [Errno {err.code}] {err}; every row is kept, and the "
+            f"whole-run results written: {'make room' if room else 'check the disk'}, then "
+            "run again with resume=true (it computes those still unwritten)"
+        ) from err.__cause__
     except BaseException as err:
-        if storage.disk_errno(err) is not None:
-            storage.abandon(f)
-            raise
         status = "interrupted" if isinstance(err, Interrupted) else "failed"
         mark_status(f, status, f"{type(err).__name__}: {err}")
         f.close()

@@ -20,7 +20,7 @@ from torch.nn.modules import module as module_hooks
 
 from hookrun.errors import HookrunError
 
-__all__ = ["LanguageModel", "OUTPUT_KINDS", "check_tokenizer"]
+__all__ = ["LanguageModel", "OUTPUT_KINDS", "check_tokenizer", "vocabulary_texts"]
 
 # What forward returns for each `model.class`:
 #   causal_lm, masked_lm: the logits at the read position (N, V);
@@ -210,3 +210,11 @@ class _TokenNames(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self.size))]
         return f"token {i} {self.tokenizer.decode([i])!r}"
+
+
+def vocabulary_texts(tokenizer: Any, size: int) -> list[str]:
+    """Each of `size` token ids' text as `tokenizer` decodes it alone ('' past the
+    tokenizer's own tokens: a model's vocabulary may be padded beyond them)."""
+    known = min(size, len(tokenizer))
+    texts = tokenizer.batch_decode([[i] for i in range(known)])
+    return [*texts, *[""] * (size - known)]

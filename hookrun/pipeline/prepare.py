@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -31,11 +32,17 @@ from hookrun.data.loader import (
 from hookrun.data.tokens import check_vocab, token_rows
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import AxisFacts
-from hookrun.io.layout import LISTED_POSITIONS, SAMPLES_PATH, Provenance
+from hookrun.io.layout import (
+    LISTED_POSITIONS,
+    SAMPLES_PATH,
+    Provenance,
+    vocabulary_arrays,
+)
 from hookrun.io.resume import check_paths, check_sources
 from hookrun.io.stored import stored_record
 from hookrun.models.adapter import adapt
 from hookrun.models.hf import load_tokenizer
+from hookrun.models.language import vocabulary_texts
 from hookrun.models.placement import is_placed
 from hookrun.models.sources import build_model, model_label
 from hookrun.pipeline.camlayer import resolve_cam_layer
@@ -99,6 +106,8 @@ class Prepared:
     attrs: dict[str, dict] = field(default_factory=dict)
     # The stages' datasets of the whole run, written once every row is in (io/whole_run.py).
     finishes: dict[str, WholeRun] = field(default_factory=dict)
+    # Whole-run datasets known before any work: the vocabulary's texts of token data.
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def store_dtype(self) -> torch.dtype:
@@ -198,6 +207,7 @@ def prepare(
             axes=axis_facts(captures | shaped, folds, model, sample),
             attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
             finishes={k: v for p in planned.values() for k, v in p.finishes().items()},
+            constants=_vocabulary(model, tokens),
         )
         run.plan_text = _plan_text(run, probed, setup.made)
         return run
@@ -231,6 +241,16 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
     if caller.model is None and is_placed(spec.model):
         return model, weights_file  # each module where model.device_map put it
     return model.to(device), weights_file
+
+
+def _vocabulary(model: nn.Module, tokens: Any) -> dict[str, np.ndarray]:
+    """Token data read with a tokenizer: every id's text, stored with the file, so the
+    summary and the pictures label tokens from the file alone (a caller's tokenizer is in
+    no config; `python -m hookrun.render` runs elsewhere)."""
+    tokenizer = adapt(model).tokenizer
+    if tokens is None or tokenizer is None:
+        return {}
+    return vocabulary_arrays(vocabulary_texts(tokenizer, int(model.config.vocab_size)))
 
 
 def _device_map(model: nn.Module) -> str:

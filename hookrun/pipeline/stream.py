@@ -78,6 +78,7 @@ def _sink(run: Prepared, rows: int) -> HDF5Sink:
         summaries=completed,  # what the stages write of all the rows, before `complete`
         # A shard holds rows only: the torchrun join makes the whole-run datasets.
         finishes={} if run.world.parallel else run.finishes,
+        constants=run.constants,
     )
     claim = run.claim
     return HDF5Sink(

@@ -45,7 +45,7 @@ def render_attention(f: h5py.File, out_dir: Path, rows: int, config: dict) -> li
     ids = f[layout.SAMPLES_TOKENS]
     shown = min(rows, _ROWS)
     lengths = shown_lengths(f, shown, _TOKENS)
-    texts = [token_texts(config, ids[r][: lengths[r]]) for r in range(shown)]
+    texts = [token_texts(f, config, ids[r][: lengths[r]]) for r in range(shown)]
     written = []
     for layer in sorted(patterns, key=_natural):
         ds = patterns[layer]

@@ -32,9 +32,16 @@ _ROWS = 3  # rows drawn, one panel each
 _TOKENS = 48  # tokens labelled per row at most (the first ones)
 
 
-def token_texts(config: dict, ids: np.ndarray) -> list[str]:
-    """Each id as its text through the run's tokenizer; the ids themselves where it cannot
-    be loaded (a file read on another machine)."""
+def token_texts(f: h5py.File, config: dict, ids: np.ndarray) -> list[str]:
+    """Each id as its text (escaped: a newline shows as \\n): from the file's vocabulary
+    (/model/vocabulary, what the run's tokenizer made of each id, a caller's own included),
+    else through the tokenizer the run's config names (a file from before the vocabulary was
+    stored); the ids themselves where neither can say."""
+    stored = layout.read_vocabulary(f, ids)
+    if stored is not None:
+        return [
+            str(int(i)) if t is None else repr(t)[1:-1] for i, t in zip(ids, stored, strict=True)
+        ]
     tokenizer = _tokenizer(json.dumps(config.get("model", {}), sort_keys=True, default=str))
     try:
         return [repr(tokenizer.decode([int(i)]))[1:-1] for i in ids]
@@ -158,7 +165,7 @@ class _Panels:
         for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
             image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
             ax.set_yticks(range(len(self.names)), self.names, fontsize=7)
-            _label_tokens(ax, token_texts(config, ids[row][:length]))
+            _label_tokens(ax, token_texts(f, config, ids[row][:length]))
             index = int(f[layout.SAMPLES_INDEX][row])
             ax.set_title(f"row {index}: {self.title}", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.02)

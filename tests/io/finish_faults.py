@@ -5,6 +5,8 @@ fault injected inside the stages' whole-run work (their `finish`), for tests/io/
 - kill-computed: SIGKILL once its values are computed, before any is written;
 - kill-marking: SIGKILL once its values are written and flushed, before they are marked;
 - term: SIGTERM to itself as a stage's finish starts (which then goes on computing);
+- fill-disk: as a stage's finish starts, the file's disk filled up (a file `filler` beside
+  it, written until the disk refuses: ENOSPC), so the whole-run values find no room;
 - kill-joining: SIGKILL while rank 0 joins the torchrun shards, the join half made;
 - totals / totals-kill-second: two stages of this file's own (below) with whole-run work,
   each appending its name to the file FINISH_LOG names when its finish runs; the second
@@ -33,6 +35,18 @@ def _killed() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fill(path: Path) -> None:
+    """Write `path` until its disk has no room left."""
+    block = b"\0" * (64 << 10)
+    with path.open("wb") as out:
+        try:
+            while True:
+                out.write(block)
+                out.flush()
+        except OSError:
+            pass
+
+
 def _subclasses(cls: type) -> list[type]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
 
@@ -49,6 +63,8 @@ def _inject(fault: str) -> None:
                 _killed()
             if fault == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
+            if fault == "fill-disk":
+                _fill(Path(f.filename).with_name("filler"))
             values = real(self, f)
             if fault == "kill-computed":
                 _killed()

@@ -167,3 +167,33 @@ def test_a_damaged_whole_run_result_is_named_by_verify(tmp_path):
     checked = verified(path)
     assert checked.returncode == 1
     assert "circuit/faithfulness" in checked.stdout, checked.stdout
+
+
+def test_a_full_disk_during_the_whole_run_work_keeps_every_row_then_resumes(tmp_path):
+    """ENOSPC on a real tmpfs filled up once every row is in: one line, exit 1, the rows
+    kept; room made, resume=true writes the whole-run results (mounting needs root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        clean = read(run_config(tmp_path / "clean", [*CIRCUIT, *QUIET], "circuit").path)
+        path = disk / "captures.h5"
+        args = [*CIRCUIT, *QUIET, f"sink.path={path}", f"hydra.run.dir={tmp_path / 'run'}"]
+        done = faulted("fill-disk", args, tmp_path)
+        assert done.returncode == 1, done.stderr[-3000:]
+        (line,) = [x for x in done.stderr.splitlines() if x.startswith("hookrun: ")]
+        assert f"writing {path} failed: [Errno 28] No space left on device; every row" in line
+        assert (
+            "make room, then run again with resume=true" in line and "Traceback" not in done.stderr
+        )
+        assert state(path) == ("running", 4)
+        assert "circuit/faithfulness: not written" in verified(path).stdout
+        (disk / "filler").unlink()  # room made
+        again = hookrun_cli([*args, "resume=true"], tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert_same(path, clean)
+        assert verified(path).returncode == 0
+    finally:
+        subprocess.run(["umount", str(disk)])

@@ -42,7 +42,7 @@ def render_generation(f: h5py.File, out_dir: Path, rows: int, config: dict) -> l
     low = min(-8.0, float(np.nanmin(grid, initial=0.0)))
     image = ax.imshow(grid, cmap="viridis", vmin=low, vmax=0.0, aspect="auto")
     for r in range(shown):
-        words = token_texts(config, tokens[r][mask[r]])
+        words = token_texts(f, config, tokens[r][mask[r]])
         for s, word in enumerate(words):
             light = (grid[r, s] - low) / -low > 0.55  # dark text on viridis' light end
             colour = "k" if light else "w"
@@ -63,6 +63,6 @@ def _prompts(f: h5py.File, shown: int, config: dict) -> list[str]:
     out = []
     for r in range(shown):
         real = ids[r][mask[r]] if mask is not None else ids[r]
-        text = "".join(token_texts(config, real))
+        text = "".join(token_texts(f, config, real))
         out.append(("…" + text[-_PROMPT:]) if len(text) > _PROMPT else text)
     return out

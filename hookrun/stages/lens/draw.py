@@ -63,13 +63,13 @@ def render_lens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Pa
         top = ids[row][:, :length, 0]  # (layers, positions): the likeliest token
         p = probs[row][:, :length, 0].astype(np.float32)
         image = ax.imshow(p, aspect="auto", cmap="Blues", vmin=0.0, vmax=1.0)
-        words = token_texts(config, top.reshape(-1))
+        words = token_texts(f, config, top.reshape(-1))
         for (layer, pos), word in zip(np.ndindex(top.shape), words, strict=True):
             colour = "white" if p[layer, pos] > 0.6 else "black"
             ax.text(pos, layer, _short(word), ha="center", va="center", fontsize=6, color=colour)
         ax.set_yticks(range(layers), names, fontsize=7)
         ax.set_xticks(
-            range(length), token_texts(config, tokens[row][:length]), fontsize=7, rotation=90
+            range(length), token_texts(f, config, tokens[row][:length]), fontsize=7, rotation=90
         )
         ax.set_title(
             f"row {int(f[layout.SAMPLES_INDEX][row])}: the logit lens's top next token after "

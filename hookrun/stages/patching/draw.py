@@ -34,7 +34,7 @@ __all__ = ["render_patching", "read_aligned"]
 def _labels(f: h5py.File, positions: np.ndarray, config: dict) -> list[str]:
     """Each patched position as `<position> <the first row's token there>`."""
     ids = f[layout.SAMPLES_TOKENS][0]
-    texts = token_texts(config, ids[positions])
+    texts = token_texts(f, config, ids[positions])
     return [f"{p} {t}" for p, t in zip(positions.tolist(), texts, strict=True)]
 
 
@@ -144,7 +144,7 @@ def _mean_over_rows(
         reads = _reads(f)[: len(scores)]
         aligned, offsets, holding = read_aligned(scores, reads)
         mean = np.nanmean(aligned, axis=0)
-    texts = token_texts(config, f[layout.SAMPLES_TOKENS][0])
+    texts = token_texts(f, config, f[layout.SAMPLES_TOKENS][0])
     shown = []
     for offset, held in zip(offsets.tolist(), holding.tolist(), strict=True):
         at = int(reads[0]) + offset  # row 0's position in this column
