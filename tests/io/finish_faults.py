@@ -8,6 +8,8 @@ fault injected inside the stages' whole-run work (their `finish`), for tests/io/
 - fill-disk: as a stage's finish starts, the file's disk filled up (a file `filler` beside
   it, written until the disk refuses: ENOSPC), so the whole-run values find no room;
 - kill-joining: SIGKILL while rank 0 joins the torchrun shards, the join half made;
+- kill-complete: SIGKILL as a stage writes what it says of all the rows (`Stage.complete`:
+  the sanity verdicts), before the file is marked complete;
 - totals / totals-kill-second: two stages of this file's own (below) with whole-run work,
   each appending its name to the file FINISH_LOG names when its finish runs; the second
   SIGKILLs the process the first time it runs (no FINISH_LOG + ".killed" yet).
@@ -71,6 +73,10 @@ def _inject(fault: str) -> None:
             return values
 
         cls.finish = finish
+    if fault == "kill-complete":
+        for cls in _subclasses(Stage):
+            if "complete" in vars(cls):
+                cls.complete = classmethod(lambda cls_, f, rows, shards: _killed())
     if fault == "kill-marking":
         whole_run.mark_written = lambda ds: _killed()
     if fault == "kill-joining":

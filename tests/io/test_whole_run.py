@@ -121,6 +121,29 @@ def test_killed_inside_each_stages_whole_run_work_then_resumed(
     assert_same(path, clean)
 
 
+def test_killed_while_the_sanity_verdicts_are_written_then_resumed(tmp_path):
+    """The sanity check's verdicts are what it says of every row (Stage.complete): killed
+    there, the file is not complete; the resume writes them, to the uninterrupted bytes."""
+    args = ["experiment=sanity_check", "model=resnet18", "model.weights=null", "dataset=fake"]
+    args += ["dataset.image_size=32", "dataset.size=2", "batch_size=2", "sanity.layers=[fc]"]
+    args += ["sanity.methods=[saliency]", *QUIET]
+    clean = run_config(tmp_path / "clean", args, "sanity_check").path
+    run_dir = tmp_path / "killed"
+    done = faulted("kill-complete", [*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    path = run_dir / "captures.h5"
+    assert state(path) == ("running", 2)
+    assert verified(path).returncode == 1
+    again = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same(path, read(clean))
+    with h5py.File(path) as got, h5py.File(clean) as want:
+        for method in ("saliency",):
+            for name in ("passed", "score"):
+                assert got[f"sanity/{method}"].attrs[name] == want[f"sanity/{method}"].attrs[name]
+    assert verified(path).returncode == 0
+
+
 def test_a_resume_computes_only_the_whole_run_work_a_kill_left_unwritten(tmp_path):
     """Two stages with whole-run work; the process killed inside the second's: the resume
     runs the second's alone, the first's values stay as written, and both equal the sums
