@@ -26,6 +26,12 @@ class GenerateConfig(Frozen):
     top_p: float | None = None
     # Stop a row at the model's end token (its config's eos_token_id), which is kept.
     stop_at_eos: bool = True
+    # true: each generated token's log probability under the model without the run's hooks
+    # too (/generation/logprobs_unhooked: how fluent the hooked text is to the plain model).
+    # Under hooks that change values that is one more pass over each prompt and its text;
+    # without them it is the run's own log probabilities, stored as they are. false: not
+    # stored (nor /generation/unchanged).
+    fluency: bool = True
     # true: each capture of the run (a module's input or output, one row per token) also
     # stores what its site saw at every step, at the position whose output chose the step's
     # token: /generation/captures/<module>/<site> (N, steps, ...).
