@@ -220,6 +220,7 @@ def test_killed_and_resumed_gives_the_same_file(tmp_path):
     ("extra", "said"),
     [
         (["generate.max_new_tokens=0"], "generate.max_new_tokens: 0 is out of range"),
+        (["generate.fluency=maybe"], "generate.fluency: 'maybe'; valid: true, false"),
         (["generate.temperature=-1"], "generate.temperature: -1.0; valid: 0 (greedy)"),
         (["generate.top_k=5"], "generate.top_k: 5 with temperature 0 (greedy)"),
         (["generate.temperature=1", "generate.top_p=1.5"], "generate.top_p: 1.5; valid:"),

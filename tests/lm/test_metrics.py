@@ -239,10 +239,8 @@ def test_a_head_ablation_sweep_has_a_loss_change_column_per_job(tmp_path):
     ("extra", "said"),
     [
         (["++metrics.names=[loss,perplexity]"], "metrics.names[1]: 'perplexity'"),
-        (
-            ["metrics=lm", "metrics.names=null"],
-            "metrics.names: null; valid: a list of any of loss,",
-        ),
+        (["metrics=lm", "metrics.names=null"], "metrics.names: null; valid: a list of any of"),
+        (["metrics=lm", "metrics.names=kl"], "metrics.names: 'kl'; valid: a list of any of"),
         (["++metrics.rank_by=kl"], "metrics.rank_by: 'kl'; valid: one of metrics.names with"),
         (["++metrics.names=[logit_diff]", "target.kind=answer"], "metrics.names: logit_diff with"),
         (

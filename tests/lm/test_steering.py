@@ -178,6 +178,7 @@ def test_a_layer_by_scale_sweep_is_ranked_by_effect(tmp_path):
         # The hook's own scale given: steering.scale is read by nothing, and refused itself.
         (["hooks.steer.args.scale=2", "steering.scale=-inf"], "steering.scale: -inf; valid: a"),
         (["steering.effect=logit_diff"], "steering.effect: logit_diff with target.kind=answer;"),
+        (["steering.effect=null"], "steering.effect: null; valid: answer_logprob, logit_diff"),
         (["~hooks.steer"], "steering: no hook adds or removes a vector; valid:"),
         (["steering.layers=3"], "steering.layers: 3; valid: one module name or a list"),
         (["steering.plus=null"], "hooks.steer.args.vector.plus.prompts: null; valid: a .jsonl"),

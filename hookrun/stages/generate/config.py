@@ -42,6 +42,10 @@ def parse_generate(raw: Mapping[str, Any] | None) -> GenerateConfig | None:
     """The read-only GenerateConfig of a `generate:` node (None when it is empty)."""
     if not raw:
         return None
+    for key in ("stop_at_eos", "fluency", "captures"):  # OmegaConf's words name no choices
+        if key in raw and not isinstance(raw[key], bool):
+            said = "null" if raw[key] is None else repr(raw[key])
+            raise HookrunError(f"generate.{key}: {said}; valid: true, false")
     config = parse_typed(raw, GenerateConfig, "generate")
     check_range("generate.max_new_tokens", config.max_new_tokens, 1)
     if not config.temperature >= 0:  # NaN too

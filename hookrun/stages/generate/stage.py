@@ -357,13 +357,13 @@ def _check_batch_fits(
     config: GenerateConfig, setup: Setup, width: int, steps_of: Mapping[str, tuple[int, ...]]
 ) -> None:
     """Refuse a `max_new_tokens` whose batch of outputs cannot fit in memory: what one batch
-    holds at once whatever the text — its tokens (int64) and log probabilities (float32)
-    per step, its rows of text and its step captures. (The key-value cache grows with the
-    steps too, but rows may stop early: it is not counted.)"""
+    holds at once whatever the text — its tokens and most likely tokens (int64) and log
+    probabilities (float32) per step, its rows of text and its step captures. (The
+    key-value cache grows with the steps too, but rows may stop early: it is not counted.)"""
     steps = config.max_new_tokens
     rows = min(setup.spec.batch_size, len(setup.data))
     itemsize = torch.empty((), dtype=setup.store_dtype).element_size()
-    per_row = 12 * steps + width + sum(itemsize * steps * math.prod(r) for r in steps_of.values())
+    per_row = 20 * steps + width + sum(itemsize * steps * math.prod(r) for r in steps_of.values())
     check_fits(
         "generate.max_new_tokens",
         steps,

@@ -59,8 +59,13 @@ def _rankable(names: Any) -> list[str]:
 def parse_metrics(raw: Any) -> MetricsConfig | None:
     if not raw:
         return None
-    if "names" in raw and raw["names"] is None:  # OmegaConf would say "is not Optional"
-        raise HookrunError(f"metrics.names: null; valid: a list of any of {', '.join(NAMES)}")
+    given = raw.get("names", [])
+    if given is None or isinstance(given, str):  # OmegaConf's words name no choices
+        raise HookrunError(
+            f"metrics.names: {'null' if given is None else repr(given)}; valid: a list of any "
+            f"of {', '.join(NAMES)}, "
+            f"e.g. [{given or 'loss'}]"
+        )
     config = parse_typed(raw, MetricsConfig, "metrics")
     check_choices("metrics.names", config.names, NAMES, "a metric")
     paired = _rankable(config.names)

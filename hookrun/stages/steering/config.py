@@ -41,6 +41,8 @@ class SteeringConfig(Frozen):
 def parse_steering(raw: Mapping[str, Any] | None) -> SteeringConfig | None:
     if not raw:
         return None
+    if "effect" in raw and raw["effect"] is None:  # OmegaConf's words name no choices
+        raise HookrunError(f"steering.effect: null; valid: {', '.join(EFFECTS)}")
     config = parse_typed(raw, SteeringConfig, "steering")
     given = config.layers
     layers = [given] if isinstance(given, str) else given if isinstance(given, list | tuple) else []
