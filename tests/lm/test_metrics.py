@@ -114,7 +114,7 @@ def test_each_metric_equals_hugging_face_by_hand(tmp_path, family):
     assert meaning.startswith("the unhooked model is the reference: the mean over the row's")
     assert "sum_v p_unhooked(v) * (log p_unhooked(v) - log p_hooked(v))" in meaning
     line = next(x for x in result.summary.splitlines() if x.startswith("metrics: kl "))
-    assert "the unhooked model is the reference" in line, line
+    assert "(KL(unhooked ‖ hooked): the unhooked model's next-token distribution is the ref" in line
 
 
 DOCS = [

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NAMES", "PAIRED", "KL_MEANING", "token_losses", "row_metrics", "kl"]
+__all__ = ["NAMES", "PAIRED", "KL_MEANING", "KL_SAID", "token_losses", "row_metrics", "kl"]
 
 NAMES = ("loss", "token_loss", "answer_logprob", "logit_diff", "kl")
 PAIRED = ("loss", "token_loss", "answer_logprob", "logit_diff")  # hooked and unhooked
-# Which distribution is the reference, in words (the summary, /metrics/kl's attribute).
+# Which distribution is the reference, in words: /metrics/kl's attribute `meaning` (ASCII,
+# the whole definition) and the summary's line (KL_SAID).
 KL_MEANING = (
     "the unhooked model is the reference: the mean over the row's real positions of "
     "sum_v p_unhooked(v) * (log p_unhooked(v) - log p_hooked(v)), in nats (KL(unhooked || hooked))"
 )
+KL_SAID = "KL(unhooked ‖ hooked): the unhooked model's next-token distribution is the reference"
 
 
 def token_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

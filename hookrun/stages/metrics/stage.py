@@ -25,7 +25,7 @@ from hookrun.runtime.hooks import attach
 from hookrun.runtime.plan import HookPlan
 from hookrun.runtime.targets import TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
-from hookrun.stages.metrics.compute import KL_MEANING, NAMES, PAIRED, kl, row_metrics
+from hookrun.stages.metrics.compute import KL_MEANING, KL_SAID, NAMES, PAIRED, kl, row_metrics
 from hookrun.stages.metrics.keys import METRICS_GROUP, UNHOOKED, metric_key
 from hookrun.stages.metrics.ranking import RANK_BY, write_metrics_ranking
 from hookrun.typed import Frozen, check_choices, parse_typed
@@ -219,7 +219,7 @@ def _means(f: h5py.File, rows: int) -> dict[str, str]:
     out = {}
     for name, (hooked, plain) in _pairs(f, rows).items():
         if name == "kl":
-            out[name] = f"{hooked:.4g} (mean over {rows} rows; {KL_MEANING})"
+            out[name] = f"{hooked:.4g} nats, mean over {rows} rows ({KL_SAID})"
         elif plain is None:
             out[name] = f"{hooked:.4g} (mean over {rows} rows)"
         else:
