@@ -19,7 +19,7 @@ two ways, each side by side with its repetitions interleaved:
   one process. The three give the same tokens (checked here).
 
     python tests/benchmarks/generate.py [--reps 3] [--threads 1]          # whole runs
-    python tests/benchmarks/generate.py --loop [--tokens 32] [--reps 5] [--device cpu|cuda]
+    python tests/benchmarks/generate.py --loop [--tokens 32] [--reps 3] [--device cpu|cuda]
 
 Whole runs: a random-init Llama (4 layers, width 256, 8 heads of which 4 key-value) with the
 shipped tiny_lm's tokenizer, 64 prompts (the shipped corpus's first rows cut to 8-24 tokens)
