@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hookrun.api import conf_dir
+from hookrun.config.groups import refuse_null_groups
 from hookrun.config.schema import register_configs
 from hookrun.errors import HookrunError, Interrupted, one_line
 from hookrun.quick_exit import QuickExit
@@ -95,5 +96,10 @@ def _describe(err: Exception | Interrupted) -> str:
 
 if __name__ == "__main__":
     quick = QuickExit()  # before the run: what start-up loaded is hookrun's own
+    try:
+        refuse_null_groups(sys.argv[1:], conf_dir())  # Hydra's own refusal is a traceback
+    except HookrunError as err:
+        print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
+        sys.exit(err.exit_code)
     main()
     quick.leave()  # a successful run ends here, unless the ordinary exit is needed

@@ -23,6 +23,7 @@ from torch import nn
 
 import hookrun.stages  # noqa: F401  (registers every stage before a config is built)
 from hookrun.config.build import RunSpec, build_spec, release_model_keys
+from hookrun.config.groups import refuse_null_groups
 from hookrun.config.schema import conf_dir, register_configs
 from hookrun.data.inline import INLINE_FILE, inline_rows, token_tensors, write_rows
 from hookrun.errors import HookrunError
@@ -42,6 +43,7 @@ def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, P
             f"overrides: {overrides!r}; valid: a list of strings, e.g. ['experiment=saliency']"
         )
     register_configs()
+    refuse_null_groups(list(overrides or []), conf_dir())
     try:
         with initialize_config_dir(
             config_dir=str(conf_dir()), version_base="1.3", job_name="hookrun"

@@ -99,7 +99,9 @@ def check_finite(key: str, parsed: Any) -> None:
     for f in dataclasses.fields(parsed):
         value = getattr(parsed, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise HookrunError(f"{key}.{f.name}: {value} is not a finite number")
+            raise HookrunError(
+                f"{key}.{f.name}: {value} is not a finite number; valid: a finite number"
+            )
 
 
 def import_class(dotted: str, key: str, base: type) -> type:

@@ -220,6 +220,7 @@ def test_killed_and_resumed_gives_the_same_file(tmp_path):
     ("extra", "said"),
     [
         (["generate.max_new_tokens=0"], "generate.max_new_tokens: 0 is out of range"),
+        (["generate.fluency=maybe"], "generate.fluency: 'maybe'; valid: true, false"),
         (["generate.temperature=-1"], "generate.temperature: -1.0; valid: 0 (greedy)"),
         (["generate.top_k=5"], "generate.top_k: 5 with temperature 0 (greedy)"),
         (["generate.temperature=1", "generate.top_p=1.5"], "generate.top_p: 1.5; valid:"),
@@ -240,6 +241,19 @@ def test_refused_in_one_line_before_any_work(tmp_path, extra, said):
     with pytest.raises(HookrunError) as err:
         run_config(tmp_path / "run", _args(tmp_path, *extra))
     assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run" / "captures.h5").exists()
+
+
+def test_a_huge_max_new_tokens_is_refused_by_the_memory_check(tmp_path):
+    """Llama has no learned positions to stop it: the batch's outputs are sized first (an
+    allocator's error once)."""
+    save_lm(tmp_path / "lm", "llama")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    with pytest.raises(HookrunError) as err:
+        run_config(tmp_path / "run", _args(tmp_path, f"generate.max_new_tokens={10**12}"))
+    said = str(err.value)
+    assert said.startswith(f"generate.max_new_tokens: {10**12} makes one batch's generated")
+    assert "valid: a smaller value" in said and "\n" not in said
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
@@ -471,17 +485,103 @@ def test_step_captures_need_a_capture_with_a_row_per_token(tmp_path):
         assert not (tmp_path / "run" / "captures.h5").exists()
 
 
-def test_the_generation_is_drawn(tmp_path):
-    """images/generate/generation.png: a row per prompt, a cell per generated token."""
+@pytest.mark.parametrize(("rows", "fluency"), [(1, "true"), (2, "false"), (4, "true")])
+def test_the_generation_is_drawn_whole(tmp_path, rows, fluency):
+    """images/generate/generation.png: a row per prompt, a cell per generated token, and
+    nothing cut at the picture's edges (the colour bar's label was, on one or two rows)."""
     from PIL import Image
 
     save_lm(tmp_path / "lm", "gpt2")
-    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:rows])
     args = [a for a in _args(tmp_path) if a != "render=false"]
-    run_config(tmp_path / "run", args, experiment="generate")
+    run_config(tmp_path / "run", [*args, f"generate.fluency={fluency}"], experiment="generate")
     picture = tmp_path / "run" / "images" / "generate" / "generation.png"
     with Image.open(picture) as image:
-        assert image.size[0] > 400 and len(np.unique(np.asarray(image.convert("L")))) > 10
+        grey = np.asarray(image.convert("L"))
+    assert grey.shape[1] > 400 and len(np.unique(grey)) > 10
+    edges = np.concatenate([grey[:3].ravel(), grey[-3:].ravel(), grey[:, :3].ravel()])
+    assert (np.concatenate([edges, grey[:, -3:].ravel()]) > 250).all()  # white all round
+
+
+def _counting_rescores(monkeypatch) -> list[int]:
+    """Each call of the fluency pass counted (stages/generate/stage.py's rescore)."""
+    import hookrun.stages.generate.stage as stage
+
+    calls: list[int] = []
+    real = stage.rescore
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "rescore", counted)
+    return calls
+
+
+def test_fluency_takes_a_pass_only_under_hooks_that_change_values(tmp_path, monkeypatch):
+    """Without value-changing hooks (a capture only) the plain model is the hooked one: its
+    log probabilities are stored as fluency, no pass made; generate.fluency=false under a
+    hook stores no fluency and makes no pass, and its tokens are the scored run's."""
+    save_lm(tmp_path / "lm", "gpt2")
+    write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    calls = _counting_rescores(monkeypatch)
+    capture = ["++hooks.c.select.name=transformer.h.1", "++hooks.c.at=output"]
+    capture += ["++hooks.c.action=capture"]
+    plain = run_config(tmp_path / "plain", _args(tmp_path, *capture))
+    assert calls == []
+    with h5py.File(plain.path) as f:
+        np.testing.assert_array_equal(
+            f["generation/logprobs_unhooked"][()], f["generation/logprobs"][()]
+        )
+        assert "generation/unchanged" not in f
+    steer = ["++hooks.s.select.name=transformer.h.0.mlp", "++hooks.s.at=output"]
+    steer += ["++hooks.s.action=zero"]
+    scored = run_config(tmp_path / "scored", _args(tmp_path, *steer))
+    assert len(calls) == 1  # one batch of 4
+    off = run_config(tmp_path / "off", _args(tmp_path, *steer, "generate.fluency=false"))
+    assert len(calls) == 1
+    with h5py.File(scored.path) as f, h5py.File(off.path) as g:
+        assert "generation/logprobs_unhooked" not in g and "generation/unchanged" not in g
+        np.testing.assert_array_equal(g["generation/tokens"][()], f["generation/tokens"][()])
+        np.testing.assert_array_equal(g["generation/logprobs"][()], f["generation/logprobs"][()])
+        assert not f["generation/unchanged"][()].any()
+    assert "(generate.fluency=false: not scored without the hooks)" in off.summary
+
+
+def test_a_hook_that_changes_nothing_is_warned_of(tmp_path, caplog):
+    """The README's old example: a constant added at a GPT-2 block's output is taken out by
+    every LayerNorm after it (their mean subtraction), so the text and its log probabilities
+    are the plain run's: a warning in the log and the summary. A vector is not warned of."""
+    args = ["experiment=generate", "limit=3", "generate.max_new_tokens=6", "render=false"]
+    steer = "+hooks.steer={select: {name: transformer.h.1}, at: output, action: add, args: "
+    plain = run_config(tmp_path / "plain", args)
+    with caplog.at_level("WARNING", logger="hookrun"):
+        constant = run_config(tmp_path / "constant", [*args, steer + "{value: 4.0}}"])
+    with h5py.File(plain.path) as f, h5py.File(constant.path) as g:
+        np.testing.assert_array_equal(g["generation/tokens"][()], f["generation/tokens"][()])
+        np.testing.assert_allclose(
+            g["generation/logprobs"][()], f["generation/logprobs"][()], atol=1e-4
+        )
+        assert g["generation/unchanged"][()].all() and list(
+            g["generation/unchanged"].attrs["hooks"]
+        ) == ["steer"]
+    said = "hooks.steer changed nothing: on all 3 rows the model without it gives each generated"
+    assert f"generate: warning: {said}" in constant.summary
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"generate: {said}") for m in logged), logged
+    np.save(
+        tmp_path / "v.npy", np.random.default_rng(0).standard_normal(128).astype(np.float32) * 8
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hookrun"):
+        vector = run_config(
+            tmp_path / "vector", [*args, steer + f"{{vector: {tmp_path / 'v.npy'}}}}}"]
+        )
+    with h5py.File(plain.path) as f, h5py.File(vector.path) as g:
+        assert (g["generation/tokens"][()] != f["generation/tokens"][()]).any()
+        assert not g["generation/unchanged"][()].any()
+    assert "changed nothing" not in vector.summary
+    assert not [r for r in caplog.records if "changed nothing" in r.getMessage()]
 
 
 def test_a_prompt_and_its_tokens_may_fill_the_models_positions(tmp_path):

@@ -173,7 +173,12 @@ def test_a_layer_by_scale_sweep_is_ranked_by_effect(tmp_path):
         # The hook reads the value first: the refusal names where it went.
         (["steering.positions=first"], "vector.plus.positions: 'first'; valid: last, all"),
         (["steering.layers=[]"], "steering.layers: []; valid: one module name or a list"),
-        (["metrics.names=[loss]"], "steering.effect: answer_logprob is not among the run's"),
+        (["steering.scale=nan"], "hooks.steer.args.scale: nan is not a finite number; valid:"),
+        (["hooks.steer.args.scale=nan"], "hooks.steer.args.scale: nan is not a finite number; v"),
+        # The hook's own scale given: steering.scale is read by nothing, and refused itself.
+        (["hooks.steer.args.scale=2", "steering.scale=-inf"], "steering.scale: -inf; valid: a"),
+        (["steering.effect=logit_diff"], "steering.effect: logit_diff with target.kind=answer;"),
+        (["steering.effect=null"], "steering.effect: null; valid: answer_logprob, logit_diff"),
         (["~hooks.steer"], "steering: no hook adds or removes a vector; valid:"),
         (["steering.layers=3"], "steering.layers: 3; valid: one module name or a list"),
         (["steering.plus=null"], "hooks.steer.args.vector.plus.prompts: null; valid: a .jsonl"),
@@ -219,3 +224,66 @@ def test_killed_and_resumed_gives_the_same_file(tmp_path):
         assert "steering/vector/transformer.h.0/output" in got
         for key in whole:
             np.testing.assert_array_equal(got[key], whole[key], err_msg=key)
+
+
+def test_the_effects_metric_is_computed_whatever_metrics_names_lists(tiny, tmp_path, caplog):
+    """steering.effect=logit_diff with metrics.names=[loss]: the metrics stage computes the
+    logit difference too (and says so in the log), each row's equal to a hand forward with
+    the vector added; the ranking's effect is its change."""
+    model, tok = tiny
+    rows = [dict(r, counterfactual_answer=" list") for r in _rows("steering_prompts.jsonl")[:4]]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["experiment=steering", f"dataset.path={data}", "target.kind=logit_diff"]
+    args += ["steering.effect=logit_diff", "metrics.names=[loss]", "generate.max_new_tokens=1"]
+    with caplog.at_level("INFO", logger="hookrun"):
+        result = run_config(tmp_path / "run", [*args, "render=false"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("metrics: ")]
+    assert "metrics: logit_diff computed too, for steering.effect (metrics.names: loss)" in said
+    with h5py.File(result.path) as f:
+        hooked, unhooked = f["metrics/logit_diff"][()], f["metrics/logit_diff_unhooked"][()]
+        assert "metrics/answer_logprob" not in f and f["steering"].attrs["effect"] == "logit_diff"
+    vector = _hand_vector(model, tok, LAYER)
+    for r, row in enumerate(rows):
+        ids = tok(row["prompt"])["input_ids"]
+        answer, other = tok(row["answer"])["input_ids"][0], tok(" list")["input_ids"][0]
+        for added, stored in ((vector, hooked), (None, unhooked)):
+            logits = _block_output(model, ids, LAYER, added)[1][-1].double()
+            assert abs(float(stored[r]) - float(logits[answer] - logits[other])) < 1e-4, r
+
+
+def test_text_rows_are_steered(tiny, tmp_path):
+    """dataset=text rows (the token cache's): the effect on each row's next token equals a
+    hand forward of the row with the vector added."""
+    model, tok = tiny
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Return the name of the file.\nOpen the list and read each line.\n")
+    args = ["experiment=steering", "dataset=text", f"dataset.path={corpus}", "dataset.pack=false"]
+    args += ["dataset.context=16", "target.kind=next_token", "generate.max_new_tokens=2"]
+    result = run_config(tmp_path / "run", [*args, "render=false"])
+    with h5py.File(result.path) as f:
+        hooked = f["metrics/answer_logprob"][()]
+        unhooked = f["metrics/answer_logprob_unhooked"][()]
+    vector = _hand_vector(model, tok, LAYER)
+    for r, line in enumerate(corpus.read_text().splitlines()):
+        ids = tok(line, add_special_tokens=False)["input_ids"][:16]
+        for added, stored in ((vector, hooked), (None, unhooked)):
+            logits = _block_output(model, ids[:-1], LAYER, added)[1][-1].double()
+            assert abs(float(stored[r]) - float(logits.log_softmax(-1)[ids[-1]])) < 1e-4, r
+    assert (hooked != unhooked).all()
+
+
+def test_steering_without_metrics_is_refused(tmp_path):
+    """An experiment file's `metrics: null` under steering: nothing would measure the effect."""
+    from conftest import compose_config
+
+    from hookrun.config.build import build_spec
+    from hookrun.pipeline.runner import execute
+
+    cfg = compose_config(["experiment=steering", "render=false", "progress=false"])
+    cfg.metrics = None
+    with pytest.raises(HookrunError) as err:
+        execute(build_spec(cfg, "steering"), tmp_path / "run")
+    said = str(err.value)
+    assert said.startswith("steering.effect: answer_logprob, but the run computes no metrics")
+    assert "valid: metrics=lm" in said and not (tmp_path / "run" / "captures.h5").exists()

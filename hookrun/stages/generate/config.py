@@ -26,6 +26,12 @@ class GenerateConfig(Frozen):
     top_p: float | None = None
     # Stop a row at the model's end token (its config's eos_token_id), which is kept.
     stop_at_eos: bool = True
+    # true: each generated token's log probability under the model without the run's hooks
+    # too (/generation/logprobs_unhooked: how fluent the hooked text is to the plain model).
+    # Under hooks that change values that is one more pass over each prompt and its text;
+    # without them it is the run's own log probabilities, stored as they are. false: not
+    # stored (nor /generation/unchanged).
+    fluency: bool = True
     # true: each capture of the run (a module's input or output, one row per token) also
     # stores what its site saw at every step, at the position whose output chose the step's
     # token: /generation/captures/<module>/<site> (N, steps, ...).
@@ -36,6 +42,10 @@ def parse_generate(raw: Mapping[str, Any] | None) -> GenerateConfig | None:
     """The read-only GenerateConfig of a `generate:` node (None when it is empty)."""
     if not raw:
         return None
+    for key in ("stop_at_eos", "fluency", "captures"):  # OmegaConf's words name no choices
+        if key in raw and not isinstance(raw[key], bool):
+            said = "null" if raw[key] is None else repr(raw[key])
+            raise HookrunError(f"generate.{key}: {said}; valid: true, false")
     config = parse_typed(raw, GenerateConfig, "generate")
     check_range("generate.max_new_tokens", config.max_new_tokens, 1)
     if not config.temperature >= 0:  # NaN too

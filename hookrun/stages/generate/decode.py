@@ -21,7 +21,7 @@ from torch import nn
 
 from hookrun.stages.generate.keys import NO_TOKEN
 
-__all__ = ["Sampling", "Decoded", "decode", "prompt_positions", "choose", "rescore"]
+__all__ = ["Sampling", "Decoded", "Rescored", "decode", "prompt_positions", "choose", "rescore"]
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,23 @@ class Sampling:
 class Decoded:
     tokens: torch.Tensor  # (N, steps) int64, NO_TOKEN after a row stopped
     logprobs: torch.Tensor  # (N, steps) float32, NaN after a row stopped
+    # (N, steps) int64: the most likely token at each step (the tokens themselves when
+    # greedy), NO_TOKEN after a row stopped
+    top: torch.Tensor
 
     @property
     def mask(self) -> torch.Tensor:
         return self.tokens != NO_TOKEN
+
+
+@dataclass(frozen=True)
+class Rescored:
+    """The generated tokens under another model (the plain one): each one's log probability
+    (N, steps) float32 and that model's most likely token at each step (N, steps) int64;
+    NaN and NO_TOKEN after a row's end."""
+
+    logprobs: torch.Tensor
+    top: torch.Tensor
 
 
 def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -50,10 +63,10 @@ def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def rescore(
     language: nn.Module, prompts: tuple[torch.Tensor, torch.Tensor], decoded: Decoded, pad: int
-) -> torch.Tensor:
-    """(N, steps): each generated token's log probability under whatever hooks are attached
-    now (none: the plain model), in one pass over each prompt and its generated tokens
-    (laid out as decoding laid them); NaN after a row's end."""
+) -> Rescored:
+    """The generated tokens under whatever hooks are attached now (none: the plain model),
+    in one pass over each prompt and its generated tokens (laid out as decoding laid
+    them)."""
     ids, mask = prompts
     new = torch.where(decoded.mask, decoded.tokens, torch.full_like(decoded.tokens, pad))
     steps, lengths = new.shape[1], mask.sum(1)
@@ -76,7 +89,11 @@ def rescore(
     )
     logits = out.logits.gather(1, columns[..., None].expand(-1, -1, out.logits.shape[-1])).float()
     logp = logits.log_softmax(-1).gather(2, new[..., None])[..., 0]
-    return torch.where(decoded.mask, logp, torch.full_like(logp, float("nan")))
+    top = logits.argmax(-1)
+    return Rescored(
+        torch.where(decoded.mask, logp, torch.full_like(logp, float("nan"))),
+        torch.where(decoded.mask, top, torch.full_like(top, NO_TOKEN)),
+    )
 
 
 def choose(
@@ -120,6 +137,7 @@ def decode(
     mask, positions = mask.long(), prompt_positions(mask)
     device = inputs.device
     tokens = torch.full((rows, steps), NO_TOKEN, dtype=torch.int64, device=device)
+    top = torch.full_like(tokens, NO_TOKEN)
     logprobs = torch.full((rows, steps), float("nan"), dtype=torch.float32, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     # transformers 5 names the key-value cache `cache`; earlier versions `past_key_values`.
@@ -144,8 +162,10 @@ def decode(
         last = lengths - 1 if step == 0 else torch.zeros_like(lengths)
         logits = out.logits[torch.arange(rows, device=device), last].float()
         chosen = choose(logits, sampling, generator)
+        likeliest = chosen if sampling.temperature == 0 else logits.argmax(dim=-1)
         logp = logits.log_softmax(-1).gather(1, chosen[:, None])[:, 0]
         tokens[:, step] = torch.where(done, NO_TOKEN, chosen)
+        top[:, step] = torch.where(done, NO_TOKEN, likeliest)
         logprobs[:, step] = torch.where(done, float("nan"), logp)
         done |= torch.isin(chosen, ends)
         if bool(done.all()):
@@ -153,4 +173,4 @@ def decode(
         inputs = torch.where(done, pad, chosen)[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = (lengths + step)[:, None]
-    return Decoded(tokens, logprobs)
+    return Decoded(tokens, logprobs, top)

@@ -9,11 +9,17 @@ pass is the run's own (decode.py), so hooks tied to the prompt's tokens — `arg
 `patch` — act there, and through the cache on everything after. Captures are the run's
 pass over the prompt (its datasets as without `generate`); attention-pattern actions are
 refused before any work.
+
+Fluency (generate.fluency) is the text's log probability under the model without the
+hooks: one more pass over prompt and text where hooks change values (which also tells the
+rows they changed nothing, /generation/unchanged: the summary warns when that is every
+row), the run's own log probabilities where none does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -25,14 +31,14 @@ import numpy as np
 import torch
 
 from hookrun.errors import HookrunError
-from hookrun.io.encoding import read_floats
+from hookrun.memory import check_fits
 from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import attach
 from hookrun.runtime.plan import HookPlan, PlannedHook
 from hookrun.runtime.sites import Site
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.generate.config import GenerateConfig, parse_generate
-from hookrun.stages.generate.decode import Sampling, decode, rescore
+from hookrun.stages.generate.decode import Decoded, Rescored, Sampling, decode, rescore
 from hookrun.stages.generate.keys import (
     GENERATION,
     LOGPROBS,
@@ -41,12 +47,15 @@ from hookrun.stages.generate.keys import (
     STEP_CAPTURES,
     TEXT,
     TOKENS,
+    UNCHANGED,
+    UNCHANGED_TOLERANCE,
     step_capture_key,
 )
+from hookrun.stages.generate.summary import WARNING, mean_logprobs, summary_lines
 
 __all__ = ["GenerateStage"]
 
-_SHOWN_ROWS = 3
+log = logging.getLogger("hookrun")
 
 
 @dataclass(frozen=True)
@@ -61,20 +70,31 @@ class _Decoding:
     width: int
     pad: int  # any token in the vocabulary will do: its outputs are never read
 
+    @property
+    def acting(self) -> list[str]:
+        """The hooks that change values while decoding (the others only record)."""
+        return list(dict.fromkeys(h.name for h in self.hooks.hooks if not h.action.captures))
+
 
 class GeneratePlan(Plan):
     def __init__(self, config: GenerateConfig, decoding: _Decoding) -> None:
         self.config, self.decoding = config, decoding
 
+    @property
+    def rescoring(self) -> bool:
+        """Whether fluency takes a pass of the plain model: only under hooks that change
+        values (without them it is the run's own log probabilities)."""
+        return self.config.fluency and bool(self.decoding.acting)
+
     def stored(self) -> dict[str, Stored]:
         steps = (self.config.max_new_tokens,)
-        out = {
-            TOKENS: Stored(steps),
-            MASK: Stored(steps),
-            LOGPROBS: Stored(steps),
-            LOGPROBS_UNHOOKED: Stored(steps),
-            TEXT: Stored((), {"encoding": "utf-8"}),
-        }
+        out = {TOKENS: Stored(steps), MASK: Stored(steps), LOGPROBS: Stored(steps)}
+        if self.config.fluency:
+            out[LOGPROBS_UNHOOKED] = Stored(steps)
+        if self.rescoring:
+            said = {"hooks": self.decoding.acting, "tolerance": UNCHANGED_TOLERANCE}
+            out[UNCHANGED] = Stored((), said)
+        out[TEXT] = Stored((), {"encoding": "utf-8"})
         for key, rest in self.decoding.steps_of.items():
             out[step_capture_key(key)] = Stored((*steps, *rest))
         return out
@@ -82,7 +102,11 @@ class GeneratePlan(Plan):
     def describe(self, itemsize: int) -> str:
         steps = self.config.max_new_tokens
         sizes = {TOKENS: 4 * steps, MASK: steps, LOGPROBS: 4 * steps}
-        sizes |= {LOGPROBS_UNHOOKED: 4 * steps, TEXT: self.decoding.width}
+        if self.config.fluency:
+            sizes[LOGPROBS_UNHOOKED] = 4 * steps
+        if self.rescoring:
+            sizes[UNCHANGED] = 1
+        sizes[TEXT] = self.decoding.width
         for key, rest in self.decoding.steps_of.items():
             sizes[step_capture_key(key)] = itemsize * steps * math.prod(rest)
         lines = [f"/{GENERATION}: {len(sizes)} dataset(s), {steps} steps"]
@@ -127,6 +151,7 @@ class GeneratePlan(Plan):
         ends = torch.tensor(self.decoding.ends, dtype=torch.int64, device=device)
         pad, width = self.decoding.pad, self.decoding.width
         generator = work.generator("generate", device) if c.temperature > 0 else None
+        fluency: dict[str, Any] = {}
         with ExitStack() as stack, torch.inference_mode():
             stack.enter_context(attach(self.decoding.hooks, work.model, recorder))
             out = decode(
@@ -134,7 +159,12 @@ class GeneratePlan(Plan):
             )
             seen.append(_step_records(recorder, self.decoding.steps_of))
             stack.close()  # the hooks off: the plain model scores what the hooked one wrote
-            plain = rescore(language, prompts, out, pad)
+            if self.rescoring:
+                plain = rescore(language, prompts, out, pad)
+                fluency[LOGPROBS_UNHOOKED] = plain.logprobs.cpu()
+                fluency[UNCHANGED] = _unchanged(out, plain).cpu()
+            elif c.fluency:  # nothing changes values: the plain model is the hooked one
+                fluency[LOGPROBS_UNHOOKED] = out.logprobs.cpu()
         tokens, mask = out.tokens.cpu(), out.mask.cpu()
         lasts = prompts[1].sum(1).cpu() - 1
         steps_of = self.decoding.steps_of
@@ -150,13 +180,22 @@ class GeneratePlan(Plan):
             TOKENS: tokens.to(torch.int32),
             MASK: mask,
             LOGPROBS: out.logprobs.cpu(),
-            LOGPROBS_UNHOOKED: plain.cpu(),
+            **fluency,
             # UTF-8 of one width for the run (resumed rows and torchrun shards share a dtype).
             TEXT: np.array(
                 [_fixed(t, width) for t in texts], dtype=h5py.string_dtype("utf-8", width)
             ),
             **captured,
         }
+
+
+def _unchanged(hooked: Decoded, plain: Rescored) -> torch.Tensor:
+    """(N,) bool: whether the plain model gives each of the row's generated tokens the
+    hooked model's log probability (to UNCHANGED_TOLERANCE) and the same most likely token
+    at each step (greedy: it writes the same tokens)."""
+    same_top = (plain.top == hooked.top) | ~hooked.mask
+    close = (plain.logprobs - hooked.logprobs).abs() <= UNCHANGED_TOLERANCE
+    return (same_top & (close | ~hooked.mask)).all(dim=1)
 
 
 def _step_records(recorder: Any, keys: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -199,6 +238,7 @@ class GenerateStage(Stage):
     order = 60
     axes = {
         TEXT: "sample",
+        UNCHANGED: "sample",
         f"{STEP_CAPTURES}/*": "sample step feature",
         f"{GENERATION}/*": "sample step",
     }
@@ -222,21 +262,15 @@ class GenerateStage(Stage):
         _check_positions(config, language, tokens)
         ends = _end_tokens(language) if config.stop_at_eos else []
         width = _text_width(language, config.max_new_tokens)
+        _check_batch_fits(config, setup, width, steps_of)
         return GeneratePlan(config, _Decoding(hooks, steps_of, ends, width, _pad(language)))
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
-        if TEXT not in f:
-            return []
-        shown = min(rows, _SHOWN_ROWS)
-        texts = [t.decode("utf-8") for t in f[TEXT][:shown]]
-        lines = [f"generated, sample {i}: {t!r}" for i, t in enumerate(texts)]
-        if LOGPROBS_UNHOOKED in f:
-            hooked, plain = _mean_logprobs(f, rows)
-            lines.append(
-                f"generated tokens' mean log probability: {hooked:.3f} under the hooked model, "
-                f"{plain:.3f} under the model without hooks (fluency)"
-            )
+        lines = summary_lines(f, rows)
+        for line in lines:
+            if line.startswith(WARNING):
+                log.warning("%s", line.replace(WARNING, "generate: ", 1))
         return lines
 
     @classmethod
@@ -247,18 +281,11 @@ class GenerateStage(Stage):
 
     @classmethod
     def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
-        if LOGPROBS_UNHOOKED not in f:
+        if LOGPROBS not in f:
             return {}
-        hooked, plain = _mean_logprobs(f, rows)
-        return {"generate:logprob": hooked, "generate:fluency": plain}
-
-
-def _mean_logprobs(f: h5py.File, rows: int) -> tuple[float, float]:
-    """The generated tokens' mean log probability under the hooked model and under the
-    model without hooks (fluency), over every real token of the first `rows` rows."""
-    hooked = float(np.nanmean(read_floats(f[LOGPROBS], slice(0, rows))))
-    plain = float(np.nanmean(read_floats(f[LOGPROBS_UNHOOKED], slice(0, rows))))
-    return hooked, plain
+        hooked, plain = mean_logprobs(f, rows)
+        out = {"generate:logprob": hooked}
+        return out if plain is None else out | {"generate:fluency": plain}
 
 
 def _generation_hooks(plan: HookPlan, stepped: set[str]) -> HookPlan:
@@ -324,6 +351,25 @@ def _check_positions(config: GenerateConfig, language: Any, longest: int) -> Non
             f"{longest} tokens passes the model's {most} positions ({key}); valid: at most "
             f"{max(most - longest + 1, 0)}"
         )
+
+
+def _check_batch_fits(
+    config: GenerateConfig, setup: Setup, width: int, steps_of: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Refuse a `max_new_tokens` whose batch of outputs cannot fit in memory: what one batch
+    holds at once whatever the text — its tokens and most likely tokens (int64) and log
+    probabilities (float32) per step, its rows of text and its step captures. (The
+    key-value cache grows with the steps too, but rows may stop early: it is not counted.)"""
+    steps = config.max_new_tokens
+    rows = min(setup.spec.batch_size, len(setup.data))
+    itemsize = torch.empty((), dtype=setup.store_dtype).element_size()
+    per_row = 20 * steps + width + sum(itemsize * steps * math.prod(r) for r in steps_of.values())
+    check_fits(
+        "generate.max_new_tokens",
+        steps,
+        rows * per_row,
+        f"one batch's generated tokens, log probabilities and text [{rows}, {steps}]",
+    )
 
 
 def _pad(language: Any) -> int:

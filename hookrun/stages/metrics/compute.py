@@ -8,18 +8,27 @@
 - answer_logprob (N,): log p(target) at the read position (the run's target token);
 - logit_diff (N,): logit(answer) − logit(counterfactual answer) at the read position
   (target.kind=logit_diff);
-- kl (N,): KL(unhooked ‖ hooked) of the next-token distributions, the mean over the row's
-  real positions.
+- kl (N,): how far the hooks moved the next-token distribution, with the unhooked model as
+  the reference: at each real position Σ_v p_unhooked(v) · (log p_unhooked(v) − log
+  p_hooked(v)), in nats — KL(unhooked ‖ hooked), the expectation taken under the unhooked
+  model — then the mean over the row's real positions (KL_MEANING says it in the file).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NAMES", "PAIRED", "token_losses", "row_metrics", "kl"]
+__all__ = ["NAMES", "PAIRED", "KL_MEANING", "KL_SAID", "token_losses", "row_metrics", "kl"]
 
 NAMES = ("loss", "token_loss", "answer_logprob", "logit_diff", "kl")
 PAIRED = ("loss", "token_loss", "answer_logprob", "logit_diff")  # hooked and unhooked
+# Which distribution is the reference, in words: /metrics/kl's attribute `meaning` (ASCII,
+# the whole definition) and the summary's line (KL_SAID).
+KL_MEANING = (
+    "the unhooked model is the reference: the mean over the row's real positions of "
+    "sum_v p_unhooked(v) * (log p_unhooked(v) - log p_hooked(v)), in nats (KL(unhooked || hooked))"
+)
+KL_SAID = "KL(unhooked ‖ hooked): the unhooked model's next-token distribution is the reference"
 
 
 def token_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,8 +66,9 @@ def row_metrics(
 
 
 def kl(hooked: torch.Tensor, unhooked: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,): KL(unhooked ‖ hooked) of each real position's next-token distribution, the
-    mean over the row's real positions."""
+    """(N,): each real position's KL divergence of the hooked next-token distribution from
+    the unhooked one (the reference: the sum is weighted by its probabilities), the mean over
+    the row's real positions."""
     p = unhooked.float().log_softmax(-1)
     q = hooked.float().log_softmax(-1)
     per_position = (p.exp() * (p - q)).sum(-1)  # (N, T)

@@ -8,6 +8,7 @@ them by the loss change with no code of the user's."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ from hookrun.runtime.hooks import attach
 from hookrun.runtime.plan import HookPlan
 from hookrun.runtime.targets import TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
-from hookrun.stages.metrics.compute import NAMES, PAIRED, kl, row_metrics
+from hookrun.stages.metrics.compute import KL_MEANING, KL_SAID, NAMES, PAIRED, kl, row_metrics
 from hookrun.stages.metrics.keys import METRICS_GROUP, UNHOOKED, metric_key
 from hookrun.stages.metrics.ranking import RANK_BY, write_metrics_ranking
 from hookrun.typed import Frozen, check_choices, parse_typed
 
 __all__ = ["MetricsStage", "MetricsConfig"]
+
+log = logging.getLogger("hookrun")
 
 _TOKEN_TARGETS = (
     TargetKind.predicted,
@@ -56,6 +59,13 @@ def _rankable(names: Any) -> list[str]:
 def parse_metrics(raw: Any) -> MetricsConfig | None:
     if not raw:
         return None
+    given = raw.get("names", [])
+    if given is None or isinstance(given, str):  # OmegaConf's words name no choices
+        raise HookrunError(
+            f"metrics.names: {'null' if given is None else repr(given)}; valid: a list of any "
+            f"of {', '.join(NAMES)}, "
+            f"e.g. [{given or 'loss'}]"
+        )
     config = parse_typed(raw, MetricsConfig, "metrics")
     check_choices("metrics.names", config.names, NAMES, "a metric")
     paired = _rankable(config.names)
@@ -68,8 +78,8 @@ def parse_metrics(raw: Any) -> MetricsConfig | None:
 
 
 class MetricsPlan(Plan):
-    def __init__(self, config: MetricsConfig, hooks: HookPlan, tokens: int) -> None:
-        self.names, self.hooks, self.tokens = tuple(config.names), hooks, tokens
+    def __init__(self, names: tuple[str, ...], config: MetricsConfig, hooks: HookPlan, tokens: int):
+        self.names, self.hooks, self.tokens = names, hooks, tokens
         paired = _rankable(self.names)
         self.rank_by = config.rank_by or ("loss" if "loss" in paired else next(iter(paired), None))
 
@@ -80,7 +90,8 @@ class MetricsPlan(Plan):
         out = {}
         for name in self.names:
             shape = (self.tokens,) if name == "token_loss" else ()
-            out[metric_key(name)] = Stored(shape)
+            said = {"meaning": KL_MEANING} if name == "kl" else {}
+            out[metric_key(name)] = Stored(shape, said)
             if name in PAIRED:
                 out[metric_key(name, unhooked=True)] = Stored(shape)
         return out
@@ -124,27 +135,41 @@ class MetricsStage(Stage):
     @classmethod
     def plan(cls, config: MetricsConfig, setup: Setup) -> Plan:
         language = setup.causal_language("metrics")
+        names, added = _with_steering_effect(config, setup)
         kind = setup.spec.target.kind
-        wants_target = [n for n in config.names if n in ("answer_logprob", "logit_diff")]
+
+        def key(name: str) -> str:  # who asked for the metric
+            return "steering.effect" if name in added else "metrics.names"
+
+        wants_target = [n for n in names if n in ("answer_logprob", "logit_diff")]
         if wants_target and kind not in _TOKEN_TARGETS:
             raise HookrunError(
-                f"metrics.names: {wants_target[0]} with target.kind={kind.value}, which names no "
-                f"token; valid: {', '.join(k.value for k in _TOKEN_TARGETS)}"
+                f"{key(wants_target[0])}: {wants_target[0]} with target.kind={kind.value}, which "
+                f"names no token; valid: {', '.join(k.value for k in _TOKEN_TARGETS)}"
             )
-        if "logit_diff" in config.names and kind != TargetKind.logit_diff:
+        if "logit_diff" in names and kind != TargetKind.logit_diff:
             raise HookrunError(
-                f"metrics.names: logit_diff with target.kind={kind.value}; valid: "
+                f"{key('logit_diff')}: logit_diff with target.kind={kind.value}; valid: "
                 "target.kind=logit_diff (prompts with a counterfactual_answer)"
             )
-        rows, tokens = setup.spec.batch_size, int(setup.tokens.ids.shape[1])
+        # Every token kind's rows have the padded width of sample 0's (its last axis); a
+        # batch holds no more rows than the run has.
+        tokens = int(setup.sample.shape[-1])
+        rows = min(setup.spec.batch_size, len(setup.data))
         vocab = int(language.config.vocab_size)
         check_fits(
             "batch_size",
-            rows,
+            setup.spec.batch_size,
             3 * 4 * rows * tokens * vocab,
             f"the logits of metrics' two passes [{rows}, {tokens}, {vocab}]",
         )
-        return MetricsPlan(config, setup.plan.acting(), tokens)
+        if added:
+            log.info(
+                "metrics: %s computed too, for steering.effect (metrics.names: %s)",
+                ", ".join(added),
+                ", ".join(config.names),
+            )
+        return MetricsPlan(names, config, setup.plan.acting(), tokens)
 
     @classmethod
     def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
@@ -163,6 +188,15 @@ class MetricsStage(Stage):
                 out[f"metrics:{name}{UNHOOKED}"] = unhooked
                 out[f"metrics:{name}_change"] = hooked - unhooked
         return out
+
+
+def _with_steering_effect(config: MetricsConfig, setup: Setup) -> tuple[tuple[str, ...], list[str]]:
+    """The metrics the run computes: `metrics.names`, and the metric whose change is a
+    steering run's effect (`steering.effect`) where the names leave it out; and those added."""
+    steering = setup.spec.stage("steering")
+    effect = getattr(steering, "effect", None)
+    added = [effect] if effect is not None and effect not in config.names else []
+    return (*config.names, *added), added
 
 
 def _pairs(f: h5py.File, rows: int) -> dict[str, tuple[float, float | None]]:
@@ -184,7 +218,9 @@ def _pairs(f: h5py.File, rows: int) -> dict[str, tuple[float, float | None]]:
 def _means(f: h5py.File, rows: int) -> dict[str, str]:
     out = {}
     for name, (hooked, plain) in _pairs(f, rows).items():
-        if plain is None:
+        if name == "kl":
+            out[name] = f"{hooked:.4g} nats, mean over {rows} rows ({KL_SAID})"
+        elif plain is None:
             out[name] = f"{hooked:.4g} (mean over {rows} rows)"
         else:
             out[name] = f"{hooked:.4g} hooked, {plain:.4g} unhooked ({hooked - plain:+.4g})"

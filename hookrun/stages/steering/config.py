@@ -5,6 +5,7 @@ so a sweep over `steering.layers` × `steering.scale` is two overrides."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ class SteeringConfig(Frozen):
 def parse_steering(raw: Mapping[str, Any] | None) -> SteeringConfig | None:
     if not raw:
         return None
+    if "effect" in raw and raw["effect"] is None:  # OmegaConf's words name no choices
+        raise HookrunError(f"steering.effect: null; valid: {', '.join(EFFECTS)}")
     config = parse_typed(raw, SteeringConfig, "steering")
     given = config.layers
     layers = [given] if isinstance(given, str) else given if isinstance(given, list | tuple) else []
@@ -54,6 +57,10 @@ def parse_steering(raw: Mapping[str, Any] | None) -> SteeringConfig | None:
     if config.positions not in _POSITIONS:
         raise HookrunError(
             f"steering.positions: {config.positions!r}; valid: {', '.join(_POSITIONS)}"
+        )
+    if not math.isfinite(config.scale):  # else the hook's args.scale says it, second-hand
+        raise HookrunError(
+            f"steering.scale: {config.scale}; valid: a finite number (0: the plain model)"
         )
     if config.effect not in EFFECTS:
         raise HookrunError(f"steering.effect: {config.effect!r}; valid: {', '.join(EFFECTS)}")

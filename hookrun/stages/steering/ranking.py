@@ -1,7 +1,8 @@
 """A steering sweep's jobs ranked: one row per job (its layers and scale, read from its
 file), best first by the effect — the change of `steering.effect` the vector made, mean
 over rows — beside the fluency of the text it generated (mean log probability of the
-generated tokens under the model without hooks) and the KL divergence from the plain model.
+generated tokens under the model without hooks) and the KL divergence of the steered
+next-token distribution with the plain model's as the reference (metrics' `kl`).
 Written as steering_ranking.csv and .md, and steering_ranking.png: effect against fluency,
 one line per layer through its scales."""
 

@@ -118,12 +118,12 @@ class SteeringStage(Stage):
                 "steering: no hook adds or removes a vector; valid: a hook with action add or "
                 "ablate_direction and args.vector (experiment=steering's hooks.steer)"
             )
-        metrics = setup.spec.stage("metrics")
-        if metrics is None or config.effect not in metrics.names:
-            names = list(metrics.names) if metrics is not None else []
+        # The metrics stage computes the effect's metric whatever metrics.names lists; off
+        # (metrics: null), nothing measures the effect.
+        if setup.spec.stage("metrics") is None:
             raise HookrunError(
-                f"steering.effect: {config.effect} is not among the run's metrics ({names}); "
-                f"valid: metrics=lm with {config.effect} in metrics.names"
+                f"steering.effect: {config.effect}, but the run computes no metrics (metrics "
+                "is off); valid: metrics=lm (experiment=steering's default)"
             )
         return SteeringPlan(config, hooks)
 
