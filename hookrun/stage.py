@@ -124,6 +124,8 @@ class Setup:
     store_dtype: torch.dtype
     device: torch.device
     made: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Token data read with a tokenizer: each id's text, decoded alone ([] otherwise).
+    vocabulary: list[str] = field(default_factory=list)
 
     def causal_language(self, key: str) -> Any:
         """The run's causal language model (models/language.py), for a stage that runs it on

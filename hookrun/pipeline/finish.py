@@ -17,6 +17,7 @@ import torch
 
 from hookrun.config.build import RunSpec
 from hookrun.data import token_cache
+from hookrun.errors import RunFault, first_line
 from hookrun.io.results import Results, summary
 from hookrun.io.whole_run import finishing, pending_of, write_whole_run, written_values
 from hookrun.models.adapter import adapt
@@ -128,6 +129,25 @@ def already_complete(
     return Result(path, run_dir, claim.resumed.rows, "", seconds, summary=text, images=images)
 
 
+def _every_shard_complete() -> None:
+    """Wait until every rank's shard is complete (before rank 0 joins them), where a signal
+    stops the wait: a blocking barrier is one call into gloo that no handler interrupts,
+    and a rank whose shard was complete waited there for the others however it was told to
+    stop. A process of the job that ended meanwhile is said in one line."""
+    work = torch.distributed.barrier(async_op=True)
+    with interruptible():
+        while not work.is_completed():
+            time.sleep(0.05)  # a caught signal raises here, in the interruptible region
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise RunFault(
+            f"torchrun: another process of the job ended before every shard was complete "
+            f"({first_line(err)}); this process's shard is kept: run the same command with "
+            "resume=true"
+        ) from None
+
+
 def _whole_run(run: Prepared, path: Path) -> list[str]:
     """Each stage's whole-run work still pending in the complete rows' file (all of it in a
     new run; in a resumed one only what a kill left unwritten), written into the file, which
@@ -155,25 +175,26 @@ def finish(run: Prepared, rows_here: int) -> Result:
     total = len(run.data)
     path = run.claim.final_path
     if world.parallel:
-        torch.distributed.barrier()  # every shard is complete before rank 0 reads them
+        _every_shard_complete()
         if world.rank != 0:
             seconds = time.perf_counter() - run.started
             return Result(run.claim.sink_path, run.run_dir, rows_here, run.plan_text, seconds)
         # A resume joins the shards again (virtual datasets: no rows are copied), keeping
         # the whole-run results an earlier join holds written (a kill during that work).
         kept = written_values(path, list(run.finishes)) if spec.resume else {}
-        distributed.merge_shards(
-            path,
-            world,
-            total,
-            spec.batch_size,
-            run.header,
-            replace=spec.sink.overwrite or spec.resume,
-            summaries=completed,
-            finishes=run.finishes,
-            attrs=run.attrs,
-            written=kept,
-        )
+        with interruptible():  # made under another name: stopped anywhere, nothing is lost
+            distributed.merge_shards(
+                path,
+                world,
+                total,
+                spec.batch_size,
+                run.header,
+                replace=spec.sink.overwrite or spec.resume,
+                summaries=completed,
+                finishes=run.finishes,
+                attrs=run.attrs,
+                written=kept,
+            )
     finished = _whole_run(run, path)
     if spec.resume and finished:
         log.warning("resume: computed the whole-run results of %s", ", ".join(finished))

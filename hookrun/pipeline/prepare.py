@@ -160,6 +160,7 @@ def prepare(
         for hook, site, leaf in plan.sites(probed.shapes):  # a patch: its source file
             hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data), measured)
         captures = plan.capture_shapes(probed.shapes)
+        vocabulary = _vocabulary(model, tokens)
         setup = Setup(
             spec=spec,
             model=model,
@@ -171,6 +172,7 @@ def prepare(
             captures=captures,
             store_dtype=STORE_DTYPES[spec.sink.dtype.value],
             device=device,
+            vocabulary=vocabulary,
         )
         planned = _plan_stages(setup)
         sources = {f"hooks.{h.name}": s for h in plan.hooks if (s := h.action.sources())}
@@ -207,7 +209,7 @@ def prepare(
             axes=axis_facts(captures | shaped, folds, model, sample),
             attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
             finishes={k: v for p in planned.values() for k, v in p.finishes().items()},
-            constants=_vocabulary(model, tokens),
+            constants=vocabulary_arrays(vocabulary) if vocabulary else {},
         )
         run.plan_text = _plan_text(run, probed, setup.made)
         return run
@@ -243,14 +245,14 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
     return model.to(device), weights_file
 
 
-def _vocabulary(model: nn.Module, tokens: Any) -> dict[str, np.ndarray]:
-    """Token data read with a tokenizer: every id's text, stored with the file, so the
-    summary and the pictures label tokens from the file alone (a caller's tokenizer is in
-    no config; `python -m hookrun.render` runs elsewhere)."""
+def _vocabulary(model: nn.Module, tokens: Any) -> list[str]:
+    """Token data read with a tokenizer: every id's text, decoded once for the stages and
+    stored with the file, so the summary and the pictures label tokens from the file alone
+    (a caller's tokenizer is in no config; `python -m hookrun.render` runs elsewhere)."""
     tokenizer = adapt(model).tokenizer
     if tokens is None or tokenizer is None:
-        return {}
-    return vocabulary_arrays(vocabulary_texts(tokenizer, int(model.config.vocab_size)))
+        return []
+    return vocabulary_texts(tokenizer, int(model.config.vocab_size))
 
 
 def _device_map(model: nn.Module) -> str:

@@ -6,8 +6,10 @@ whole-run work killed on the joined file is computed by the resume alone."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -116,3 +118,64 @@ def test_whole_run_work_killed_on_the_joined_file_is_computed_by_the_resume(tmp_
     with h5py.File(joined) as f:
         assert f.attrs["status"] == "complete"
         assert f["samples/index"].is_virtual
+
+
+def test_a_rank_told_to_stop_while_it_waits_for_the_others_stops(tmp_path):
+    """Rank 0's shard complete, rank 1 stopped (SIGSTOP) before its own is: rank 0 waits for
+    it before joining, and SIGTERM to rank 0 alone ends it within seconds (it waited in a
+    blocking gloo barrier no handler interrupts, 30 minutes by default)."""
+    from test_torchrun_faults import alive, rank_pids, rows_of
+
+    run_dir = tmp_path / "run"
+    args = [*IMAGES, "dataset.size=40", f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), env.get("PYTHONPATH", "")] if p)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    job = subprocess.Popen(
+        [*command, "-m", "hookrun", *args],
+        cwd=tmp_path,
+        env={**env, **ONE_THREAD},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    shard = run_dir / "captures.rank0-of-2.h5"
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while len(pids) < 2:
+            assert time.monotonic() < deadline and job.poll() is None
+            pids = rank_pids(job.pid)
+            time.sleep(0.05)
+        while rows_of(run_dir / "captures.rank1-of-2.h5") < 2:  # both past the start-up
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 frozen mid-way: rank 0 will wait for it
+        while not _complete(shard):
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 in the wait by now
+        os.kill(pids[0], signal.SIGTERM)
+        told = time.monotonic()
+        while alive(pids[0]) and time.monotonic() - told < 30:
+            time.sleep(0.05)
+        ended = time.monotonic() - told
+        assert not alive(pids[0]) and ended < 10, f"rank 0 still alive {ended:.1f} s after SIGTERM"
+    finally:
+        ranks = rank_pids(job.pid) or pids
+        os.killpg(job.pid, signal.SIGKILL)
+        for pid in ranks.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        job.wait()
+    with h5py.File(shard) as f:
+        assert f.attrs["status"] == "complete"  # its rows are kept for the resume
+
+
+def _complete(path: Path) -> bool:
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            return f.attrs["status"] == "complete"
+    except (OSError, KeyError):
+        return False

@@ -261,7 +261,7 @@ class GenerateStage(Stage):
         hooks = _generation_hooks(setup.plan, stepped)
         _check_positions(config, language, tokens)
         ends = _end_tokens(language) if config.stop_at_eos else []
-        width = _text_width(language, config.max_new_tokens)
+        width = _text_width(setup.vocabulary, config.max_new_tokens)
         _check_batch_fits(config, setup, width, steps_of)
         return GeneratePlan(config, _Decoding(hooks, steps_of, ends, width, _pad(language)))
 
@@ -391,9 +391,8 @@ def _end_tokens(language: Any) -> list[int]:
     return [int(x) for x in (found if isinstance(found, (list, tuple)) else [found])]
 
 
-def _text_width(language: Any, steps: int) -> int:
-    """Bytes of /generation/text: `steps` tokens of the vocabulary's longest text, with room
-    for a word's leading space a token decoded alone loses."""
-    vocab = int(language.config.vocab_size)
-    texts = language.tokenizer.batch_decode([[i] for i in range(vocab)])
-    return steps * (max(len(t.encode("utf-8")) for t in texts) + 4)
+def _text_width(vocabulary: list[str], steps: int) -> int:
+    """Bytes of /generation/text: `steps` tokens of the vocabulary's longest text (each id's,
+    decoded alone: the run's Setup), with room for a word's leading space a token decoded
+    alone loses."""
+    return steps * (max((len(t.encode("utf-8")) for t in vocabulary), default=0) + 4)
