@@ -12,6 +12,14 @@ each batch). Either way the writer flushes every queued batch, the file is marke
 signal gets the handler that was there before (Python's KeyboardInterrupt for SIGINT,
 immediate termination for SIGTERM): the file is then left `running`, which `resume=true`
 continues just the same.
+
+Python runs a signal's handler only between bytecodes of the main thread, so "at once" means
+"at the next line of Python". A forward pass runs Python at every module call (torch's
+`Module.__call__`); a backward pass runs none (one call into autograd's C++ engine: 9.5 s of
+one integrated-gradients pass on two busy cores), so it gets a `check()` before each node of
+its graph (runtime/interrupts.py, for every model under the run's `run_mode`). One long C
+call cannot be stopped: the work keeps each one short (no dense eigenproblem where a
+tridiagonal one will do: stages/derive/integrated.py).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from hookrun.errors import Interrupted
 __all__ = [
     "signals_caught",
     "stop_if_signalled",
+    "check",
     "until_signal",
     "interruptible",
     "deferred",
@@ -115,6 +124,14 @@ def stop_if_signalled() -> None:
         name = signal.Signals(signum).name
         # What it left is said by the run once its clean-up is done (pipeline/runner.py).
         raise Interrupted(f"interrupted by {name}", signum)
+
+
+def check() -> None:
+    """Raise Interrupted here if a signal was caught and this is interruptible work (not
+    deferred clean-up); otherwise nothing (a check costs one list test). For code that runs
+    where no other Python would let the handler act: a backward pass's graph nodes."""
+    if _caught and _Regions.interruptible and not _Regions.deferred:
+        _raise_now()
 
 
 @contextmanager
