@@ -1,5 +1,5 @@
-"""A model whose one backward pass is long and runs no Python, importable by
-`model._target_=backward_stall.BackwardStallNet` (tests/ is on the path of a spawned run)."""
+"""Models for runs that a signal meets where no Python runs, importable by
+`model._target_=stall_models.<Name>` (tests/ is on the path of a spawned run)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import time
 
 import torch
 from models_for_tests import TwiceNet
+from torch import nn
 
 
 class BackwardStallNet(TwiceNet):
     """TwiceNet whose forward pass number `stall_at` in gradient mode (the probes come
     first, without), while the file `stall_flag` exists, also builds `stall_s` seconds of
     cumulative products on its input; the flag is removed as the backward pass reaches
-    them. Their backward is one C++ call of about five times
-    as long (cumprod's gradient where the input holds zeros), in which no Python runs
-    unless a hook does. Their sum enters the output times zero: the numbers are the plain
-    TwiceNet's (and that batch is dropped anyway when a signal stops it). A later process,
-    with the flag gone, runs at full speed."""
+    them. Their backward is one C++ call of about five times as long (cumprod's gradient
+    where the input holds zeros), in which no Python runs unless a hook does. Their sum
+    enters the output times zero: the numbers are the plain TwiceNet's (and that batch is
+    dropped anyway when a signal stops it). A later process, with the flag gone, runs at
+    full speed."""
 
     def __init__(self, width: int = 4, stall_flag: str = "", stall_at: int = 2, stall_s: float = 6):
         super().__init__(width)
@@ -43,3 +44,22 @@ class BackwardStallNet(TwiceNet):
         # Python until the input's gradient).
         total.register_hook(lambda grad: os.unlink(self.stall_flag))
         return out + 0 * total
+
+
+class PixelWeightsNet(nn.Module):
+    """Two classes scored ±Σ w·x over an image of `size` x `size` pixels (w seeded): its
+    input gradient, the attribution ROAD evaluates, is ±w. Its first forward pass in
+    gradient mode (the batch's, after the probes) removes the file `stall_flag`; ROAD's
+    sparse solves of the batch follow."""
+
+    def __init__(self, size: int = 640, stall_flag: str = "") -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.w = nn.Parameter(torch.rand(3, size, size, generator=generator))
+        self.stall_flag = stall_flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and os.path.exists(self.stall_flag):
+            os.unlink(self.stall_flag)
+        score = (x * self.w).sum(dim=(1, 2, 3))
+        return torch.stack([score, -score], dim=1)
