@@ -8,7 +8,6 @@ import time
 
 import torch
 from models_for_tests import TwiceNet
-from torch import nn
 
 
 class BackwardStallNet(TwiceNet):
@@ -44,22 +43,3 @@ class BackwardStallNet(TwiceNet):
         # Python until the input's gradient).
         total.register_hook(lambda grad: os.unlink(self.stall_flag))
         return out + 0 * total
-
-
-class PixelWeightsNet(nn.Module):
-    """Two classes scored ±Σ w·x over an image of `size` x `size` pixels (w seeded): its
-    input gradient, the attribution ROAD evaluates, is ±w. Its first forward pass in
-    gradient mode (the batch's, after the probes) removes the file `stall_flag`; ROAD's
-    sparse solves of the batch follow."""
-
-    def __init__(self, size: int = 640, stall_flag: str = "") -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(11)
-        self.w = nn.Parameter(torch.rand(3, size, size, generator=generator))
-        self.stall_flag = stall_flag
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and os.path.exists(self.stall_flag):
-            os.unlink(self.stall_flag)
-        score = (x * self.w).sum(dim=(1, 2, 3))
-        return torch.stack([score, -score], dim=1)
