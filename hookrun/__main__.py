@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -101,5 +102,12 @@ if __name__ == "__main__":
     except HookrunError as err:
         print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
         sys.exit(err.exit_code)
-    main()
+    try:
+        main()
+    except SystemExit as end:
+        # A signal's stop ends the same way: the file is closed by now, and Slurm's 30 s of
+        # grace would otherwise include the teardown (1.5-3.5 s of 4 on two busy cores).
+        if end.code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            quick.leave(end.code)
+        raise
     quick.leave()  # a successful run ends here, unless the ordinary exit is needed

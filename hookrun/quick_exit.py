@@ -132,9 +132,10 @@ class QuickExit:
             return f"the run imported {', '.join(foreign)}"
         return ""
 
-    def leave(self) -> None:
-        """Run the exit handlers, flush, and end the process with status 0 — unless
-        `blocked()`, or the output cannot be flushed; then return to the ordinary exit."""
+    def leave(self, status: int = 0) -> None:
+        """Run the exit handlers, flush, and end the process with `status` (0: a successful
+        run; 143 / 130: one a signal stopped) — unless `blocked()`, or the output cannot be
+        flushed; then return to the ordinary exit."""
         if self.blocked():
             return
         atexit._run_exitfuncs()  # logging's flush, and any handler a library registered
@@ -144,4 +145,4 @@ class QuickExit:
                     stream.flush()
         except (OSError, ValueError):  # a closed pipe or file: Python's exit reports it
             return
-        os._exit(0)
+        os._exit(status)

@@ -12,21 +12,38 @@ each batch). Either way the writer flushes every queued batch, the file is marke
 signal gets the handler that was there before (Python's KeyboardInterrupt for SIGINT,
 immediate termination for SIGTERM): the file is then left `running`, which `resume=true`
 continues just the same.
+
+Python runs a signal's handler only between bytecodes of the main thread, so "at once" means
+"at the next line of Python". A forward pass runs Python at every module call (torch's
+`Module.__call__`); a backward pass runs none (one call into autograd's C++ engine: 9.5 s of
+one integrated-gradients pass on two busy cores), so it gets a `check()` before each node of
+its graph (runtime/interrupts.py, for every model under the run's `run_mode`). One long C
+call cannot be stopped: the work keeps each one short (no dense eigenproblem where a
+tridiagonal one will do: stages/derive/integrated.py), or runs it in a child process
+(`run_in_child`: ROAD's sparse solves of large images) that a signal stops by killing it.
+A thread would not do: a daemon thread still inside numpy or SciPy when the process exits
+hangs OpenBLAS's exit handler or breaks the interpreter's teardown (seen: exit 120).
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import pickle
+import select
 import signal
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hookrun.errors import Interrupted
 
 __all__ = [
     "signals_caught",
     "stop_if_signalled",
+    "check",
+    "run_in_child",
     "until_signal",
     "interruptible",
     "deferred",
@@ -115,6 +132,78 @@ def stop_if_signalled() -> None:
         name = signal.Signals(signum).name
         # What it left is said by the run once its clean-up is done (pipeline/runner.py).
         raise Interrupted(f"interrupted by {name}", signum)
+
+
+def check() -> None:
+    """Raise Interrupted here if a signal was caught and this is interruptible work (not
+    deferred clean-up); otherwise nothing (a check costs one list test). For code that runs
+    where no other Python would let the handler act: a backward pass's graph nodes."""
+    if _caught and _Regions.interruptible and not _Regions.deferred:
+        _raise_now()
+
+
+# How long the parent waits on its child before it runs Python again: a signal that another
+# thread received marks the main thread's next bytecode, which a wait without end would not
+# reach.
+_POLL_S = 0.05
+
+
+def run_in_child(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a forked child while this process waits where a signal stops it (the
+    child is then killed): for one long C call nothing else could cut short. The child
+    shares this process's memory as it was (nothing is sent to it) and sends back the
+    result, pickled; `fn` must touch no torch or HDF5 state (other threads' locks are held
+    forever in the child). Outside interruptible work, or off the main thread, a plain
+    call."""
+    main = threading.current_thread() is threading.main_thread()
+    if not (_Regions.interruptible and main and hasattr(os, "fork")):
+        return fn(*args)
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _child(fn, args, readable, writable)  # never returns
+    os.close(writable)
+    chunks: list[bytes] = []
+    try:
+        while True:
+            if select.select([readable], [], [], _POLL_S)[0]:  # a signal's handler runs here
+                chunk = os.read(readable, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            check()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        os.close(readable)
+        _, status = os.waitpid(pid, 0)
+    if not chunks:  # killed, by the job's own SIGTERM (then that stops this run) or else
+        check()
+        raise RuntimeError(f"run_in_child: the child of {fn.__name__} died (status {status})")
+    ok, value = pickle.loads(b"".join(chunks))
+    if not ok:
+        raise value
+    return value
+
+
+def _child(fn: Callable[..., Any], args: tuple, readable: int, writable: int) -> None:
+    try:
+        # No finaliser of the parent's objects may run here: h5py's take a lock that the
+        # writer thread, absent here, may have held at the fork.
+        gc.disable()
+        for signum in _SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)  # the job's SIGTERM ends the child at once
+        os.close(readable)
+        try:
+            out = (True, fn(*args))
+        except BaseException as err:  # raised in the parent
+            out = (False, err)
+        data = memoryview(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        while data:
+            data = data[os.write(writable, data) :]
+    finally:
+        os._exit(0)  # nothing of the parent's exit runs twice
 
 
 @contextmanager

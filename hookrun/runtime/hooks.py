@@ -31,6 +31,7 @@ from hookrun.io.layout import INPUT_GRAD, capture_key
 from hookrun.models.adapter import adapt
 from hookrun.runtime.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
 from hookrun.runtime.handles import ModuleHook, hooked
+from hookrun.runtime.interrupts import signal_checks
 from hookrun.runtime.leaves import leaves, rebuild
 from hookrun.runtime.plan import HookPlan, PlannedHook, acts_at_step, acts_on
 from hookrun.runtime.positions import act_at
@@ -354,8 +355,9 @@ def prepare_input(plan: HookPlan, recorder: Recorder, batch: torch.Tensor) -> to
 
 @contextmanager
 def run_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode with frozen parameters for the run; each module's and parameter's flag
-    is put back on exit exactly as it was."""
+    """Eval mode with frozen parameters for the run, and a signal's check in every backward
+    pass (runtime/interrupts.py); each module's and parameter's flag is put back on exit
+    exactly as it was."""
     training = {name: m.training for name, m in model.named_modules()}
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
     # A language model's wrapped root is not one of its modules (its children are), but
@@ -365,7 +367,8 @@ def run_mode(model: nn.Module) -> Iterator[None]:
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)  # backward then computes no parameter gradients
-        yield
+        with signal_checks(model):  # every pass of the run's model is under run_mode
+            yield
     finally:
         with deferred():
             for name, m in model.named_modules():

@@ -75,7 +75,14 @@ def reproducible(seed: int, deterministic: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        # Only when it moved: torch's switch imports torch._inductor (2.8 s on two busy
+        # cores), which a run without it would pay on its way out, also inside the grace
+        # a SIGTERM leaves before SIGKILL.
+        if before[:2] != (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ):
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:]
 
 
