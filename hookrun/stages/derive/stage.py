@@ -130,10 +130,18 @@ class DerivePlan(Plan):
         capture of that shape is."""
         return {d.key: d.explained for d in self.derivations if d.explained}
 
+    def reads(self) -> frozenset[str]:
+        """Every capture a method computes from: the run's own tensors, not the file's."""
+        return frozenset(
+            key
+            for d in self.derivations
+            for key in (*d.method.requires(d.args), *d.method.requires_prepared(d.args, d.state))
+        )
+
     def batch(self, work: Work) -> dict[str, Any]:
         # The context inside: a language model's embeddings are computed with the run's
         # hooks standing aside, like the derived passes themselves.
-        return derive(self.derivations, work.records, work.context())
+        return derive(self.derivations, work.tensors, work.context())
 
 
 @register_stage
