@@ -171,6 +171,12 @@ class Work:
         """The run's target of each row, on the device: (N,) or (N, 2) for logit_diff."""
         return self.step.targets.clone().to(self.step.device)
 
+    @property
+    def tensors(self) -> Mapping[str, Any]:
+        """The records, with the captures the stage reads (Plan.reads) as the run made them:
+        on the run's device, in the run's dtype — not rounded to sink.dtype on the host."""
+        return {**self.records, **self.step.recorder.kept}
+
     def context(self) -> BatchContext:
         """The batch as a method with passes of its own sees it (runtime/step.py)."""
         return self.step.context()
@@ -210,6 +216,12 @@ class Plan:
         stored = self.stored()
         groups = sorted({key.split("/")[0] for key in stored})
         return describe_stored(stored, itemsize, "/" + ", /".join(groups)) if stored else ""
+
+    def reads(self) -> frozenset[str]:
+        """Captures its `batch` computes from (Work.tensors): the run keeps them for the
+        batch as it made them, on its device and in its dtype (a stage computes from those,
+        and its result is rounded once, when stored)."""
+        return frozenset()
 
     def sources(self) -> dict[str, dict[str, str]]:
         """Files its work reads, by config key: {file, sha256} each. They join the run's

@@ -66,6 +66,9 @@ class Recorder:
         self.timer = timer or StageTimer(enabled=False)
         # True while a derived method runs passes of its own: every hook stands aside.
         self.paused = False
+        # Captures a stage computes from as the run made them (stage.Plan.reads): kept for
+        # the batch on their device in their dtype, where the host copy is not the same.
+        self.keep: frozenset[str] = frozenset()
         # The decoding step of a generation's pass (0: the prompt's, and every other pass).
         self.step = 0
         self.begin(0)
@@ -84,6 +87,7 @@ class Recorder:
         self.current_pass: str | None = None
         # Events of device → host copies still in flight (CUDA only).
         self.events: list = []
+        self.kept: dict[str, torch.Tensor] = {}  # `keep`'s tensors of this batch
 
     def record(self, key: str, tensor: torch.Tensor) -> None:
         """Keep a CPU copy of `tensor` (floats in the store dtype) under `key`."""
@@ -97,6 +101,8 @@ class Recorder:
             tensor = tensor[None] if fold == 0 else tensor.reshape(-1, fold, *tensor.shape[1:])
         with self.timer.stage("copy"):
             self.records[key], event = self.copier.copy(tensor, dtype)
+            if key in self.keep and (tensor.device.type != "cpu" or dtype != tensor.dtype):
+                self.kept[key] = tensor.detach().clone()  # an in-place op after must not reach it
         if event is not None:
             self.events.append(event)
 

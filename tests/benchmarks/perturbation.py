@@ -14,7 +14,9 @@ at a batch of 2 and of 8 (each its own process): flat when passes are sized by m
 Settings: occlusion window 32, stride 32 (49 windows); feature ablation on an 8 × 8 grid
 (64 segments); KernelSHAP on the same grid with 256 samples (each library draws its own,
 so its maps agree only roughly); Score-CAM and Ablation-CAM at features.18 (1280 channels;
-a ReLU6 output, so pytorch-grad-cam's ablation is hookrun's 0). Peak memory is GNU time's
+a ReLU6 output, so pytorch-grad-cam's ablation is hookrun's 0) — hookrun's Ablation-CAM runs
+only what follows features.18 (the pooling and the classifier) per ablated channel, from the
+captured output; pytorch-grad-cam runs the whole network per channel. Peak memory is GNU time's
 %M of each child, measured first (a child forked from a large parent would report the
 parent's size). Not part of the test run.
 """

@@ -185,7 +185,8 @@ def test_capture_hooks_stand_aside_during_the_methods_passes(resnet, tmp_path):
         ),
         (
             "derive.integrated_gradients.baseline=grey",
-            r"derive.integrated_gradients.baseline: 'grey'; valid: zeros, mean, blur, or a number",
+            r"derive.integrated_gradients.baseline: 'grey'; valid: zeros, mean, blur, or a "
+            r"finite number from -3\.403e\+38 to 3\.403e\+38",
         ),
         (
             "derive.integrated_gradients.steps=0",

@@ -384,7 +384,7 @@ def test_each_method_equals_its_reference_on_the_imagenet_mobilenet(tmp_path, na
 
 def test_slic_segments_one_channel_images_as_images():
     """Found in review: SLIC read a (H, W, 1) array as a volume; digits are one channel."""
-    from hookrun.stages.derive.perturb import FeatureAblationArgs, segment_rows
+    from hookrun.stages.derive.segments import FeatureAblationArgs, segment_rows
 
     x = torch.zeros((2, 1, 28, 28))
     x[:, :, :, 14:] = 1.0  # two halves

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,17 @@ from hookrun.runtime.layouts import (
 )
 from hookrun.stages.derive.registry import LayerArgs, Method, register_method
 
-__all__ = ["CamArgs", "GradCAM", "CAM", "GuidedGradCAM", "linear_head", "layer_grid"]
+__all__ = [
+    "CamArgs",
+    "GradCAM",
+    "CAM",
+    "GuidedGradCAM",
+    "linear_head",
+    "layer_grid",
+    "LayerSample",
+    "as_float",
+    "probe_layer",
+]
 
 
 @dataclass
@@ -44,7 +54,7 @@ class CamArgs(LayerArgs):
     prefix_tokens: int | None = None
 
 
-def _probe(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, torch.Tensor]:
+def probe_layer(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """`layer`'s output and the model's output for one sample."""
     seen: dict[str, Any] = {}
 
@@ -56,12 +66,20 @@ def _probe(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, tor
     return seen.get("a"), logits
 
 
-def layer_grid(
-    args: CamArgs, model: nn.Module, sample: torch.Tensor, method: str
-) -> tuple[Grid, torch.Tensor, torch.Tensor]:
-    """The layer's grid (its layout decided on one sample), its output in (1, C, H, W) and
-    the model's output for that sample."""
-    activation, logits = _probe(model, str(args.layer), sample)
+class LayerSample(NamedTuple):
+    """The CAM layer on one sample: its grid (the layout decided there), its output as
+    (1, C, H, W), the model's output, and the layer's output as the model gives it."""
+
+    grid: Grid
+    activation: torch.Tensor
+    logits: torch.Tensor
+    raw: torch.Tensor
+
+
+def layer_grid(args: CamArgs, model: nn.Module, sample: torch.Tensor, method: str) -> LayerSample:
+    """The layer on one sample (LayerSample); HookrunError naming `derive.<method>` where
+    its output is no grid."""
+    activation, logits = probe_layer(model, str(args.layer), sample)
     key = f"derive.{method}"
     if not isinstance(activation, torch.Tensor) or activation.dim() < 2:
         raise HookrunError(
@@ -76,11 +94,18 @@ def layer_grid(
     conv = channels_first_hint(dict(model.named_modules())[str(args.layer)], shape[0])
     grid = decide_grid(shape, image, Layout(args.layout), prefix, key, conv)
     converted = to_channels_first(activation, grid.layout, grid.prefix_tokens, grid.size)
-    return grid, converted, logits
+    return LayerSample(grid, converted, logits, activation)
+
+
+def as_float(tensor: torch.Tensor) -> torch.Tensor:
+    """A capture in a float at least as wide as float32, for the maps' sums: float16 and
+    bfloat16 are widened exactly (the one rounding is when the map is stored), float64
+    stays."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 def _channels_first(records: Mapping[str, torch.Tensor], key: str, grid: Grid) -> torch.Tensor:
-    return to_channels_first(records[key].float(), grid.layout, grid.prefix_tokens, grid.size)
+    return to_channels_first(as_float(records[key]), grid.layout, grid.prefix_tokens, grid.size)
 
 
 def _grad_cam(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
@@ -135,8 +160,9 @@ class CAM(Method):
         self, args: CamArgs, state: tuple[torch.Tensor, Grid], records: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
         weights, grid = state
-        w = weights[records[layout.SAMPLES_TARGET]]  # (N, C)
         activation = _channels_first(records, layout.capture_key(args.layer, "output"), grid)
+        targets = records[layout.SAMPLES_TARGET].to(weights.device)
+        w = weights[targets].to(activation.device, activation.dtype)  # (N, C)
         return torch.einsum("nc,nchw->nhw", w, activation)
 
     def stored_shapes(
@@ -154,7 +180,7 @@ class GuidedGradCAM(GradCAM):
         self, args: LayerArgs, state: Any, records: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
         cam = super().compute(args, state, records)
-        guided = records[layout.INPUT_GRAD].float()
+        guided = as_float(records[layout.INPUT_GRAD]).to(cam.device)
         up = F.interpolate(cam[:, None], size=guided.shape[-2:], mode="bilinear")
         return guided * up
 
@@ -175,7 +201,7 @@ def linear_head(
     """
     layer = str(args.layer)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    _, activation, logits = layer_grid(args, model, sample, method)
+    _, activation, logits, _ = layer_grid(args, model, sample, method)
     why = ""
     if not linears:
         why = "it has no nn.Linear layer"
@@ -190,7 +216,7 @@ def linear_head(
         elif not torch.allclose(expected, logits, rtol=1e-3, atol=1e-3 * logits.abs().max()):
             why = f"more than global average pooling + '{name}' follows '{layer}'"
         else:
-            return fc.weight.detach().float().cpu()
+            return as_float(fc.weight.detach())
     raise HookrunError(
         f"derive.{method}.layer: CAM is undefined for this model at {layer!r}: {why}; valid: a "
         "model ending in global average pooling + one linear layer (resnet*, mobilenet_v2, "

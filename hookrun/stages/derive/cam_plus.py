@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from hookrun.runtime.layouts import Grid
-from hookrun.stages.derive.cam import CamArgs, GradCAM
+from hookrun.stages.derive.cam import CamArgs, GradCAM, as_float
 from hookrun.stages.derive.registry import register_method
 
 __all__ = ["grad_cam_pp_map", "layer_cam_map", "GradCAMPlusPlus", "LayerCAM"]
@@ -27,7 +27,7 @@ _EPS = 1e-6
 
 def grad_cam_pp_map(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
     """Grad-CAM++ of (N, C, H, W) activations and gradients: the (N, H, W) map."""
-    a, g = activation.float(), gradient.float()
+    a, g = as_float(activation), as_float(gradient)
     g2 = g * g
     sum_a = a.sum(dim=(2, 3), keepdim=True)
     alpha = g2 / (2 * g2 + sum_a * g2 * g + _EPS)
@@ -38,7 +38,7 @@ def grad_cam_pp_map(activation: torch.Tensor, gradient: torch.Tensor) -> torch.T
 
 def layer_cam_map(activation: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
     """LayerCAM of (N, C, H, W) activations and gradients: the (N, H, W) map."""
-    return torch.relu((torch.relu(gradient.float()) * activation.float()).sum(dim=1))
+    return torch.relu((torch.relu(as_float(gradient)) * as_float(activation)).sum(dim=1))
 
 
 class _CamFromGradients(GradCAM):

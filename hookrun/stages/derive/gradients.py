@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from hookrun.errors import HookrunError
 from hookrun.stages.derive.registry import BatchContext
 
-__all__ = ["input_gradient", "rows_per_pass", "check_rows_per_pass"]
-
-
-def check_rows_per_pass(key: str, value: int | None) -> None:
-    """`internal_batch_size`: null (sized by the input) or a positive number of rows."""
-    if value is not None and value < 1:
-        raise HookrunError(
-            f"{key}.internal_batch_size: {value} is out of range; valid: >= 1, or null (by "
-            "input size)"
-        )
+__all__ = ["input_gradient", "rows_per_pass"]
 
 
 def input_gradient(batch: BatchContext, points: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:

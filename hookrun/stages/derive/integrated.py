@@ -25,7 +25,8 @@ from torch import nn
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.memory import check_fits
-from hookrun.stages.derive.gradients import check_rows_per_pass, input_gradient, rows_per_pass
+from hookrun.stages.derive.bounds import check_rows_per_pass
+from hookrun.stages.derive.gradients import input_gradient, rows_per_pass
 from hookrun.stages.derive.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
@@ -39,6 +40,7 @@ QUADRATURES = (
     "riemann_trapezoid",
 )
 BASELINES = ("zeros", "mean", "blur")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 # blur: a Gaussian of this standard deviation, as a fraction of the image's smaller side.
 BLUR_SIGMA = 0.1
 
@@ -116,11 +118,14 @@ def baseline_of(baseline: str, x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float(baseline))
 
 
-def _is_number(text: str) -> bool:
+def _is_number(text: str, dtype: torch.dtype = torch.float32) -> bool:
+    """A finite number that `dtype` holds (torch refuses to fill a float32 tensor with
+    1e39; NaN or infinity would make every attribution NaN)."""
     try:
-        return math.isfinite(float(text))
+        value = float(text)
     except ValueError:
         return False
+    return math.isfinite(value) and abs(value) <= torch.finfo(dtype).max
 
 
 @register_method("integrated_gradients")
@@ -129,6 +134,7 @@ class IntegratedGradients(Method):
     runs_passes = True
     # On token data: the input embeddings (BatchContext.explained), results (N, T, D).
     tokens_ok = explains_input = True
+    gap_note = "more steps make it smaller"
 
     @classmethod
     def check(cls, args: IGArgs, key: str) -> None:
@@ -145,7 +151,8 @@ class IntegratedGradients(Method):
         check_fits(f"{key}.steps", args.steps, need, f"the {args.method} quadrature")
         if args.baseline not in BASELINES and not _is_number(args.baseline):
             raise HookrunError(
-                f"{key}.baseline: {args.baseline!r}; valid: {', '.join(BASELINES)}, or a number"
+                f"{key}.baseline: {args.baseline!r}; valid: {', '.join(BASELINES)}, or a "
+                f"finite number from {-_FLOAT32_MAX:.4g} to {_FLOAT32_MAX:.4g}"
             )
         check_rows_per_pass(key, args.internal_batch_size)
 
@@ -153,6 +160,14 @@ class IntegratedGradients(Method):
         return []
 
     def prepare(self, args: IGArgs, model: nn.Module, sample: torch.Tensor) -> None:
+        number = args.baseline not in BASELINES and sample.is_floating_point()
+        if number and not _is_number(args.baseline, sample.dtype):  # a float16 model's input
+            most = float(torch.finfo(sample.dtype).max)
+            raise HookrunError(
+                f"derive.{self.name}.baseline: {args.baseline!r} is past what the input "
+                f"({str(sample.dtype).removeprefix('torch.')}) holds; valid: "
+                f"{', '.join(BASELINES)}, or a finite number from {-most:.4g} to {most:.4g}"
+            )
         if args.baseline == "blur" and sample.dim() != 3:
             raise HookrunError(
                 f"derive.{self.name}.baseline: 'blur' needs images (C, H, W), the model input "
@@ -163,6 +178,9 @@ class IntegratedGradients(Method):
         self, args: IGArgs, state: None, key: str, sample: tuple[int, ...]
     ) -> dict[str, tuple[int, ...]]:
         return {key: sample, layout.gap_key(self.name, "input"): ()}
+
+    def extra_rows(self, args: IGArgs, state: None, sample: tuple[int, ...]) -> tuple:
+        return args.steps, sample  # one point per step per row
 
     def passes(self, args: IGArgs, state: None, batch: BatchContext) -> dict[str, torch.Tensor]:
         x = batch.explained().detach()

@@ -61,9 +61,14 @@ class Method:
     # True: the method means something on token data (a language model's input is token ids:
     # other gradient methods on the input are refused there, pipeline/tokencheck.py).
     tokens_ok: ClassVar[bool] = False
+    # Why the method takes images only, for a method that needs no gradient but runs the
+    # model on perturbed images ('' for the others): said where token data is refused.
+    perturbs: ClassVar[str] = ""
     # True: the method explains the model's input (BatchContext.explained): on token data it
     # is prepared on, and stores results shaped like, the input embeddings (T, D).
     explains_input: ClassVar[bool] = False
+    # A method that stores a completeness gap: what makes it smaller, said in the summary.
+    gap_note: ClassVar[str] = ""
     # The experiment whose hooks capture what the method reads (named when they are missing).
     example: ClassVar[str] = "grad_cam"
 
@@ -88,6 +93,8 @@ class Method:
         shape, every capture of the run) it cannot read (HookrunError naming the key)."""
 
     def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The result for one batch from its records — the captures it `requires` as the run
+        made them (on the run's device, in its dtype), the host copies for anything else."""
         raise NotImplementedError
 
     def compute_batch(
@@ -107,6 +114,19 @@ class Method:
         `sample` the model input's shape (the dry run's size estimate); by default one
         result shaped like the input."""
         return {key: sample}
+
+    def extra_rows(
+        self, args: Any, state: Any, sample: tuple[int, ...]
+    ) -> tuple[int, tuple[int, ...]]:
+        """(rows its extra passes run per batch row, the shape of one such row) — what
+        `internal_batch_size` rows a pass are checked against memory with (`sample`: what
+        the method explains per row). `state` is None at config time: a count that needs
+        the model or the image is then 1, its lower bound. None by default."""
+        return 0, sample
+
+    def check_sizes(self, args: Any, state: Any, rows: int, sample: tuple[int, ...]) -> None:
+        """Refuse (memory.check_fits, naming the key) what a batch of `rows` makes the method
+        allocate at once beside its passes (masks, coalitions); called before any work."""
 
 
 METHODS: Registry[Method] = Registry("a method")
@@ -189,6 +209,6 @@ def derive(
             if batch is None:
                 raise RuntimeError(f"{d.method.name} reads the batch: needs it")
             out.update(d.method.compute_batch(d.args, d.state, records, batch))
-        else:
-            out[d.key] = d.method.compute(d.args, d.state, records)
+        else:  # computed where the records are (the run's device): stored from the host
+            out[d.key] = d.method.compute(d.args, d.state, records).cpu()
     return out

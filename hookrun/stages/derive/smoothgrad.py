@@ -13,13 +13,15 @@ Result: /derived/smoothgrad/input, the input's shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.stages.derive.gradients import check_rows_per_pass, input_gradient, rows_per_pass
+from hookrun.stages.derive.bounds import check_rows_per_pass
+from hookrun.stages.derive.gradients import input_gradient, rows_per_pass
 from hookrun.stages.derive.registry import BatchContext, Method, register_method
 from hookrun.typed import Frozen
 
@@ -48,10 +50,15 @@ class SmoothGrad(Method):
             raise HookrunError(f"{key}.samples: {args.samples} is out of range; valid: >= 1")
         if not args.sigma >= 0:
             raise HookrunError(f"{key}.sigma: {args.sigma} is negative; valid: >= 0")
+        if not math.isfinite(args.sigma):  # infinite noise: every gradient NaN
+            raise HookrunError(f"{key}.sigma: {args.sigma}; valid: a finite number >= 0")
         check_rows_per_pass(key, args.internal_batch_size)
 
     def requires(self, args: SmoothGradArgs) -> list[str]:
         return []
+
+    def extra_rows(self, args: SmoothGradArgs, state: None, sample: tuple[int, ...]) -> tuple:
+        return args.samples, sample  # one noisy copy per draw per row
 
     def passes(
         self, args: SmoothGradArgs, state: None, batch: BatchContext

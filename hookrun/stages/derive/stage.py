@@ -4,8 +4,8 @@ batch's captures (or from passes of its own on the bare model), stored raw at
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -14,12 +14,14 @@ import numpy as np
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout, walk
-from hookrun.memory import check_fits
 from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.targets import TargetConfig, TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
+from hookrun.stages.derive.bounds import check_pass_rows
 from hookrun.stages.derive.registry import METHODS, Derivation, derive, plan_derivations
+from hookrun.stages.derive.rise import CELLS_KEY, SHIFTS_KEY
+from hookrun.stages.derive.segments import segments_key
 from hookrun.typed import parse_typed
 
 __all__ = ["DeriveStage", "parse_derive", "check_extra_passes", "AUTO"]
@@ -56,16 +58,38 @@ def parse_derive(raw: Any, target: TargetConfig, prefix: str = "derive") -> dict
 
 
 def check_extra_passes(derive: Mapping[str, Any], rows: int, shape: tuple[int, ...]) -> None:
-    """Refuse a method's extra pass (rows of perturbed copies) that cannot fit in memory:
-    `rows` the batch's rows, `shape` one sample's (float32)."""
-    sample = 4 * math.prod(shape)
+    """At config time, where the dataset says its samples' shape: refuse a method's extra pass
+    (`internal_batch_size` rows) that cannot fit in memory, `rows` the batch's rows, `shape`
+    one sample's (float32); the counts that need the model are checked again at plan time."""
     for name, args in derive.items():
+        each, row = METHODS.get(name, "derive").extra_rows(args, None, shape)
         given = getattr(args, "internal_batch_size", None)
-        if given:  # rows per extra pass; null sizes them to 32 MiB of input values
-            each = getattr(args, "steps", None) or getattr(args, "samples", 1)
-            extra = min(given, rows * each)
-            what = f"one extra pass of {extra} x {list(shape)}"
-            check_fits(f"derive.{name}.internal_batch_size", given, extra * sample, what)
+        check_pass_rows(f"derive.{name}", given, rows, each, row)
+
+
+def check_derivations(derivations: list[Derivation], rows: int, sample: tuple[int, ...]) -> None:
+    """At plan time: each method's extra pass and what else a batch of `rows` makes it
+    allocate at once, against the machine's memory (`sample`: the model input's shape)."""
+    for d in derivations:
+        shape = d.explained if d.explained is not None else sample
+        each, row = d.method.extra_rows(d.args, d.state, shape)
+        key = f"derive.{d.method.name}"
+        check_pass_rows(key, getattr(d.args, "internal_batch_size", None), rows, each, row)
+        d.method.check_sizes(d.args, d.state, rows, shape)
+
+
+def refuse_token_data(derive: Mapping[str, Any]) -> None:
+    """Refuse, on token data, a method that runs the model on perturbed images (one line:
+    what it perturbs, and the methods that do take token data)."""
+    for name in derive:
+        method = METHODS.get(name, "derive")
+        if method.perturbs:
+            valid = ", ".join(n for n in METHODS.choices() if METHODS.get(n, "derive").tokens_ok)
+            raise HookrunError(
+                f"derive.{name}: {method.perturbs}, and token data has no pixels (its input is "
+                f"token ids); valid: image data (C, H, W) with an image classifier, or on "
+                f"token data {valid}"
+            )
 
 
 def with_layer(derive: Mapping[str, Any], layer: str) -> Mapping[str, Any]:
@@ -106,10 +130,18 @@ class DerivePlan(Plan):
         capture of that shape is."""
         return {d.key: d.explained for d in self.derivations if d.explained}
 
+    def reads(self) -> frozenset[str]:
+        """Every capture a method computes from: the run's own tensors, not the file's."""
+        return frozenset(
+            key
+            for d in self.derivations
+            for key in (*d.method.requires(d.args), *d.method.requires_prepared(d.args, d.state))
+        )
+
     def batch(self, work: Work) -> dict[str, Any]:
         # The context inside: a language model's embeddings are computed with the run's
         # hooks standing aside, like the derived passes themselves.
-        return derive(self.derivations, work.records, work.context())
+        return derive(self.derivations, work.tensors, work.context())
 
 
 @register_stage
@@ -119,11 +151,17 @@ class DeriveStage(Stage):
     order = 10
     axes = {
         layout.gap_key("*", "*"): "sample",
+        segments_key("*"): "sample y x",  # each pixel's segment
+        CELLS_KEY: "sample mask cell_y cell_x",
+        SHIFTS_KEY: "sample mask yx",
         layout.derived_key("rise", "input"): "sample y x",  # a map over the image's pixels
         layout.derived_key("*", "input"): "sample {input}",
         layout.derived_key("guided_grad_cam", "*"): "sample {input}",
         layout.derived_key("*", "*"): "sample y x",
     }
+
+    # What the perturbation methods perturbed: no maps (neither drawn nor evaluated as one).
+    draws = (segments_key("*"), CELLS_KEY, SHIFTS_KEY)
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
@@ -146,38 +184,54 @@ class DeriveStage(Stage):
 
     @classmethod
     def needs_input_gradient(cls, config: Any) -> str | None:
+        # Asked on token data only, before the model's first pass (pipeline/tokencheck.py):
+        # the perturbation methods need no gradient, so they are refused here for what they
+        # do need (images), before `model.cam_layer=auto` would probe the model for a grid.
+        refuse_token_data(config)
         gradients = [name for name in config if not METHODS.get(name, "derive").tokens_ok]
         return f"derive: {', '.join(gradients)}" if gradients else None
 
     @classmethod
     def plan(cls, config: Any, setup: Setup) -> Plan | None:
         rows = min(n for n in (setup.spec.batch_size, len(setup.data)) if n)
-        check_extra_passes(config, rows, tuple(setup.sample.shape))
         with run_mode(setup.model):
             explained = adapt(setup.model).explained_sample(setup.sample)
             derivations = plan_derivations(
                 config, setup.captures, setup.model, setup.sample, explained
             )
+        check_derivations(derivations, rows, tuple(setup.sample.shape))
         return DerivePlan(derivations, tuple(setup.sample.shape))
 
     @classmethod
+    def draw(cls, f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
+        from hookrun.stages.derive.draw import draw_perturbations  # the pictures' libraries
+
+        return draw_perturbations(f, out_dir, rows, config)
+
+    @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
-        """The worst completeness gap of each result that has one (integrated gradients)."""
+        """The worst completeness gap of each result that has one (integrated gradients,
+        KernelSHAP), and what makes it smaller."""
         found = [(m, k, ds) for m, group in walk.derived_of(f).items() for k, ds in group.items()]
         index = f[layout.SAMPLES_INDEX][:rows] if layout.SAMPLES_INDEX in f else np.arange(rows)
         return [
-            _worst_gap(f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}", ds[:rows], index)
+            _worst_gap(f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}", ds[:rows], index, _gap_note(m))
             for m, k, ds in found
             if k.endswith(layout.GAP_SUFFIX)
         ]
 
 
-def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray) -> str:
-    """`integrated_gradients/input: worst completeness gap ... (sample #i)`."""
+def _gap_note(method: str) -> str:
+    """What the method says makes its gap smaller (a file's method may be unknown here)."""
+    return METHODS.get(method, "derive").gap_note if method in METHODS else ""
+
+
+def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray, note: str) -> str:
+    """`integrated_gradients/input: worst completeness gap ... (sample #i; ...)`."""
     if not len(gap):
         return f"{name}: no rows"
     worst = int(np.abs(gap).argmax())
     return (
         f"{name}: worst completeness gap {float(gap[worst]):+.3g} (sample {int(index[worst])}; "
-        "sum of attributions minus f(x) - f(baseline); more steps make it smaller)"
+        f"sum of attributions minus f(x) - f(baseline){'; ' + note if note else ''})"
     )

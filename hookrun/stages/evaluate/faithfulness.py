@@ -14,7 +14,7 @@ import torch
 
 from hookrun.errors import HookrunError
 from hookrun.io import layout
-from hookrun.stage import Stored
+from hookrun.stage import Stored, drawn_by_stages
 from hookrun.stages.derive.gradients import rows_per_pass
 from hookrun.stages.evaluate.config import EvaluateSpec
 from hookrun.stages.evaluate.registry import METRICS, EvalBatch
@@ -105,7 +105,11 @@ def plan_evaluation(
 def attribution_shapes(derived: Mapping[str, tuple[int, ...]], captures: Mapping[str, Any]) -> dict:
     """The attributions a run makes, path → per-sample shape: its derived results (not
     their completeness gaps) and a captured input gradient."""
-    out = {k: v for k, v in derived.items() if not k.endswith(layout.GAP_SUFFIX)}
+    out = {
+        k: v
+        for k, v in derived.items()
+        if not k.endswith(layout.GAP_SUFFIX) and not drawn_by_stages(k)  # tables, masks
+    }
     if layout.INPUT_GRAD in captures:
         out[layout.INPUT_GRAD] = tuple(captures[layout.INPUT_GRAD])
     return out
