@@ -81,9 +81,11 @@ def test_a_sweep_over_the_steering_scale(clean, tmp_path):
     out = hookrun_cli(["-m", *args, f"hydra.sweep.dir={tmp_path}"], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     logits = [read(tmp_path / str(job) / "captures.h5")["model/output"] for job in (0, 1)]
-    # scale 0: unchanged (to float32 rounding: another process may sum in another order, as
-    # seen once in a full test run on a loaded machine, 3 of 30 logits 1 ulp apart)
-    np.testing.assert_allclose(logits[0], data["model/output"], rtol=1e-6, atol=1e-7)
+    # scale 0: unchanged to float32 summation order: another process may pick another conv
+    # algorithm or thread split (seen in full runs on loaded machines: 3 of 30 logits 1 ulp
+    # apart; once one 2.4e-7 apart at 0.06, 64 ulps). The bound is still 4000 times below the
+    # effect of scale 1 asserted next.
+    np.testing.assert_allclose(logits[0], data["model/output"], rtol=1e-5, atol=1e-6)
     assert np.abs(logits[1] - logits[0]).max() > 1e-3
 
 
