@@ -31,7 +31,7 @@ def test_ci_runs_the_readme_installs_and_test_command():
 
 def test_both_readme_setups_use_the_constraints_file():
     for heading in (
-        "Set up and run (fresh machine, Python 3.10+, no network needed at run time)",
+        "Set up and run (fresh machine, Python 3.11+, no network needed at run time)",
         "Set up and test",
     ):
         first_install = next(s for s in _readme_command(heading) if "pip install -" in s)
