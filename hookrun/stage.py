@@ -7,7 +7,8 @@ A stage's life in a run:
 
 1. `parse(raw, ctx)`, at config time (no model, no data): its node of the config (`node`,
    e.g. `evaluate:`) typed, checked and frozen; None turns the stage off. The config's
-   schema gets one free-form key per stage node (config/schema.py).
+   schema gets one free-form key per stage node (config/schema.py); `schema()` names the
+   dataclasses `parse` merges the node into, which the configuration reference lists.
 2. `plan(config, setup)`, before any work, once the model is built, the data read and the
    hooks probed: every check that needs them (HookrunError naming the key); the stage's
    `Plan` for this run, or None (nothing to do here).
@@ -270,6 +271,16 @@ class Stage:
     # Whether its work changes the model's weights (and puts them back): a caller's model
     # is then kept whole around the run, whatever ends it.
     changes_weights: ClassVar[bool] = False
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        """The dataclasses its `parse` merges its node into, by the key each one reads.
+
+        Returns:
+            Key prefix (`circuit`, `derive.integrated_gradients`) → the dataclass whose
+            fields are that node's keys; the configuration reference lists them from here.
+        """
+        return {}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

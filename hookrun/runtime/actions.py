@@ -10,6 +10,7 @@ dataclass is what `args:` accepts, and `check()` what it refuses before any work
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -106,46 +107,69 @@ class Action:
 
 
 @dataclass
+class CommonArgs:
+    """The `args:` every action takes beside its own `Args`, parsed by build_action."""
+
+    positions: Any = None
+    """On token data (runtime/positions.py): where along the tokens the action acts, e.g. last
+    or a list of positions; null: every position."""
+    heads: Any = None
+    """At an attention pattern site (runtime/pattern.py): the heads it acts on; null: all."""
+    dtype: str | None = None
+    """A capture's storage float (float32, float16, bfloat16); null: sink.dtype."""
+
+
+@dataclass
 class NoArgs:
     pass
 
 
 @dataclass
 class CaptureArgs:
-    # Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size.
     pool: str | None = None
+    """Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size."""
     size: int = 1
+    """With `pool`: the side of the pooled map (size x size)."""
 
 
 @dataclass
 class ScaleArgs:
     factor: float = 1.0
+    """The site's tensor is multiplied by this."""
 
 
 @dataclass
 class AddArgs:
     value: float = 0.0
-    # A direction added along the site's last axis, `scale` times (runtime/vectors.py);
-    # `normalize`: at unit length first.
+    """A number added to every element of the site's tensor (without `vector`)."""
     vector: Any = None
+    """A direction added along the site's last axis, `scale` times (runtime/vectors.py);
+    `normalize`: at unit length first.
+    """
     scale: float = 1.0
+    """Times `vector` when it is added."""
     normalize: bool = False
+    """Scale `vector` to unit length before it is added."""
 
 
 @dataclass
 class AblateArgs:
-    vector: Any = None  # the direction removed (runtime/vectors.py)
+    vector: Any = None
+    """the direction removed (runtime/vectors.py)"""
 
 
 @dataclass
 class ClampArgs:
     min: float | None = None
+    """Values below this are raised to it; null: no lower bound."""
     max: float | None = None
+    """Values above this are lowered to it; null: no upper bound."""
 
 
 @dataclass
 class NoiseArgs:
     std: float = 1.0
+    """Standard deviation of the Gaussian noise added (seeded per row)."""
 
 
 ACTIONS: Registry[type[Action]] = Registry("an action")
@@ -381,14 +405,15 @@ def build_action(name: str, args: dict[str, Any], key: str) -> Action:
     """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
     cls = ACTIONS.get(name, f"{key}.action")
     args = dict(args)
-    positions = parse_positions(args.pop("positions", None), f"{key}.args.positions")
+    common = {f.name: args.pop(f.name, None) for f in dataclasses.fields(CommonArgs)}
+    positions = parse_positions(common["positions"], f"{key}.args.positions")
     if positions is not None and cls.reads_rows:
         raise HookrunError(
             f"{key}.args.positions: {positions.describe()} with action {name}, which puts "
             "whole stored rows back; valid: no positions (patch the whole tensor)"
         )
-    heads = parse_heads(args.pop("heads", None), f"{key}.args.heads")
-    dtype = _parse_dtype(args.pop("dtype", None), cls, f"{key}.args.dtype")
+    heads = parse_heads(common["heads"], f"{key}.args.heads")
+    dtype = _parse_dtype(common["dtype"], cls, f"{key}.args.dtype")
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     check_finite(f"{key}.args", parsed)
     cls.check(parsed, key)

@@ -48,10 +48,10 @@ __all__ = [
 
 @dataclass
 class CamArgs(LayerArgs):
-    # auto: found from the layer's output shape; nchw | nhwc | tokens when auto cannot tell.
     layout: Layout = Layout.auto
-    # Tokens before the H*W grid tokens (class, register); null: what the model declares.
+    """auto: found from the layer's output shape; nchw | nhwc | tokens when auto cannot tell."""
     prefix_tokens: int | None = None
+    """Tokens before the H*W grid tokens (class, register); null: what the model declares."""
 
 
 def probe_layer(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, torch.Tensor]:

@@ -45,6 +45,7 @@ log = logging.getLogger("hookrun")
 @dataclass
 class ScoreCamArgs(CamArgs):
     internal_batch_size: int | None = None
+    """Masked images per forward pass; null: by input size."""
 
 
 @dataclass(frozen=True)

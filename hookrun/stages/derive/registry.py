@@ -40,8 +40,8 @@ __all__ = [
 
 @dataclass
 class LayerArgs(Frozen):
-    # The module whose captures the method reads (the experiments pass model.cam_layer).
     layer: str | None = None
+    """The module whose captures the method reads (the experiments pass model.cam_layer)."""
 
 
 class Method:

@@ -20,17 +20,18 @@ __all__ = ["EvaluateConfig", "EvaluateSpec", "parse_evaluate"]
 
 @dataclass
 class EvaluateConfig(Frozen):
-    # Metrics computed for every evaluated attribution, in order (hookrun/evaluate/).
     metrics: list[str] = field(default_factory=lambda: ["deletion", "insertion", "road"])
-    # Attribution paths to evaluate (derived/<method>/<layer|input>, captures/input/
-    # grad_output); null: every attribution the run makes.
+    """Metrics computed for every evaluated attribution, in order (hookrun/evaluate/)."""
     of: list[str] | None = None
-    # Input-shaped attributions (N, C, H, W) → pixel relevance: abs_sum | sum | max_abs.
+    """Attribution paths to evaluate (derived/<method>/<layer|input>, captures/input/ grad_output);
+    null: every attribution the run makes.
+    """
     reduce: str = "abs_sum"
-    # Perturbed images per forward pass; null: as many as 8M input values allow.
+    """Input-shaped attributions (N, C, H, W) → pixel relevance: abs_sum | sum | max_abs."""
     batch_size: int | None = None
-    # What a sweep ranks its jobs by; null: road when it is computed, else the first metric.
+    """Perturbed images per forward pass; null: as many as 8M input values allow."""
     rank_by: str | None = None
+    """What a sweep ranks its jobs by; null: road when it is computed, else the first metric."""
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,17 @@ BASELINES = ("zeros", "blur", "mean")
 @dataclass
 class DeletionArgs(Frozen):
     steps: int = 20
-    baseline: str = "zeros"  # zeros | blur | mean
+    """Points on the curve: the fraction of pixels removed goes from 0 to 1 in this many steps."""
+    baseline: str = "zeros"
+    """zeros | blur | mean"""
 
 
 @dataclass
 class InsertionArgs(Frozen):
     steps: int = 20
-    baseline: str = "blur"  # zeros | blur | mean
+    """Points on the curve: the fraction of pixels inserted goes from 0 to 1 in this many steps."""
+    baseline: str = "blur"
+    """zeros | blur | mean"""
 
 
 def pixel_counts(steps: int, pixels: int) -> list[int]:

@@ -42,7 +42,11 @@ DIRECTIONS = (("road_morf", True), ("road_lerf", False))
 @dataclass
 class RoadArgs(Frozen):
     fractions: list[float] = field(default_factory=lambda: [k / 10 for k in range(1, 10)])
+    """The fractions of pixels removed, most relevant first (MoRF) and least relevant first
+    (LeRF).
+    """
     noise: float = 0.01
+    """Standard deviation of the noise added to each imputed pixel."""
 
 
 def removed_counts(fractions: list[float], pixels: int) -> list[int]:
