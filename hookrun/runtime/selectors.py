@@ -34,7 +34,7 @@ class SelectConfig(Frozen):
     exclude: Any = None
     """Globs to drop from what the other keys matched."""
     function: Any = None
-    """Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/engine/
+    """Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/runtime/
     functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex, only
     calls made inside the modules those match.
     """

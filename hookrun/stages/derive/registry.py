@@ -2,7 +2,7 @@
 raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
 
 A new method is one class registered with `@register_method(name)` in its own module under
-hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
+hookrun/stages/derive/ (imported by its __init__.py): its `Args` (what
 `derive.<name>:` accepts) and `check`, the captures it `requires`, an optional `prepare` on
 the model before the first batch, and `compute` on one batch of records. A method that needs
 passes of its own over the input (integrated gradients, SmoothGrad) sets `runs_passes` and

@@ -21,7 +21,7 @@ __all__ = ["EvaluateConfig", "EvaluateSpec", "parse_evaluate"]
 @dataclass
 class EvaluateConfig(Frozen):
     metrics: list[str] = field(default_factory=lambda: ["deletion", "insertion", "road"])
-    """Metrics computed for every evaluated attribution, in order (hookrun/evaluate/)."""
+    """Metrics computed for every evaluated attribution, in order (hookrun/stages/evaluate/)."""
     of: list[str] | None = None
     """Attribution paths to evaluate (derived/<method>/<layer|input>, captures/input/ grad_output);
     null: every attribution the run makes.

@@ -1,7 +1,7 @@
 """The metrics registry: how faithful is an attribution to the model it explains.
 
 A metric is one class registered with `@register_metric(name)` in its own module under
-hookrun/evaluate/ (imported by hookrun/evaluate/__init__.py): its `Args` (what
+hookrun/stages/evaluate/ (imported by its __init__.py): its `Args` (what
 `evaluate.<name>:` accepts) and `check`, the datasets it writes per attribution (`stored`,
 with their attributes), and `evaluate` on one batch. Every metric scores a perturbed image
 by the softmax probability of the run's target class, through the bare model (the run's
