@@ -4,8 +4,9 @@ Each action is a small class with typed arguments. The same action works at a fo
 (it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
 tensor that continues the computation; a capture returns its input unchanged.
 
-A new action is one class here, registered with `@_action(name)`; its `Args`
-dataclass is what `args:` accepts, and `check()` what it refuses before any work.
+A new action is one class here, registered with `@_action(name)` (from outside:
+`ACTIONS.register(name)` on a subclass that sets `name`); its `Args` dataclass is what
+`args:` accepts, and `check()` what it refuses before any work.
 """
 
 from __future__ import annotations
@@ -59,7 +60,19 @@ class SiteContext(Protocol):
 
 
 class Action:
-    """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
+    """Base class of a hook's action: what it does to the tensor at its site.
+
+    A subclass sets `name` (the config word, `action: clamp`) and `Args` (the dataclass of
+    its `args:`, parsed by `build_action`), overrides `apply` and, where it refuses some
+    arguments, `check`. `args.positions`, `args.heads` and `args.dtype` are common to all
+    (`CommonArgs`) and land in `positions`, `heads` and `dtype`.
+
+    Attributes:
+        args: The parsed `Args`.
+        captures: Whether it stores the tensor (`capture`): only those take `args.dtype`.
+        reads_rows: Whether it puts stored rows in per sample (`patch`): it needs a site
+            with one row per sample, and takes no `args.positions`.
+    """
 
     name: ClassVar[str]
     Args: ClassVar[type]
@@ -74,28 +87,70 @@ class Action:
     dtype: str | None = None
 
     def __init__(self, args: Any) -> None:
+        """Keep the parsed arguments; `build_action` makes actions, checked.
+
+        Args:
+            args: An instance of the class's `Args`.
+        """
         self.args = args
 
     @classmethod
     def check(cls, args: Any, key: str) -> None:
-        """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
+        """Refuse bad `args`; called before any work. By default every `Args` is fine.
+
+        Args:
+            args: The parsed `Args`.
+            key: The hook's key (`hooks.<name>`), to name `key.args.<x>` in the error.
+
+        Raises:
+            HookrunError: An argument is out of range or conflicts with another.
+        """
 
     def prepare(
         self, shape: tuple[int, ...], site: str, key: str, rows: int, measured: Any = None
     ) -> None:
-        """Check against the model, before any work: called once per site the probe saw
-        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1;
-        `measured`: what the run's model read for its vector sources (runtime/vectors.py)."""
+        """Check against the model, before any work: once per site the shape probe saw.
+
+        Args:
+            shape: The site's tensor per sample.
+            site: Its capture path (`captures/<layer>/<site>`).
+            key: The hook's key, for errors.
+            rows: The run covers dataset rows 0..rows-1.
+            measured: What the run's model read for its vector sources (runtime/vectors.py).
+
+        Raises:
+            HookrunError: The action cannot act on this site.
+        """
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Act on the tensor at the site: the one subclasses must write.
+
+        Args:
+            tensor: The activation (forward site) or gradient (gradient site).
+            ctx: What the action may use as it runs: record, generator, rows, key.
+
+        Returns:
+            The tensor that continues the computation (a capture: `tensor` itself).
+
+        Raises:
+            NotImplementedError: The base class does nothing.
+        """
         raise NotImplementedError
 
     def sources(self) -> dict[str, str]:
-        """Files the action reads ({file, sha256}), recorded in the run's provenance."""
+        """Files the action reads, recorded in the run's provenance.
+
+        Returns:
+            {"file": path, "sha256": digest} of each; {} by default.
+        """
         return {}
 
     def describe(self) -> str:
-        """`clamp{min=0.0}`: how the plan prints this action."""
+        """How the plan prints this action, e.g. `clamp{min=0.0}`.
+
+        Returns:
+            Its name and the arguments that are set.
+        """
         items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
         if self.positions is not None:
             items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
@@ -121,11 +176,13 @@ class CommonArgs:
 
 @dataclass
 class NoArgs:
-    pass
+    """An action with no arguments of its own (zero)."""
 
 
 @dataclass
 class CaptureArgs:
+    """The `args:` of capture."""
+
     pool: str | None = None
     """Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size."""
     size: int = 1
@@ -134,12 +191,16 @@ class CaptureArgs:
 
 @dataclass
 class ScaleArgs:
+    """The `args:` of scale."""
+
     factor: float = 1.0
     """The site's tensor is multiplied by this."""
 
 
 @dataclass
 class AddArgs:
+    """The `args:` of add."""
+
     value: float = 0.0
     """A number added to every element of the site's tensor (without `vector`)."""
     vector: Any = None
@@ -154,12 +215,16 @@ class AddArgs:
 
 @dataclass
 class AblateArgs:
+    """The `args:` of ablate_direction."""
+
     vector: Any = None
-    """the direction removed (runtime/vectors.py)"""
+    """The direction removed (runtime/vectors.py)."""
 
 
 @dataclass
 class ClampArgs:
+    """The `args:` of clamp."""
+
     min: float | None = None
     """Values below this are raised to it; null: no lower bound."""
     max: float | None = None
@@ -168,6 +233,8 @@ class ClampArgs:
 
 @dataclass
 class NoiseArgs:
+    """The `args:` of noise."""
+
     std: float = 1.0
     """Standard deviation of the Gaussian noise added (seeded per row)."""
 
@@ -187,13 +254,16 @@ def _action(name: str):
 
 @_action("capture")
 class Capture(Action):
-    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it);
-    with `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
-    `size` per spatial axis — what extraction jobs that want pooled features store."""
+    """Store the tensor in captures.h5, a copy, so later in-place ops cannot change it.
+
+    With `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
+    `size` per spatial axis: what extraction jobs that want pooled features store.
+    """
 
     Args, captures = CaptureArgs, True
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Record the tensor (pooled with `pool`) and return it unchanged."""
         ctx.record(self._pooled(tensor) if self.args.pool else tensor)
         return tensor
 
@@ -207,7 +277,19 @@ class Capture(Action):
             return pool(value, self.args.size)
 
     def stored_shape(self, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
-        """The per-sample shape stored for a tensor of per-sample `shape`."""
+        """The per-sample shape stored for a tensor of per-sample `shape`.
+
+        Args:
+            shape: The site's tensor per sample.
+            key: The hook's key, for errors.
+
+        Returns:
+            `shape`, or with `pool` (C, size, ...).
+
+        Raises:
+            HookrunError: `pool` on a tensor that is not (C, H, W) or (C, L), or a pooled
+                row too large.
+        """
         if not self.args.pool:
             return shape
         if len(shape) not in (2, 3):
@@ -222,6 +304,7 @@ class Capture(Action):
 
     @classmethod
     def check(cls, args: CaptureArgs, key: str) -> None:
+        """Refuse a `pool` other than avg, max or null, and a `size` below 1."""
         if args.pool is None:
             return
         if args.pool not in ("avg", "max"):
@@ -237,12 +320,16 @@ class Scale(Action):
     Args = ScaleArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor times `factor`."""
         return tensor * self.args.factor
 
 
 class _Directed(Action):
-    """An action along a vector of the site's last axis, read before any work: one vector
-    for every site, or each site's own where it was measured there (a prompts source)."""
+    """An action along a vector of the site's last axis, read before any work.
+
+    One vector for every site, or each site's own where it was measured there (a prompts
+    source).
+    """
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
@@ -283,9 +370,11 @@ class _Directed(Action):
         return vector.to(tensor.device, tensor.dtype)
 
     def sources(self) -> dict[str, str]:
+        """The vector's files and their digests."""
         return self.digests
 
     def describe(self) -> str:
+        """As Action.describe, the vector named by its files."""
         if self.source is None:
             return super().describe()
         files = ", ".join(p.name for p in self.source.files())
@@ -294,12 +383,15 @@ class _Directed(Action):
 
 @_action("add")
 class Add(_Directed):
-    """Add `value` to every element (the seeds' `grad + 2`), or `scale` × a vector along the
-    site's last axis (activation addition)."""
+    """Add `value` to every element, or `scale` × a vector along the site's last axis.
+
+    The first is the seeds' `grad + 2`; the second, activation addition.
+    """
 
     Args = AddArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor plus `value`, or plus `scale` × the vector."""
         if self.source is None:
             return tensor + self.args.value
         return tensor + self.args.scale * self._on(tensor, ctx)
@@ -317,6 +409,7 @@ class Add(_Directed):
 
     @classmethod
     def check(cls, args: AddArgs, key: str) -> None:
+        """Refuse `scale`/`normalize` without `vector`, `value` with it, a bad vector."""
         if args.vector is None and (args.scale != 1.0 or args.normalize):
             said = "scale" if args.scale != 1.0 else "normalize"
             raise HookrunError(f"{key}.args.{said}: applies to args.vector, which is not given")
@@ -330,12 +423,15 @@ class Add(_Directed):
 
 @_action("ablate_direction")
 class AblateDirection(_Directed):
-    """Remove each position's component along a direction: x − (x·d̂) d̂ (Arditi et al.
-    2024), d̂ the vector at unit length."""
+    """Remove each position's component along a direction: x − (x·d̂) d̂.
+
+    As Arditi et al. 2024, d̂ the vector at unit length.
+    """
 
     Args = AblateArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor without its component along the direction."""
         unit = self._on(tensor, ctx)
         return tensor - (tensor @ unit)[..., None] * unit
 
@@ -349,6 +445,7 @@ class AblateDirection(_Directed):
 
     @classmethod
     def check(cls, args: AblateArgs, key: str) -> None:
+        """Refuse a missing or bad `vector`."""
         if args.vector is None:
             raise HookrunError(
                 f"{key}.args.vector: null; valid: the direction ablate_direction removes (a "
@@ -364,10 +461,12 @@ class Clamp(Action):
     Args = ClampArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor clamped into [min, max]."""
         return tensor.clamp(min=self.args.min, max=self.args.max)
 
     @classmethod
     def check(cls, args: ClampArgs, key: str) -> None:
+        """Refuse neither bound, and `min` above `max`."""
         if args.min is None and args.max is None:
             raise HookrunError(f"{key}.args: clamp needs min, max or both")
         if args.min is not None and args.max is not None and args.min > args.max:
@@ -381,6 +480,7 @@ class Zero(Action):
     Args = NoArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Zeros of the tensor's shape."""
         return torch.zeros_like(tensor)
 
 
@@ -391,18 +491,33 @@ class Noise(Action):
     Args = NoiseArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor plus `std` × seeded standard normal noise."""
         gen = ctx.generator(tensor.device)
         noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype)
         return tensor + self.args.std * noise
 
     @classmethod
     def check(cls, args: NoiseArgs, key: str) -> None:
+        """Refuse a negative `std`."""
         if args.std < 0:
             raise HookrunError(f"{key}.args.std: {args.std} is negative; valid: std >= 0")
 
 
 def build_action(name: str, args: dict[str, Any], key: str) -> Action:
-    """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
+    """An Action from its config word and `args`, checked.
+
+    Args:
+        name: The config word (`capture`, `clamp`, ...).
+        args: The hook's `args:`, common ones (positions, heads, dtype) included.
+        key: The hook's key (`hooks.<name>`), named in errors.
+
+    Returns:
+        The action, its `positions`, `heads` and `dtype` set.
+
+    Raises:
+        HookrunError: An unknown action (naming `key.action` and the near match) or a bad
+            argument (naming `key.args.<x>`).
+    """
     cls = ACTIONS.get(name, f"{key}.action")
     args = dict(args)
     common = {f.name: args.pop(f.name, None) for f in dataclasses.fields(CommonArgs)}
