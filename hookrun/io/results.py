@@ -82,7 +82,7 @@ class Results:
         self.file.close()
 
     def __getitem__(self, key: str) -> Any:
-        """A dataset or group by path, e.g. `results["captures/layer4/output"]`.
+        """A dataset or group by its path in the file, e.g. captures/layer4/output.
 
         Args:
             key: The path inside the file, with or without a leading `/`.
@@ -142,7 +142,7 @@ class Results:
             site: The hook site: `input`, `output`, `grad_input`, `grad_output`, ...
 
         Returns:
-            The h5py dataset `results["captures/<layer>/<site>"]`.
+            The h5py dataset at captures/<layer>/<site>.
 
         Raises:
             KeyError: The file holds no such capture (the message names the nearest).

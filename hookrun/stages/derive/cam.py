@@ -5,7 +5,7 @@
 - guided_grad_cam: the input's Guided Backprop gradient times Grad-CAM upsampled to the
   input's size (bilinear), as in the Grad-CAM paper.
 Each works on any layout of the layer's output (channels-first, channels-last, tokens): the
-layout is decided once before the first batch (runtime/layouts.py, `derive.<method>.layout`
+layout is decided once before the first batch (runtime/spatial.py, `derive.<method>.layout`
 and `.prefix_tokens` to override), kept as the derivation's state, and the captures are
 converted to (N, C, H, W) just before the math; results are (N, H, W).
 """
@@ -24,7 +24,7 @@ from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.models.adapter import adapt
 from hookrun.runtime.handles import hooked, output_hooks
-from hookrun.runtime.layouts import (
+from hookrun.runtime.spatial import (
     Grid,
     Layout,
     channels_first_hint,
