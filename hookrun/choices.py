@@ -17,7 +17,7 @@ from hookrun.data.kinds import DATASETS
 from hookrun.models.sources import MODEL_SOURCES
 from hookrun.runtime.actions import ACTIONS
 from hookrun.stages.derive.registry import METHODS
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 __all__ = ["START", "END", "choices_table", "main"]
 
@@ -28,7 +28,7 @@ _POINTS = (
     ("`dataset.kind`", "hookrun/data/kinds.py", DATASETS),
     ("`hooks.<name>.action`", "hookrun/runtime/actions.py", ACTIONS),
     ("`derive.<method>`", "hookrun/stages/derive/", METHODS),
-    ("`evaluate.metrics`", "hookrun/stages/evaluate/", METRICS),
+    ("`evaluate.metrics`", "hookrun/stages/evaluate/", FAITHFULNESS_METRICS),
     ("`model.source`", "hookrun/models/sources.py", MODEL_SOURCES),
 )
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookrun.errors import HookrunError, unknown_key
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 from hookrun.stages.evaluate.relevance import REDUCTIONS
 from hookrun.typed import Frozen, check_range, parse_typed
 
@@ -54,12 +54,14 @@ def parse_evaluate(raw: Mapping[str, Any] | None) -> EvaluateSpec | None:
     if not raw:
         return None
     general = [f.name for f in dataclasses.fields(EvaluateConfig)]
-    _unknown(raw, general + METRICS.choices(), "evaluate")
+    _unknown(raw, general + FAITHFULNESS_METRICS.choices(), "evaluate")
     config = parse_typed({k: v for k, v in raw.items() if k in general}, EvaluateConfig, "evaluate")
     if not config.metrics:
-        raise HookrunError(f"evaluate.metrics: []; valid: any of {', '.join(METRICS.choices())}")
+        raise HookrunError(
+            f"evaluate.metrics: []; valid: any of {', '.join(FAITHFULNESS_METRICS.choices())}"
+        )
     for i, name in enumerate(config.metrics):
-        METRICS.get(name, f"evaluate.metrics[{i}]")
+        FAITHFULNESS_METRICS.get(name, f"evaluate.metrics[{i}]")
     if len(set(config.metrics)) != len(config.metrics):
         raise HookrunError(f"evaluate.metrics: {list(config.metrics)} names a metric twice")
     if config.reduce not in REDUCTIONS:
@@ -68,8 +70,8 @@ def parse_evaluate(raw: Mapping[str, Any] | None) -> EvaluateSpec | None:
     if config.of is not None and not config.of:
         raise HookrunError("evaluate.of: []; valid: attribution paths, or null for every one")
     parsed = []
-    for name in METRICS.choices():  # every node is checked, also of a metric not run
-        metric = METRICS.get(name, "evaluate.metrics")
+    for name in FAITHFULNESS_METRICS.choices():  # every node is checked, also of a metric not run
+        metric = FAITHFULNESS_METRICS.get(name, "evaluate.metrics")
         args = parse_typed(raw.get(name), metric.Args, f"evaluate.{name}")
         metric.check(args, f"evaluate.{name}")
         parsed.append((name, args))

@@ -25,9 +25,9 @@ from hookrun.stages.evaluate.impute import noisy_linear_imputation
 from hookrun.stages.evaluate.keys import FRACTIONS, SCORE_SUFFIX, evaluate_key
 from hookrun.stages.evaluate.registry import (
     EvalBatch,
-    Metric,
+    FaithfulnessMetric,
     Stored,
-    register_metric,
+    register_faithfulness_metric,
     target_probabilities,
 )
 from hookrun.stages.evaluate.relevance import pixel_ranks
@@ -71,8 +71,8 @@ class _Draws:
         return self.blocks[index]
 
 
-@register_metric("road")
-class Road(Metric):
+@register_faithfulness_metric("road")
+class Road(FaithfulnessMetric):
     Args = RoadArgs
     summary_suffix = SCORE_SUFFIX
 

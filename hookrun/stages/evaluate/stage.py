@@ -30,7 +30,7 @@ from hookrun.stages.evaluate.config import EvaluateConfig, parse_evaluate
 from hookrun.stages.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, EVALUATE, SCORE_SUFFIX
 from hookrun.stages.evaluate.ranking import write_ranking
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 __all__ = ["EvaluateStage"]
 
@@ -77,7 +77,10 @@ class EvaluateStage(Stage):
 
     @classmethod
     def schema(cls) -> Mapping[str, type]:
-        return {"evaluate": EvaluateConfig, **{f"evaluate.{n}": m.Args for n, m in METRICS.items()}}
+        return {
+            "evaluate": EvaluateConfig,
+            **{f"evaluate.{n}": m.Args for n, m in FAITHFULNESS_METRICS.items()},
+        }
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
