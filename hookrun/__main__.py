@@ -95,7 +95,8 @@ def _describe(err: Exception | Interrupted) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `hookrun` console script and `python -m hookrun`: the same start, the same exits."""
     quick = QuickExit()  # before the run: what start-up loaded is hookrun's own
     try:
         refuse_null_groups(sys.argv[1:], conf_dir())  # Hydra's own refusal is a traceback
@@ -111,3 +112,7 @@ if __name__ == "__main__":
             quick.leave(end.code)
         raise
     quick.leave()  # a successful run ends here, unless the ordinary exit is needed
+
+
+if __name__ == "__main__":
+    cli()
