@@ -183,10 +183,7 @@ def test_to_xarray_without_the_extra_says_how_to_install_it(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "xarray", None)
     with hookrun.open(path) as res, pytest.raises(HookrunError) as err:
         res.to_xarray()
-    assert str(err.value) == (
-        "to_xarray: xarray is not installed; install it with: pip install 'hookrun[xarray]' "
-        "(xarray and h5netcdf)"
-    )
+    assert str(err.value) == "to_xarray() needs the xarray extra: pip install 'hookrun[xarray]'"
 
 
 def test_a_killed_writers_file_opens_in_xarray(tmp_path):

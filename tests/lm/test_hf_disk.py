@@ -176,8 +176,7 @@ def test_bad_keys_are_refused_before_the_folder_is_read(tokenizer):
 def test_without_the_datasets_package_it_says_how_to_install_it(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
     says = refused(tokenizer, path=str(tmp_path))
-    assert "dataset.kind: 'hf_disk' needs the datasets package" in says
-    assert "pip install hookrun[hf]" in says
+    assert "dataset.kind: 'hf_disk' needs the hf extra: pip install 'hookrun[hf]'" in says
 
 
 def test_a_run_on_a_folder_stores_its_rows_and_sources(tmp_path):
