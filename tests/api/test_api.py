@@ -26,6 +26,7 @@ SMALL_PHOTOS = ["dataset.resize=64", "dataset.crop=64", "progress=false"]
 
 
 @pytest.mark.parametrize("experiment", ["guided_bp", "capture"])
+@pytest.mark.slow
 def test_api_writes_the_bytes_the_cli_writes(tmp_path, experiment):
     overrides = [f"experiment={experiment}", *SMALL_PHOTOS]
     cli = hookrun_cli([*overrides, f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path)

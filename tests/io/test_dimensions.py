@@ -186,6 +186,7 @@ def test_to_xarray_without_the_extra_says_how_to_install_it(tmp_path, monkeypatc
     assert str(err.value) == "to_xarray() needs the xarray extra: pip install 'hookrun[xarray]'"
 
 
+@pytest.mark.slow
 def test_a_killed_writers_file_opens_in_xarray(tmp_path):
     """A file still marked open by its SWMR writer, killed: to_xarray reads it as h5py does
     (with swmr=True), names and all."""

@@ -122,6 +122,7 @@ def _complete(tmp_path: Path) -> Path:
     ).path
 
 
+@pytest.mark.slow
 def test_verify_refuses_files_that_are_not_whole_hookrun_files(tmp_path):
     path = _complete(tmp_path / "run")
     assert verify(path)[0]
@@ -148,6 +149,7 @@ def test_verify_refuses_files_that_are_not_whole_hookrun_files(tmp_path):
 
 
 @pytest.mark.parametrize("offset", [100, 600, 1900])  # all in HDF5 metadata
+@pytest.mark.slow
 def test_damaged_metadata_gives_one_line_from_verify_render_and_resume(tmp_path, offset):
     args = [*SMALL, "dataset.size=2", *hook("c", "layer1", "output", "capture")]
     path = run_config(tmp_path / "run", args).path
@@ -196,6 +198,7 @@ def test_a_file_name_of_the_longest_legal_length_can_be_locked_and_written(tmp_p
     assert result.path == target and verify(target)[0]
 
 
+@pytest.mark.slow
 def test_verify_and_render_name_what_the_path_is(tmp_path):
     for tool in ("hookrun.verify", "hookrun.render"):
         for arg, what in ((str(tmp_path), "not a file"), ("", "no such file")):

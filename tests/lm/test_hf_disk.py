@@ -238,6 +238,7 @@ def test_damaged_arrow_data_and_keys_of_the_other_rows_are_refused(tmp_path, tok
     assert "'text' is null at" in says
 
 
+@pytest.mark.slow
 def test_damaged_offsets_are_refused_before_they_are_read(tmp_path):
     # Offsets pointing far past the text buffer would read out of bounds (a crash, or
     # wrong text): pyarrow's full check refuses the folder first. In a child process, so a

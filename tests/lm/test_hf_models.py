@@ -386,6 +386,7 @@ def test_bad_values_are_refused_naming_the_key():
     assert "model=hf" in _one_line(err, "model.dtype")
 
 
+@pytest.mark.slow
 def test_without_transformers_model_hf_says_how_to_install_it():
     code = (
         "import sys; sys.modules['transformers'] = None\n"

@@ -138,6 +138,7 @@ def test_open_lists_layers_and_reads_lazily(run_hookrun):
             res["layer1/output"]
 
 
+@pytest.mark.slow
 def test_render_cli_redraws_an_old_run(run_hookrun, tmp_path):
     result, _ = run_hookrun(
         [
@@ -189,6 +190,7 @@ def test_tensorboard_logger_writes_the_pictures_and_the_plan(run_hookrun, tmp_pa
     assert any("plan" in t for t in tags["tensors"])
 
 
+@pytest.mark.slow
 def test_main_command_summary_names_the_cat(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hookrun", "experiment=guided_bp", "progress=false"],
