@@ -175,6 +175,7 @@ def test_compose_returns_the_frozen_validated_spec():
         hookrun.compose(["experiment=grad_cam", "hooks.photo.action=captur"])
 
 
+@pytest.mark.slow
 def test_readme_from_python_example_runs(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()
     section = text.split("## From Python", 1)[1].split("\n## ", 1)[0]

@@ -68,6 +68,7 @@ def _check_tree(path, names: dict[str, tuple[str, ...]]) -> xarray.DataTree:
     return tree
 
 
+@pytest.mark.slow
 def test_a_grad_cam_run_opens_aligned_on_sample(tmp_path):
     path = run_config(tmp_path / "many", [*GRAD_CAM, "dataset.size=5"]).path
     tree = _check_tree(
@@ -178,6 +179,7 @@ def test_verify_checks_the_names_and_old_files_still_pass(tmp_path):
     assert verify(legacy)[0]  # hookrun 0.1.0 named no axes: nothing to check, nothing wrong
 
 
+@pytest.mark.slow
 def test_to_xarray_without_the_extra_says_how_to_install_it(tmp_path, monkeypatch):
     path = run_config(tmp_path, [*GRAD_CAM, "dataset.size=1"]).path
     monkeypatch.setitem(sys.modules, "xarray", None)

@@ -31,6 +31,8 @@ import hookrun
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 # resnet18 on 32 px noise: ~21 KiB a row, a few dozen rows a second on this machine.
 RUN = [
     "model=resnet18",
