@@ -23,6 +23,7 @@ from hookrun.data.prompts import PROMPT_COLUMNS, PromptsDatasetConfig, prompt_ro
 from hookrun.data.text import CorpusRows, TextDatasetConfig, field_documents, text_rows
 from hookrun.data.tokens import Tokenizing, TokenRows
 from hookrun.errors import HookrunError
+from hookrun.extras import missing_extra
 from hookrun.typed import Frozen
 
 __all__ = ["HfDiskDatasetConfig", "build_hf_disk"]
@@ -124,9 +125,8 @@ def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:
     try:
         import datasets  # an optional extra: pip install hookrun[hf]
     except ImportError:
-        raise HookrunError(
-            "dataset.kind: 'hf_disk' needs the datasets package; valid: pip install "
-            "hookrun[hf], or dataset=text with the rows exported to .jsonl"
+        raise missing_extra(
+            "dataset.kind: 'hf_disk'", "hf", "dataset=text with the rows exported to .jsonl"
         ) from None
     if cfg.path is None:
         raise HookrunError(f"dataset.path: null; valid: {_FOLDER} (give dataset.path=...)")

@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from hookrun.errors import HookrunError, did_you_mean
+from hookrun.errors import did_you_mean
+from hookrun.extras import missing_extra
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
 
@@ -199,11 +200,8 @@ class Results:
         try:
             import h5netcdf  # noqa: F401  (xarray's engine; imported here to name it if missing)
             import xarray
-        except ImportError as err:
-            raise HookrunError(
-                f"to_xarray: {err.name} is not installed; install it with: pip install "
-                "'hookrun[xarray]' (xarray and h5netcdf)"
-            ) from None
+        except ImportError:
+            raise missing_extra("to_xarray()", "xarray") from None
         swmr = {"swmr": True} if self.file.swmr_mode else None  # a killed or running writer
         source = io.BytesIO(self.image) if self.image is not None else self.path
         tree = xarray.open_datatree(source, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr)

@@ -48,6 +48,7 @@ def test_readme_lists_exactly_the_registered_choices():
         assert registry.choices() and all(f"`{n}`" in choices_table() for n in registry.choices())
 
 
+@pytest.mark.slow
 def test_every_dataset_kind_and_experiment_has_a_preset_that_composes():
     for kind in DATASETS.choices():
         assert (ROOT / "conf" / "dataset" / f"{kind}.yaml").is_file(), kind
