@@ -8,10 +8,10 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from conftest import compose_config
 
 from hookrun.config.build import build_spec
