@@ -19,6 +19,7 @@ from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import attach, read_names
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import (
+    SCALE_ATTRS,
     FileState,
     Provenance,
     copy_attrs,
@@ -153,6 +154,9 @@ def join_shards(
                 if is_whole_run(first):  # the same in every shard (the vocabulary): copied
                     # once (a virtual dataset takes no variable-length strings)
                     opened[0].copy(first, out, name=key)
+                    for name in SCALE_ATTRS:  # they point into the shard: attach names it
+                        if name in out[key].attrs:
+                            del out[key].attrs[name]
                     continue
                 # Shards hold whole batches in order, so a record stored once per batch
                 # joins in global batch order too.
