@@ -19,6 +19,7 @@ from hookrun.api import conf_dir
 from hookrun.config.groups import refuse_null_groups
 from hookrun.config.schema import register_configs
 from hookrun.errors import HookrunError, Interrupted, one_line
+from hookrun.extras import refuse_missing_launcher
 from hookrun.quick_exit import QuickExit
 
 register_configs()
@@ -95,10 +96,12 @@ def _describe(err: Exception | Interrupted) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `hookrun` console script and `python -m hookrun`: the same start, the same exits."""
     quick = QuickExit()  # before the run: what start-up loaded is hookrun's own
     try:
         refuse_null_groups(sys.argv[1:], conf_dir())  # Hydra's own refusal is a traceback
+        refuse_missing_launcher(sys.argv[1:])  # Hydra's own: "Could not find ..." and a list
     except HookrunError as err:
         print(f"hookrun: error: {one_line(err)}", file=sys.stderr)
         sys.exit(err.exit_code)
@@ -111,3 +114,7 @@ if __name__ == "__main__":
             quick.leave(end.code)
         raise
     quick.leave()  # a successful run ends here, unless the ordinary exit is needed
+
+
+if __name__ == "__main__":
+    cli()

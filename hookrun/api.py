@@ -37,7 +37,7 @@ __all__ = ["conf_dir", "compose", "run"]
 
 
 def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, Path]:
-    """The composed config (without its `hydra` node), the experiment and the default run dir."""
+    """The composed config (without its `hydra` node), the experiment and default run dir."""
     if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in (overrides or [])):
         raise HookrunError(
             f"overrides: {overrides!r}; valid: a list of strings, e.g. ['experiment=saliency']"
@@ -59,15 +59,39 @@ def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, P
 
 
 def compose(overrides: Sequence[str] | None = None) -> RunSpec:
-    """The validated, frozen RunSpec `python -m hookrun OVERRIDES` would run."""
+    """The validated, frozen RunSpec `python -m hookrun OVERRIDES` would run, without running.
+
+    Composes the same conf/ tree as the CLI (no global state left behind, no chdir, no
+    logging set up) and checks every key the config alone can check.
+
+    Args:
+        overrides: Hydra overrides, as on the command line: `["experiment=grad_cam",
+            "batch_size=8"]`; None or []: the default experiment.
+
+    Returns:
+        The RunSpec: every key typed and frozen (`spec.config`), the free-form nodes
+        (model, dataset, hooks, each stage's) parsed.
+
+    Raises:
+        HookrunError: `overrides` is not a list of strings; Hydra refused an override (an
+            unknown key, an unknown option of a group); or a value is invalid (the message
+            names the key, the value and what is valid).
+
+    Example:
+        >>> spec = hookrun.compose(["experiment=grad_cam", "batch_size=8"])
+        >>> spec.batch_size
+        8
+    """
     cfg, experiment, _ = _compose(overrides)
     release_model_keys(cfg, overrides or [], caller_model=False)
     return build_spec(cfg, experiment)
 
 
 def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> RunSpec:
-    """The spec, with the config's model / dataset replaced by what the caller handed in,
-    so the file's `config` attribute says where the numbers came from."""
+    """The spec, with the config's model / dataset replaced by what the caller handed in.
+
+    So the file's `config` attribute says where the numbers came from.
+    """
     tree = OmegaConf.create(spec.config_yaml)
     new_model = spec.model
     if model is not None:
@@ -81,8 +105,10 @@ def _describe_objects(spec: RunSpec, model: nn.Module | None, dataset: Any) -> R
 
 
 def _dataset_key(override: str) -> bool:
-    """Whether an override sets a key of the dataset node (`dataset.pack=false`), not the
-    dataset kind (`dataset=text`)."""
+    """Whether an override sets a key of the dataset node (`dataset.pack=false`).
+
+    Not the dataset kind (`dataset=text`).
+    """
     return override.lstrip("+~").startswith("dataset.")
 
 
@@ -110,8 +136,11 @@ def _refuse_text_without_language_model(cfg: DictConfig, model: Any, kind: str) 
 
 
 def _language_model(model: nn.Module | None, tokenizer: Any) -> nn.Module:
-    """A Hugging Face model and its tokenizer as hookrun's LanguageModel, its kind read from
-    the model's class (…ForCausalLM, …ForMaskedLM, …ForSequenceClassification, else base)."""
+    """A Hugging Face model and its tokenizer as hookrun's LanguageModel.
+
+    Its kind is read from the model's class (…ForCausalLM, …ForMaskedLM,
+    …ForSequenceClassification, else base).
+    """
     from hookrun.models.language import LanguageModel
 
     if model is None:
@@ -147,13 +176,39 @@ def run(
 ) -> Result:
     """Run an experiment as `python -m hookrun OVERRIDES` would.
 
-    `model`: any nn.Module to run instead of the config's (the selectors apply to it); a
-    Hugging Face model with its `tokenizer` runs as model=hf would (models/language.py);
-    `dataset`: a map-style dataset or iterable of tensors or (tensor, label) pairs, a list of
-    strings (documents, as dataset=text) or of prompt dicts (as dataset=prompts), or token
-    ids made already ({input_ids, attention_mask}: a tokenizer's output), instead of the
-    config's; `run_dir`: where captures.h5 and the pictures go (default: the CLI's
-    outputs/<date>/<time>/, relative to the current directory).
+    The same datasets as the CLI's run are written; a caller's model leaves the run exactly
+    as it came in (hooks, flags, devices, weights).
+
+    Args:
+        overrides: Hydra overrides, as on the command line: `["experiment=guided_bp"]`;
+            None or []: the default experiment.
+        model: Any nn.Module to run instead of the config's (the selectors apply to it); a
+            Hugging Face model with its `tokenizer` runs as model=hf would.
+        dataset: Instead of the config's: a map-style dataset or iterable of tensors or
+            (tensor, label) pairs, a list of strings (documents, as dataset=text) or of
+            prompt dicts (as dataset=prompts), or token ids made already
+            ({input_ids, attention_mask}: a tokenizer's output).
+        run_dir: Where captures.h5 and the pictures go; default: the CLI's
+            outputs/<date>/<time>/, relative to the current directory.
+        tokenizer: The tokenizer of a transformers `model`.
+
+    Returns:
+        The Result: the file's path (`result.open()` reads it), the run folder, the rows,
+        the plan and the summary.
+
+    Raises:
+        HookrunError: Bad input, named by its key: an override, a value, a `model` that is
+            not an nn.Module, a `tokenizer` without a transformers model, text data for a
+            model that is not a language model, a bad `run_dir`. Its subclass RunFault: a
+            fault of the surroundings (a full disk) after some rows were written;
+            `resume=true` continues the file.
+        Interrupted: SIGTERM or SIGINT stopped the run after the batch in flight (not an
+            Exception, as KeyboardInterrupt is not).
+
+    Example:
+        >>> result = hookrun.run(["experiment=grad_cam", "limit=4"], run_dir="out")
+        >>> with result.open() as res:
+        ...     res.layers
     """
     if model is not None and not isinstance(model, nn.Module):
         raise HookrunError(f"model: a {type(model).__name__} is not a torch.nn.Module")

@@ -9,6 +9,7 @@ exactly this table, so the docs cannot drift from what the code accepts.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hookrun.data.kinds import DATASETS
 from hookrun.models.sources import MODEL_SOURCES
 from hookrun.runtime.actions import ACTIONS
 from hookrun.stages.derive.registry import METHODS
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 __all__ = ["START", "END", "choices_table", "main"]
 
@@ -27,7 +28,7 @@ _POINTS = (
     ("`dataset.kind`", "hookrun/data/kinds.py", DATASETS),
     ("`hooks.<name>.action`", "hookrun/runtime/actions.py", ACTIONS),
     ("`derive.<method>`", "hookrun/stages/derive/", METHODS),
-    ("`evaluate.metrics`", "hookrun/stages/evaluate/", METRICS),
+    ("`evaluate.metrics`", "hookrun/stages/evaluate/", FAITHFULNESS_METRICS),
     ("`model.source`", "hookrun/models/sources.py", MODEL_SOURCES),
 )
 
@@ -41,10 +42,31 @@ def choices_table() -> str:
     return "\n".join([*rows, END])
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m hookrun.choices` (the CLI reference prints its help).
+
+    Returns:
+        The parser of its one flag, --write.
+    """
+    cli = argparse.ArgumentParser(
+        prog="python -m hookrun.choices",
+        description="The valid choices of every extension point, made from the registries.",
+    )
+    cli.add_argument(
+        "--write", action="store_true", help="refresh the table in README.md instead of printing it"
+    )
+    return cli
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    """Print the choices table, or with --write refresh it in README.md.
+
+    Args:
+        argv: The command line's arguments; None reads sys.argv.
+    """
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     table = choices_table()
-    if "--write" not in args:
+    if not args.write:
         print(table)
         return
     readme = Path(__file__).resolve().parents[1] / "README.md"

@@ -1,13 +1,16 @@
-"""The stage interface: every capability of a run beyond capturing — derived methods, the
-faithfulness evaluation, the sanity check, the patching grid, induction scores, and what
-comes next — is a `Stage`, registered with `@register_stage` in its own folder under
-hookrun/stages/. The pipeline loops over the registered stages and names none of them.
+"""The stage interface: every capability of a run beyond capturing is a `Stage`.
+
+Derived methods, the faithfulness evaluation, the sanity check, the patching grid,
+induction scores, and what comes next: each is a `Stage`, registered with
+`@register_stage` in its own folder under hookrun/stages/. The pipeline loops over the
+registered stages and names none of them.
 
 A stage's life in a run:
 
 1. `parse(raw, ctx)`, at config time (no model, no data): its node of the config (`node`,
    e.g. `evaluate:`) typed, checked and frozen; None turns the stage off. The config's
-   schema gets one free-form key per stage node (config/schema.py).
+   schema gets one free-form key per stage node (config/schema.py); `schema()` names the
+   dataclasses `parse` merges the node into, which the configuration reference lists.
 2. `plan(config, setup)`, before any work, once the model is built, the data read and the
    hooks probed: every check that needs them (HookrunError naming the key); the stage's
    `Plan` for this run, or None (nothing to do here).
@@ -79,16 +82,28 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stored:
-    """One dataset a stage writes: the shape of one row (per sample, or per batch where its
-    rows say so) and the dataset's attributes."""
+    """One dataset a stage writes.
+
+    Attributes:
+        shape: The shape of one row (per sample, or per batch where its rows say so).
+        attrs: The dataset's attributes.
+    """
 
     shape: tuple[int, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
 
 def describe_stored(stored: Mapping[str, Stored], itemsize: int, title: str) -> str:
-    """The dry-run lines of a stage's datasets: each one's shape and bytes per sample (their
-    total is in the estimated file size above)."""
+    """The dry-run lines of a stage's datasets: each one's shape and bytes per sample.
+
+    Args:
+        stored: The datasets, path → `Stored`.
+        itemsize: Bytes per stored element (sink.dtype's).
+        title: The first line's name for them.
+
+    Returns:
+        The lines, joined; their total is in the dry run's estimated file size.
+    """
     lines = [f"{title}: {len(stored)} dataset(s)"]
     for key, value in stored.items():
         size = format_bytes(math.prod(value.shape) * itemsize)
@@ -109,9 +124,11 @@ class ParseContext:
 
 @dataclass
 class Setup:
-    """What a stage plans against, before any work: the run's spec, the model, its data and
-    the probe of the hooks on one sample; `made` grows as the stages before it plan (what
-    each stored: path → per-row shape)."""
+    """What a stage plans against, before any work.
+
+    The run's spec, the model, its data and the shape probe of the hooks on one sample;
+    `made` grows as the stages before it plan (what each stored: path → per-row shape).
+    """
 
     spec: Any  # the RunSpec (config/build.py, which imports this module to parse stage nodes)
     model: nn.Module
@@ -128,8 +145,17 @@ class Setup:
     vocabulary: list[str] = field(default_factory=list)
 
     def causal_language(self, key: str) -> Any:
-        """The run's causal language model (models/language.py), for a stage that runs it on
-        token data itself; HookrunError naming `key` for any other model or data."""
+        """The run's causal language model, for a stage that runs it on token data itself.
+
+        Args:
+            key: The config key that asks for it, named in the error.
+
+        Returns:
+            The LanguageModel (models/language.py) of a causal_lm on token data.
+
+        Raises:
+            HookrunError: Another model, or data that is not tokens.
+        """
         from hookrun.models.adapter import adapt
 
         language = adapt(self.model).language
@@ -154,6 +180,7 @@ class Work:
 
     @property
     def model(self) -> nn.Module:
+        """The run's model, on the device."""
         return self.step.model
 
     @property
@@ -173,8 +200,11 @@ class Work:
 
     @property
     def tensors(self) -> Mapping[str, Any]:
-        """The records, with the captures the stage reads (Plan.reads) as the run made them:
-        on the run's device, in the run's dtype — not rounded to sink.dtype on the host."""
+        """The records, with the captures the stage reads (Plan.reads) as the run made them.
+
+        Those are on the run's device, in the run's dtype: not rounded to sink.dtype on the
+        host.
+        """
         return {**self.records, **self.step.recorder.kept}
 
     def context(self) -> BatchContext:
@@ -182,11 +212,26 @@ class Work:
         return self.step.context()
 
     def generator(self, name: str, device: torch.device | None = None) -> torch.Generator:
-        """A generator seeded by (run seed, `name`, the batch's first row)."""
+        """A generator seeded by (run seed, `name`, the batch's first row).
+
+        Args:
+            name: What draws from it, so two draws of one batch differ.
+            device: Where it draws; default: the CPU.
+
+        Returns:
+            The seeded generator: the same numbers for the same row in any batching.
+        """
         return self.step.recorder.generator(name, "input", device or torch.device("cpu"))
 
     def recorder(self, folds: Mapping[str, int]) -> Recorder:
-        """A fresh recorder for hooked passes of the stage's own (the sanity check's)."""
+        """A fresh recorder for hooked passes of the stage's own (the sanity check's).
+
+        Args:
+            folds: How many passes each capture's rows fold together, by path.
+
+        Returns:
+            A Recorder in the run's seed and store dtype.
+        """
         from hookrun.runtime.hooks import Recorder
         from hookrun.runtime.transfer import HostCopier
         from hookrun.timing import StageTimer
@@ -195,64 +240,129 @@ class Work:
 
 
 class Plan:
-    """One stage's work in one run (what `Stage.plan` returns)."""
+    """One stage's work in one run: what `Stage.plan` returns.
+
+    Subclass it and override what the stage does; every method's default does nothing
+    (stores nothing, reads nothing, changes nothing).
+    """
 
     def stored(self) -> Mapping[str, Stored]:
-        """Every dataset this stage writes, by path."""
+        """Every dataset this stage writes.
+
+        Returns:
+            Path in the file (`derived/<method>/<layer>`) → its per-row `Stored`.
+        """
         return {}
 
     def attrs(self) -> Mapping[str, Mapping[str, Any]]:
-        """Attributes of its groups (path → {name: value}), set when they are made."""
+        """Attributes of its groups, set when they are made.
+
+        Returns:
+            Group path → {attribute name: value}.
+        """
         return {}
 
     def shaped(self) -> Mapping[str, tuple[int, ...]]:
-        """Datasets whose axes are named by their shape as a capture's are (path → row
-        shape), where the stage's registered names (Stage.axes) cannot say: a method that
-        explains a language model's input embeddings stores (tokens, features)."""
+        """Datasets whose axes are named by their shape as a capture's are.
+
+        For where the stage's registered names (Stage.axes) cannot say: a method that
+        explains a language model's input embeddings stores (tokens, features).
+
+        Returns:
+            Path → per-row shape.
+        """
         return {}
 
     def describe(self, itemsize: int) -> str:
-        """Its lines in the dry run ('' for none): by default each dataset it stores."""
+        """Its lines in the dry run; by default each dataset it stores.
+
+        Args:
+            itemsize: Bytes per stored element (sink.dtype's).
+
+        Returns:
+            The lines, joined; '' for none.
+        """
         stored = self.stored()
         groups = sorted({key.split("/")[0] for key in stored})
         return describe_stored(stored, itemsize, "/" + ", /".join(groups)) if stored else ""
 
     def reads(self) -> frozenset[str]:
-        """Captures its `batch` computes from (Work.tensors): the run keeps them for the
-        batch as it made them, on its device and in its dtype (a stage computes from those,
-        and its result is rounded once, when stored)."""
+        """Captures its `batch` computes from (Work.tensors).
+
+        The run keeps them for the batch as it made them, on its device and in its dtype (a
+        stage computes from those, and its result is rounded once, when stored).
+
+        Returns:
+            The captures' paths.
+        """
         return frozenset()
 
     def sources(self) -> dict[str, dict[str, str]]:
-        """Files its work reads, by config key: {file, sha256} each. They join the run's
-        provenance (root attribute patch_sources), so resume refuses once one changed."""
+        """Files its work reads, which join the run's provenance.
+
+        They are stored in the root attribute patch_sources, so resume refuses once one
+        changed.
+
+        Returns:
+            Config key → {"file": path, "sha256": digest}.
+        """
         return {}
 
     def guard(self, model: nn.Module) -> AbstractContextManager:
-        """Held around the batches: what the stage changes in the model comes back (the
-        sanity check's randomised weights)."""
+        """Held around the batches: what the stage changes in the model comes back.
+
+        Args:
+            model: The run's model (the sanity check randomises its weights).
+
+        Returns:
+            A context manager that puts the model back on exit, whatever ends the run.
+        """
         return nullcontext()
 
     def batch(self, work: Work) -> Mapping[str, Any]:
-        """Its records of one batch (host tensors or arrays), keyed by path."""
+        """Its records of one batch.
+
+        Args:
+            work: The batch, after the hooked passes and the stages before this one.
+
+        Returns:
+            Path → host tensor or array, one row per sample (as `stored()` declared).
+        """
         return {}
 
     def finishes(self) -> Mapping[str, WholeRun]:
-        """The datasets of the whole run its `finish` writes once every row is in the file
-        (path → shape, dtype, attributes): made with the file, pending until then; the file
-        is complete only once each holds its values."""
+        """The datasets of the whole run its `finish` writes once every row is in the file.
+
+        They are made with the file and pending until then; the file is complete only once
+        each holds its values.
+
+        Returns:
+            Path → `WholeRun` (shape, dtype, attributes).
+        """
         return {}
 
     def finish(self, f: h5py.File) -> Mapping[str, Any]:
-        """Whole-run work, once every row is in the file `f` (rank 0, after the torchrun
-        join; `f` open for reading, its rows are final): the values of every dataset
-        `finishes()` names (path → array of its shape). A resume calls it only when one of
-        them is still pending, and writes them all again."""
+        """Whole-run work, once every row is in the file.
+
+        Called on rank 0, after the torchrun join. A resume calls it only when one of its
+        datasets is still pending, and writes them all again.
+
+        Args:
+            f: The file, open for reading; its rows are final.
+
+        Returns:
+            The values of every dataset `finishes()` names: path → array of its shape.
+        """
         return {}
 
 
 class Stage:
-    """Base class of a registered stage (see the module docstring for its life in a run)."""
+    """Base class of a registered stage; the module docstring tells its life in a run.
+
+    Subclass it, set `name` (and `node`, the config node it reads), override the
+    classmethods the stage needs and decorate it with `@register_stage`. Every default
+    does nothing: no node, no plan, no lines, no pictures.
+    """
 
     name: ClassVar[str]
     # Its node of the config (None: the stage reads none and plans from the run itself).
@@ -272,60 +382,163 @@ class Stage:
     changes_weights: ClassVar[bool] = False
 
     @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        """The dataclasses its `parse` merges its node into, by the key each one reads.
+
+        Returns:
+            Key prefix (`circuit`, `derive.integrated_gradients`) → the dataclass whose
+            fields are that node's keys; the configuration reference lists them from here.
+        """
+        return {}
+
+    @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
-        """Its node typed, checked and frozen; None: off (an empty node turns it off)."""
+        """Its config node typed, checked and frozen, at config time (no model, no data).
+
+        Args:
+            raw: The node as composed (a DictConfig, or None where the config has none).
+            ctx: What the node may be checked against (the config, target, dataset).
+
+        Returns:
+            The stage's config (a frozen dataclass), or None: off (an empty node turns it
+            off).
+
+        Raises:
+            HookrunError: A bad key or value, named in full (`circuit.k: ...; valid: ...`).
+        """
         return None
 
     @classmethod
     def resolve_layer(cls, config: Any, layer: str) -> Any:
-        """Its config with every `auto` layer (model.cam_layer=auto) set to `layer`."""
+        """Its config with every `auto` layer (model.cam_layer=auto) set to `layer`.
+
+        Args:
+            config: What `parse` returned.
+            layer: The layer the run picked.
+
+        Returns:
+            The config, `auto` replaced.
+        """
         return config
 
     @classmethod
     def says_auto(cls, config: Any) -> bool:
-        """Whether its config asks for the auto-picked layer."""
+        """Whether its config asks for the auto-picked layer.
+
+        Args:
+            config: What `parse` returned.
+
+        Returns:
+            True where a layer of it is `auto`.
+        """
         return False
 
     @classmethod
     def needs_input_gradient(cls, config: Any) -> str | None:
-        """The key whose work needs the gradient of the model's input (None: nothing does):
-        on token data, which has none, it is refused before the model runs."""
+        """The key whose work needs the gradient of the model's input.
+
+        On token data, which has none, it is refused before the model runs.
+
+        Args:
+            config: What `parse` returned.
+
+        Returns:
+            The key in full (`derive.methods`), or None: nothing does.
+        """
         return None
 
     @classmethod
     def plan(cls, config: Any, setup: Setup) -> Plan | None:
-        """Every check that needs the model and data; its Plan, or None."""
+        """Every check that needs the model and data, and the stage's work in this run.
+
+        Args:
+            config: What `parse` returned (its `auto` layers resolved).
+            setup: The run's spec, model, data and shape probe.
+
+        Returns:
+            Its Plan, or None: nothing to do in this run.
+
+        Raises:
+            HookrunError: A check failed; the message names the key.
+        """
         return None
 
     @classmethod
     def complete(cls, f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
-        """Before a file is marked complete: what it says of all its first `rows` rows (or
-        of the `shards` a torchrun join reads)."""
+        """Before a file is marked complete: what it says of all its rows.
+
+        Args:
+            f: The file, open for writing.
+            rows: How many rows it holds.
+            shards: The shards a torchrun join reads, or None.
+        """
 
     @classmethod
     def damage(cls, f: h5py.File, complete: bool) -> list[str]:
-        """What is wrong with its part of a file (python -m hookrun.verify); [] for none."""
+        """What is wrong with its part of a file, for python -m hookrun.verify.
+
+        Args:
+            f: The file, open for reading.
+            complete: Whether the file says it is complete.
+
+        Returns:
+            One line per fault; [] for none.
+        """
         return []
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
-        """Its lines in the end-of-run summary, from the file alone."""
+        """Its lines in the end-of-run summary, from the file alone.
+
+        Args:
+            f: The file, open for reading.
+            rows: How many rows it holds.
+
+        Returns:
+            The lines; [] for none.
+        """
         return []
 
     @classmethod
     def columns(cls, f: h5py.File, rows: int) -> dict[str, float]:
-        """Its columns of a sweep's summary (sweep_summary.csv): name → the job's number."""
+        """Its columns of a sweep's summary (sweep_summary.csv).
+
+        Args:
+            f: The job's file, open for reading.
+            rows: How many rows it holds.
+
+        Returns:
+            Column name → the job's number.
+        """
         return {}
 
     @classmethod
     def draw(cls, f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[Path]:
-        """Its pictures of the file, into `out_dir`; the files written."""
+        """Its pictures of the file.
+
+        Args:
+            f: The file, open for reading.
+            out_dir: Where the pictures go.
+            rows: How many rows to draw at most.
+            config: The run's resolved config.
+
+        Returns:
+            The files written.
+        """
         return []
 
     @classmethod
     def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
-        """At a sweep's end: its ranking of the jobs (each row: job, overrides, status, file
-        and `evaluation` with the columns' `means`) into `sweep_dir`; the files written."""
+        """At a sweep's end: its ranking of the jobs.
+
+        Args:
+            sweep_dir: The sweep's folder, where the ranking goes.
+            jobs: One row per job: job, overrides, status, file and `evaluation` with the
+                columns' `means`.
+
+        Returns:
+            The files written.
+        """
         return []
 
 
@@ -333,8 +546,19 @@ STAGES: Registry[type[Stage]] = Registry("a stage")
 
 
 def register_stage(cls: type[Stage]) -> type[Stage]:
-    """Class decorator: register a Stage under its `name`; the names of its datasets' axes
-    join the file's (io/dimensions.py)."""
+    """Class decorator: register a Stage under its `name`.
+
+    The names of its datasets' axes join the file's (io/dimensions.py).
+
+    Args:
+        cls: The Stage subclass.
+
+    Returns:
+        The class itself.
+
+    Raises:
+        ValueError: Another stage has that name already.
+    """
     STAGES.register(cls.name)(cls)
     name_axes(cls.axes)
     return cls
@@ -367,6 +591,9 @@ def completed(f: h5py.File, rows: int, shards: list[h5py.File] | None) -> None:
 
 
 def stage_nodes() -> list[tuple[str, str]]:
-    """The config nodes the stages read (each a key of the config's schema), each with the
-    key it follows."""
+    """The config nodes the stages read, each with the key it follows.
+
+    Returns:
+        (node, the key it follows) pairs; each node a key of the config's schema.
+    """
     return [(s.node, s.node_after) for s in stages() if s.node]

@@ -10,6 +10,7 @@ a complete, intact file, 1 otherwise (2 for a path that is not a file).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -100,15 +101,39 @@ def verify(path: Path) -> tuple[bool, list[str]]:
     return status == "complete" and intact, lines
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m hookrun.verify` (the CLI reference prints its help).
+
+    Returns:
+        The parser of one FILE argument.
+    """
+    cli = argparse.ArgumentParser(
+        prog="python -m hookrun.verify",
+        description="Is this captures.h5 complete and intact? Exit status 0 only for a "
+        "complete, intact file, 1 otherwise, 2 for a path that is not a file.",
+    )
+    cli.add_argument("file", help="a captures.h5 written by hookrun")
+    return cli
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m hookrun.verify FILE", file=sys.stderr)
-        return 2
-    path = Path(args[0])
-    if not args[0] or not path.is_file():
-        what = "not a file" if args[0] and path.exists() else "no such file"
-        print(f"hookrun.verify: error: {args[0]!r}: {what}", file=sys.stderr)
+    """Verify one file and print its status, rows and any damage.
+
+    Args:
+        argv: The command line's arguments; None reads sys.argv.
+
+    Returns:
+        The exit status: 0 for a complete, intact file, 1 otherwise, 2 for a bad path.
+    """
+    cli = parser()
+    try:
+        args = cli.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # argparse's usage error: exit status 2, as before
+        return int(stop.code or 0)
+    path = Path(args.file)
+    if not args.file or not path.is_file():
+        what = "not a file" if args.file and path.exists() else "no such file"
+        print(f"hookrun.verify: error: {args.file!r}: {what}", file=sys.stderr)
         return 2
     ok, lines = verify(path)
     print("\n".join(lines))

@@ -18,6 +18,8 @@ from conftest import hookrun_cli
 
 import hookrun
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hookrun.config.schema import RunConfig
 from hookrun.data.kinds import DATASETS
 from hookrun.errors import HookrunError
+from hookrun.extras import require_extra
 from hookrun.memory import check_fits
 from hookrun.models.config import ModelConfig
 from hookrun.models.sources import check_model, parse_model
@@ -124,6 +125,8 @@ def _run_checks(run: RunConfig) -> None:
         raise HookrunError(f"seed: {run.seed} is out of range; valid: 0 to 2**63 - 1")
     if run.logger not in _LOGGERS:
         raise HookrunError(f"logger: {run.logger!r}; valid: null, tensorboard")
+    if run.logger == "tensorboard":  # checked before the run, not at its end (render)
+        require_extra(["tensorboard"], "logger=tensorboard", "tensorboard", "logger=null")
     if not _DEVICE.match(run.device.name):
         raise HookrunError(
             f"device.name: {run.device.name!r} is not a device; valid: cpu, cuda, cuda:N, auto"

@@ -64,27 +64,33 @@ class Compression(str, Enum):
 
 @dataclass
 class SinkConfig(Frozen):
-    # Where captures.h5 goes; null = <run dir>/captures.h5; memory = kept in the calling
-    # Python process (hookrun.run's result.open() reads it; written to a private temporary
-    # folder while the run streams it, removed at its end), not from the command line.
     path: str | None = None
+    """Where captures.h5 goes; null = <run dir>/captures.h5; memory = kept in the calling Python
+    process (hookrun.run's result.open() reads it; written to a private temporary folder while
+    the run streams it, removed at its end), not from the command line.
+    """
     dtype: StoreDtype = StoreDtype.float32
+    """The floating-point type every dataset is stored in (a run computes in float32; values are
+    rounded once, when written).
+    """
     compression: Compression | None = None
-    # Replace an existing file at `path` (otherwise an existing file stops the run).
+    """HDF5 compression filter of every chunk; null: none."""
     overwrite: bool = False
-    # Batches waiting for the writer thread before the producer blocks.
+    """Replace an existing file at `path` (otherwise an existing file stops the run)."""
     queue_depth: int = 4
-    # HDF5 fletcher32 checksum on every chunk: a damaged chunk fails loudly when read.
-    # false trades that for write speed (the checksum halves the writer's MiB/s).
+    """Batches waiting for the writer thread before the producer blocks."""
     checksum: bool = True
+    """HDF5 fletcher32 checksum on every chunk: a damaged chunk fails loudly when read. false
+    trades that for write speed (the checksum halves the writer's MiB/s).
+    """
 
 
 @dataclass
 class DeviceConfig(Frozen):
-    # cpu | cuda | cuda:N | auto (cuda when available, else cpu)
     name: str = "cpu"
-    # TF32 convolutions/matmuls change numbers at the 1e-3 level; off unless asked for.
+    """cpu | cuda | cuda:N | auto (cuda when available, else cpu)"""
     allow_tf32: bool = False
+    """TF32 convolutions/matmuls change numbers at the 1e-3 level; off unless asked for."""
 
 
 @dataclass
@@ -93,34 +99,47 @@ class RunConfig(Frozen):
     dataset: Any = MISSING
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
-    # Make PyTorch refuse nondeterministic kernels (torch.use_deterministic_algorithms).
+    """Seeds every random draw of the run (random weights, fake data, noise, masks), so a run
+    repeats.
+    """
     deterministic: bool = False
+    """Make PyTorch refuse nondeterministic kernels (torch.use_deterministic_algorithms)."""
     batch_size: int = 32
-    # At most this many samples (the first ones, in dataset order); null = all.
+    """Samples per forward (and backward) pass."""
     limit: int | None = None
+    """At most this many samples (the first ones, in dataset order); null = all."""
     num_workers: int = 0
+    """Data-loader worker processes; 0 reads the data in the run's own process."""
     dry_run: bool = False
+    """Print the plan (matched modules, sites, shapes, estimated file size) and stop before any
+    batch runs.
+    """
     resume: bool = False
+    """Continue the interrupted captures.h5 at `sink.path` (or the run dir): the rows already
+    written are kept, the rest computed.
+    """
     target: TargetConfig = field(default_factory=TargetConfig)
     hooks: dict[str, Any] = field(default_factory=dict)
     sink: SinkConfig = field(default_factory=SinkConfig)
-    # Folders searched, in order, for torchvision checkpoint files before the torch hub
-    # cache and a download; a file counts only if its SHA-256 matches its name's hash.
     weights_path: list[str] = field(default_factory=list)
-    # Show a tqdm progress bar.
+    """Folders searched, in order, for torchvision checkpoint files before the torch hub cache and
+    a download; a file counts only if its SHA-256 matches its name's hash.
+    """
     progress: bool = True
-    # Time every stage (data, forward, backward, copy, write, queue wait) and print it.
+    """Show a tqdm progress bar."""
     profile: bool = False
-    # Pictures from the finished captures.h5 into <run dir>/images/<experiment>/.
+    """Time every stage (data, forward, backward, copy, write, queue wait) and print it."""
     render: bool = True
-    # Pictures for at most this many samples (the first rows).
+    """Pictures from the finished captures.h5 into <run dir>/images/<experiment>/."""
     render_max: int = 16
-    # How attribution maps are drawn: clipped (at the 99th percentile of |value|, over the
-    # photo), seed (the seed tutorials' normalize), or auto: seed for the seeds' gradient
-    # experiments (guided_bp, guided_grad_cam, grad_scale), clipped for every other.
+    """Pictures for at most this many samples (the first rows)."""
     render_style: str = "auto"
-    # null, or tensorboard: the pictures and the plan also go to <run dir>/tensorboard.
+    """How attribution maps are drawn: clipped (at the 99th percentile of |value|, over the photo),
+    seed (the seed tutorials' normalize), or auto: seed for the seeds' gradient experiments
+    (guided_bp, guided_grad_cam, grad_scale), clipped for every other.
+    """
     logger: str | None = None
+    """null, or tensorboard: the pictures and the plan also go to <run dir>/tensorboard."""
     # Beside these, one free-form node per stage (hookrun/stage.py), each `{}` (off) unless
     # set: derive, evaluate, sanity, patching — see run_schema.
 

@@ -23,6 +23,7 @@ from hookrun.data.prompts import PROMPT_COLUMNS, PromptsDatasetConfig, prompt_ro
 from hookrun.data.text import CorpusRows, TextDatasetConfig, field_documents, text_rows
 from hookrun.data.tokens import Tokenizing, TokenRows
 from hookrun.errors import HookrunError
+from hookrun.extras import missing_extra
 from hookrun.typed import Frozen
 
 __all__ = ["HfDiskDatasetConfig", "build_hf_disk"]
@@ -36,18 +37,24 @@ _BATCH = 1024  # rows read from the Arrow files at a time
 @dataclass
 class HfDiskDatasetConfig(Frozen):
     kind: str = "hf_disk"
-    # A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`.
     path: str | None = None
-    # The split of a DatasetDict folder; null: its only split (several are refused).
+    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
     split: str | None = None
-    # text: a corpus, read like dataset=text; prompts: rows read like dataset=prompts.
+    """The split of a DatasetDict folder; null: its only split (several are refused)."""
     rows: str = "text"
-    # The keys of dataset=text (rows: text) and dataset=prompts (context, prepend_bos).
+    """text: a corpus, read like dataset=text; prompts: rows read like dataset=prompts."""
     field: str = "text"
+    """The keys of dataset=text (rows: text) and dataset=prompts (context, prepend_bos)."""
     context: int = 128
+    """Tokens per row (rows: text), as dataset.context of dataset=text."""
     pack: bool = True
+    """rows: text: join the documents into full rows of `context` tokens (true) or one row per
+    document (false), as dataset=text.
+    """
     prepend_bos: bool = False
+    """Put the tokenizer's bos token before each row."""
     read: Any = "last"
+    """The row's read position: last, or a position i (negative: from the end), as dataset=text."""
 
     def check(self) -> None:
         if self.rows not in _ROWS:
@@ -118,9 +125,8 @@ def _split(cfg: HfDiskDatasetConfig) -> tuple[Any, str]:
     try:
         import datasets  # an optional extra: pip install hookrun[hf]
     except ImportError:
-        raise HookrunError(
-            "dataset.kind: 'hf_disk' needs the datasets package; valid: pip install "
-            "hookrun[hf], or dataset=text with the rows exported to .jsonl"
+        raise missing_extra(
+            "dataset.kind: 'hf_disk'", "hf", "dataset=text with the rows exported to .jsonl"
         ) from None
     if cfg.path is None:
         raise HookrunError(f"dataset.path: null; valid: {_FOLDER} (give dataset.path=...)")

@@ -79,11 +79,14 @@ def _kind(name: str, schema: type) -> Callable:
 @dataclass
 class FakeDatasetConfig(Frozen):
     kind: str = "fake"
-    # Number of samples; each is drawn from a generator seeded by (seed, index).
     size: int = 8
+    """Number of samples; each is drawn from a generator seeded by (seed, index)."""
     image_size: int = 224
+    """Height and width of each random image."""
     channels: int = 3
+    """Channels of each random image."""
     num_classes: int = 1000
+    """Labels are drawn from 0 to num_classes - 1."""
 
     def check(self) -> None:
         for name in ("size", "image_size", "channels", "num_classes"):
@@ -103,10 +106,12 @@ class FakeDatasetConfig(Frozen):
 @dataclass
 class ConstantDatasetConfig(Frozen):
     kind: str = "constant"
-    # Shape of one sample (no batch axis), e.g. [3] for the seed MLP.
     shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    """Shape of one sample (no batch axis), e.g. [3] for the seed MLP."""
     value: float = 1.0
+    """The value of every element of every sample."""
     size: int = 1
+    """Number of samples."""
 
     def check(self) -> None:
         check_range("dataset.size", self.size, 1)
@@ -122,11 +127,14 @@ class ConstantDatasetConfig(Frozen):
 
 @dataclass
 class PhotoTransformConfig(Frozen):
-    # Resize the short side, centre-crop, normalize (ImageNet statistics by default).
     resize: int = 256
+    """Resize the short side, centre-crop, normalize (ImageNet statistics by default)."""
     crop: int = 224
+    """Side of the centre crop, after the resize."""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """Per-channel mean subtracted after the crop."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """Per-channel standard deviation divided by after the mean."""
 
     def check(self) -> None:
         check_range("dataset.resize", self.resize, 1)
@@ -158,15 +166,15 @@ class PhotoTransformConfig(Frozen):
 @dataclass
 class ImageFolderDatasetConfig(PhotoTransformConfig):
     kind: str = "image_folder"
-    # A folder with one sub-folder per class (torchvision.datasets.ImageFolder layout).
     root: str = MISSING
+    """A folder with one sub-folder per class (torchvision.datasets.ImageFolder layout)."""
 
 
 @dataclass
 class SamplesDatasetConfig(PhotoTransformConfig):
     kind: str = "samples"
-    # Photos bundled with scikit-image (skimage.data), by function name: SAMPLE_PHOTOS.
     names: list[str] = field(default_factory=lambda: ["chelsea", "coffee", "rocket"])
+    """Photos bundled with scikit-image (skimage.data), by function name: SAMPLE_PHOTOS."""
 
     def check(self) -> None:
         super().check()
@@ -181,8 +189,8 @@ class SamplesDatasetConfig(PhotoTransformConfig):
 @dataclass
 class DigitsDatasetConfig(Frozen):
     kind: str = "digits"
-    # scikit-learn's bundled 8x8 handwritten digits; every 5th image is the test split.
     split: str = "test"
+    """scikit-learn's bundled 8x8 handwritten digits; every 5th image is the test split."""
 
     def check(self) -> None:
         if self.split not in ("train", "test", "all"):

@@ -59,11 +59,12 @@ class TooLong(HookrunError):
 @dataclass
 class PromptsDatasetConfig(Frozen):
     kind: str = "prompts"
-    # A .jsonl file of {prompt, answer?, counterfactual?, counterfactual_answer?}.
     path: str | None = None
-    # The longest prompt allowed; rows are as long as the file's longest prompt.
+    """A .jsonl file of {prompt, answer?, counterfactual?, counterfactual_answer?}."""
     context: int = 128
+    """The longest prompt allowed; rows are as long as the file's longest prompt."""
     prepend_bos: bool = False
+    """Put the tokenizer's bos token before each prompt."""
 
     def check(self) -> None:
         check_context(self.context)

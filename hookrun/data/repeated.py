@@ -36,13 +36,14 @@ log = logging.getLogger("hookrun")
 @dataclass
 class RepeatedTokensConfig(Frozen):
     kind: str = KIND
-    # Tokens of the random sequence (distinct ids), and how many times each row repeats it.
     length: int = 25
+    """Tokens of the random sequence (distinct ids), and how many times each row repeats it."""
     repeats: int = 2
-    # Rows of the dataset.
+    """How many times each row's random tokens are written one after the other."""
     size: int = 64
-    # A bos token (else cls) at the start of every row.
+    """Rows of the dataset."""
     prepend_bos: bool = False
+    """A bos token (else cls) at the start of every row."""
 
     def width(self) -> int:
         """Tokens a row: `repeats` copies of `length` tokens, and the bos."""

@@ -60,23 +60,27 @@ _TOKENS_READ = 1 << 20  # tokens per read when the whole corpus is scanned (fing
 @dataclass
 class TextDatasetConfig(Frozen):
     kind: str = "text"
-    # A .txt file (one document per line; blank lines skipped), a .jsonl file (the string
-    # `field` of each row) or a folder of them (sorted by name). `~` and paths relative to
-    # the working directory work. null: the experiment's default corpus, where it has one.
     path: str | None = None
+    """A .txt file (one document per line; blank lines skipped), a .jsonl file (the string `field`
+    of each row) or a folder of them (sorted by name). `~` and paths relative to the working
+    directory work. null: the experiment's default corpus, where it has one.
+    """
     field: str = "text"
-    # Tokens per row.
+    """The string key of each .jsonl row that holds its document."""
     context: int = 128
-    # true: the documents joined by the tokenizer's eos (else sep) token and cut into full
-    # rows of `context` tokens, the last partial row dropped; false: one row per document,
-    # truncated or right-padded to `context` (with its attention mask).
+    """Tokens per row."""
     pack: bool = True
-    # A bos token (else cls) at the start of every row.
+    """true: the documents joined by the tokenizer's eos (else sep) token and cut into full rows of
+    `context` tokens, the last partial row dropped; false: one row per document, truncated or
+    right-padded to `context` (with its attention mask).
+    """
     prepend_bos: bool = False
-    # The row's read position: last (the second-to-last real token: the label, its actual
-    # next token, is the last), or an int i (negative: from the end of the real tokens);
-    # the label is the token at i + 1.
+    """A bos token (else cls) at the start of every row."""
     read: Any = LAST
+    """The row's read position: last (the second-to-last real token: the label, its actual next
+    token, is the last), or an int i (negative: from the end of the real tokens); the label is
+    the token at i + 1.
+    """
 
     def check(self) -> None:
         check_context(self.context)

@@ -1,7 +1,7 @@
-"""Captured language-model tensors as token vectors for training (an SAE, a transcoder, a
-probe), read from the file a block of rows at a time, real tokens only (padding skipped
-through the stored mask), rows the file counts as complete only (a running or killed run's
-file works):
+"""Captured language-model tensors as token vectors, to train an SAE, a transcoder or a probe.
+
+Read from the file a block of rows at a time, real tokens only (padding skipped through the
+stored mask), rows the file counts as complete only (a running or killed run's file works):
 
 - `TokenBatches(path, keys, batch_size=4096, buffer=...)`: an IterableDataset of shuffled
   batches, one (B, D) tensor per key (several keys: the same tokens, e.g. a layer's input
@@ -35,9 +35,12 @@ __all__ = ["Activations", "TokenBatches"]
 
 @dataclass(frozen=True)
 class _Tokens:
-    """Where a capture's tokens are: its complete rows, positions stored per row (T, P, or
-    1 for (N, D)), features, HDF5 chunk rows, and whether /samples/mask says which of its
-    positions are real tokens (else every stored position is one)."""
+    """Where a capture's tokens are.
+
+    Its complete rows, positions stored per row (T, P, or 1 for (N, D)), features, HDF5
+    chunk rows, and whether /samples/mask says which of its positions are real tokens (else
+    every stored position is one).
+    """
 
     rows: int
     per_row: int
@@ -87,12 +90,27 @@ def _tokens(f: h5py.File, key: str) -> _Tokens:
 
 
 class Activations(Dataset):
-    """Token i of a (N, T, D) capture (or of listed positions, (N, P, D)) as a float32
-    tensor (D,). Sequential reads (a sampler that walks blocks in order, or shuffling inside
-    blocks) read each block once; `block` is the rows per read (default: the dataset's HDF5
-    chunk rows). For shuffled batches to train on, TokenBatches is faster by far."""
+    """Token i of a capture as a float32 tensor (D,): a map-style Dataset.
+
+    The capture is (N, T, D), (N, P, D) of listed positions, or (N, D) of one position per
+    row; item i is the i-th real token of the rows complete when it was opened. Sequential
+    reads (a sampler that walks blocks in order, or shuffling inside blocks) read each block
+    once. For shuffled batches to train on, TokenBatches is faster by far.
+    """
 
     def __init__(self, path: str | Path, key: str, block: int | None = None) -> None:
+        """Read where the capture's real tokens are (the mask, once).
+
+        Args:
+            path: The captures.h5.
+            key: The capture's path in the file, e.g. `captures/blocks.0/output`.
+            block: Rows per read; default: the dataset's HDF5 chunk rows.
+
+        Raises:
+            KeyError: The file has no dataset `key` (the message lists the captured modules).
+            ValueError: The dataset does not hold floats, or is not 2- or 3-dimensional.
+            OSError: The file cannot be opened.
+        """
         self.path, self.key = Path(path), key
         with open_readonly(self.path) as f:
             layout = _tokens(f, key)
@@ -105,9 +123,21 @@ class Activations(Dataset):
         self._file = None  # opened on first read, in the process (DataLoader worker) reading
 
     def __len__(self) -> int:
+        """The real tokens in the capture's complete rows."""
         return len(self.real) if self.real is not None else self.rows * self.tokens
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        """The i-th real token's feature vector.
+
+        Args:
+            i: The token's index, 0 <= i < len(self).
+
+        Returns:
+            A float32 tensor (D,).
+
+        Raises:
+            IndexError: `i` is out of range.
+        """
         if not 0 <= i < len(self):
             raise IndexError(i)
         flat = int(self.real[i]) if self.real is not None else i
@@ -123,8 +153,10 @@ class Activations(Dataset):
 
 
 class TokenBatches(IterableDataset):
-    """Shuffled batches of token vectors from the captures `keys` of a captures.h5 (one key,
-    or several of the same rows and positions: their vectors stay together, token by token).
+    """Shuffled batches of token vectors from captures of a captures.h5: an IterableDataset.
+
+    One key, or several of the same rows and positions: their vectors stay together, token
+    by token.
 
     Each iteration reads the file's blocks of `block` rows (default: the first key's HDF5
     chunk rows) whole and in order, keeps their real tokens in a buffer of `buffer` tokens in
@@ -138,7 +170,8 @@ class TokenBatches(IterableDataset):
     keys' D × the stored element size; the loader interleaves the workers' batches (not file
     order with `shuffle=False`), and each worker's last batch may be short. With
     `persistent_workers=True` the workers keep the epoch they started with: call
-    `set_epoch` on a reader whose workers are made anew each epoch."""
+    `set_epoch` on a reader whose workers are made anew each epoch.
+    """
 
     def __init__(
         self,
@@ -152,6 +185,28 @@ class TokenBatches(IterableDataset):
         block: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        """Check the keys and read the rows complete now (the epoch's rows).
+
+        Args:
+            path: The captures.h5.
+            keys: One capture's path (`captures/blocks.0/output`), or several of the same
+                rows and positions.
+            batch_size: Tokens per batch.
+            buffer: Tokens kept to shuffle among (at least two batches).
+            seed: The shuffle's seed, with the epoch.
+            shuffle: False: the tokens in file order.
+            drop_last: Whether to leave out the last, short batch.
+            block: Rows per read; default: the first key's HDF5 chunk rows.
+            dtype: The batches' dtype: torch.float32, float16, bfloat16 or float64.
+
+        Raises:
+            KeyError: The file has no dataset of one of the keys.
+            ValueError: A bad argument (`batch_size`, `buffer` or `block` not an integer
+                >= 1, no keys or one twice, another dtype), a dataset that does not hold
+                floats or is not 2- or 3-dimensional, or keys of different rows or
+                positions.
+            OSError: The file cannot be opened.
+        """
         self.path = Path(path)
         self.keys = [keys] if isinstance(keys, str) else list(keys)
         for name, value in (("batch_size", batch_size), ("buffer", buffer), ("block", block)):
@@ -191,15 +246,23 @@ class TokenBatches(IterableDataset):
         self.stored = stored.pop() if len(stored) == 1 else torch.float32  # the buffer's
 
     def set_epoch(self, epoch: int) -> None:
-        """Another shuffle for another epoch (as DistributedSampler.set_epoch), over the rows
-        complete now (a file a run is still writing has grown)."""
+        """Another shuffle for another epoch, as DistributedSampler.set_epoch.
+
+        The epoch reads the rows complete now (a file a run is still writing has grown).
+
+        Args:
+            epoch: The epoch, seeding the shuffle with `seed`.
+        """
         self.epoch = epoch
         with open_readonly(self.path) as f:
             self.rows = _tokens(f, self.keys[0]).rows
 
     def __len__(self) -> int:
-        """Batches of an epoch in one process (in DataLoader workers each worker's last
-        batch may be short: as many more as there are workers)."""
+        """Batches of an epoch in one process.
+
+        In DataLoader workers each worker's last batch may be short: as many more as there
+        are workers.
+        """
         with open_readonly(self.path) as f:
             layout = _tokens(f, self.keys[0])
             count = replace(layout, rows=min(layout.rows, self.rows)).count(f, self.block)
@@ -207,6 +270,12 @@ class TokenBatches(IterableDataset):
         return whole + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[torch.Tensor | tuple[torch.Tensor, ...]]:
+        """The epoch's batches: this DataLoader worker's share of the blocks, else all.
+
+        Yields:
+            One `dtype` tensor (B, D) per batch; for several keys, a tuple of them, one per
+                key.
+        """
         worker = get_worker_info()
         share, shares = (worker.id, worker.num_workers) if worker else (0, 1)
         seeded = np.random.SeedSequence([self.seed, self.epoch, share]).generate_state(1)[0]
@@ -311,8 +380,10 @@ def _stored_dtype(ds: h5py.Dataset) -> torch.dtype:
 def _fill(
     store: torch.Tensor, slots: torch.Tensor, stream: Iterator[torch.Tensor], carry: torch.Tensor
 ) -> tuple[int, torch.Tensor]:
-    """Copy the next vectors of `carry` then `stream` into the rows `slots` of `store`, in
-    order, until every slot is filled or the stream ends: how many were, and what is left."""
+    """Copy the next vectors of `carry` then `stream` into the rows `slots` of `store`.
+
+    In order, until every slot is filled or the stream ends: how many were, and what is left.
+    """
     filled, block = 0, carry
     while filled < len(slots):
         if not len(block):

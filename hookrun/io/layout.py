@@ -115,7 +115,7 @@ def gap_key(method: str, layer: str) -> str:
     return f"{derived_key(method, layer)}{GAP_SUFFIX}"
 
 
-# Dataset attributes of captures not stored one row per sample (runtime/probe.py): a tensor
+# Dataset attributes of captures not stored one row per sample (runtime/shape_probe.py): a tensor
 # with no batch axis has one row per batch of PER_BATCH samples (the last may be shorter);
 # one with k rows per sample folded into the batch axis is stored (N, k, ...), FOLDED = k.
 PER_BATCH = "per_batch"

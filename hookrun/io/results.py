@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from hookrun.errors import HookrunError, did_you_mean
+from hookrun.errors import did_you_mean
+from hookrun.extras import missing_extra
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
 
@@ -24,8 +25,11 @@ __all__ = ["Results", "open_results", "summary"]
 
 
 class Results:
-    """A finished (or interrupted) run's captures.h5, opened read-only: a path, or the file's
-    bytes (a run with sink.path=memory: `result.open()`).
+    """A finished (or interrupted) run's captures.h5, opened read-only.
+
+    Opened from a path, or from the file's bytes (a run with sink.path=memory:
+    `result.open()`); a file whose writer was killed mid-way opens too. Use it as a context
+    manager, or call `close()`.
 
     `results.layers` lists `{layer: {site: shape}}` (`repr` also says which datasets are
     not one row per sample: layout.rows_note); `results[path]` (a path such as
@@ -35,9 +39,23 @@ class Results:
     bfloat16 dataset decodes the same way (`results["captures"]["layer4/output"]`), and
     `results.file` is the plain h5py file (the words as stored);
     `results.config` is the resolved run config.
+
+    Attributes:
+        path: The file's path (`memory` for a file opened from bytes).
+        file: The plain h5py file, read-only: the words as stored.
+        image: The file's bytes when opened from memory, else None.
     """
 
     def __init__(self, path: str | Path | bytes) -> None:
+        """Open a captures.h5 read-only.
+
+        Args:
+            path: The file's path, or its bytes (`Result.memory` of a sink.path=memory run).
+
+        Raises:
+            OSError: No such file, or not a readable HDF5 file (the message says why: a
+                file cut short, for one).
+        """
         if isinstance(path, bytes | bytearray):  # a file in memory (sink.path=memory)
             self.image: bytes | None = bytes(path)
             self.path = Path("memory")
@@ -48,6 +66,7 @@ class Results:
         self.file = layout.open_readonly(self.path)  # also a run killed mid-way
 
     def __enter__(self) -> Results:
+        """The results themselves: `with hookrun.open(path) as res: ...`."""
         return self
 
     def __exit__(
@@ -56,12 +75,28 @@ class Results:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close the file on leaving the `with` block."""
         self.close()
 
     def close(self) -> None:
+        """Close the file; the datasets and groups read from it become unreadable."""
         self.file.close()
 
     def __getitem__(self, key: str) -> Any:
+        """A dataset or group by its path in the file, e.g. captures/layer4/output.
+
+        Args:
+            key: The path inside the file, with or without a leading `/`.
+
+        Returns:
+            An h5py dataset, read lazily by slicing (a bfloat16 one reads as float32, its
+            raw bits as `.raw`), or an h5py group that decodes its datasets the same way.
+
+        Raises:
+            KeyError: No such path in the file (the message names the nearest one, or the
+                dataset whose path ends with `key`), or a whole-run result the run has not
+                written yet (resume=true computes it).
+        """
         path = str(key).lstrip("/") or "/"
         if path not in self.file:
             raise KeyError(f"{key!r}: no such dataset or group in {self.path}{self._near(path)}")
@@ -74,18 +109,26 @@ class Results:
         return decoded_node(node)
 
     def __contains__(self, key: str) -> bool:
+        """Whether `results[key]` opens: the path is in the file and written."""
         path = str(key).lstrip("/") or "/"
         node = self.file.get(path)
         return node is not None and not (isinstance(node, h5py.Dataset) and layout.is_pending(node))
 
     def keys(self) -> list[str]:
-        """Every dataset `results[key]` opens, by path (those only naming a dimension, and
-        whole-run results not written yet, left out)."""
+        """Every dataset `results[key]` opens, by path.
+
+        Returns:
+            The datasets' paths; those only naming a dimension, and whole-run results not
+            written yet, left out.
+        """
         return [p for p in layout.dataset_names(self.file) if p in self]
 
     def _near(self, path: str) -> str:
-        """The hint for a path that is not in the file: a dataset whose path ends with it
-        (`feature_ablation/input` → `derived/feature_ablation/input`), else the closest."""
+        """The hint for a path that is not in the file.
+
+        A dataset whose path ends with it (`feature_ablation/input` →
+        `derived/feature_ablation/input`), else the closest.
+        """
         keys = self.keys()
         ending = [k for k in keys if k.endswith("/" + path)]
         if ending:
@@ -93,7 +136,18 @@ class Results:
         return did_you_mean(path, keys)
 
     def capture(self, layer: str, site: str) -> Any:
-        """The dataset of one capture, e.g. capture('layer4', 'grad_output')."""
+        """The dataset of one capture, e.g. `capture("layer4", "grad_output")`.
+
+        Args:
+            layer: The module's name as the file stores it (`results.layers` lists them).
+            site: The hook site: `input`, `output`, `grad_input`, `grad_output`, ...
+
+        Returns:
+            The h5py dataset at captures/<layer>/<site>.
+
+        Raises:
+            KeyError: The file holds no such capture (the message names the nearest).
+        """
         return self[layout.capture_key(layer, site)]
 
     @property
@@ -120,6 +174,7 @@ class Results:
 
     @property
     def status(self) -> str:
+        """The run's state as the file records it (`complete`, `running`, ...; `unknown`)."""
         return layout.read_state(self.file).status or "unknown"
 
     @property
@@ -128,19 +183,25 @@ class Results:
         return layout.read_state(self.file).completed
 
     def to_xarray(self) -> Any:
-        """The file as an `xarray.DataTree` (read lazily; close it when done): every
-        per-sample dataset on the one `sample` dimension, whose coordinate is the dataset
-        indices, so a group selects by index (`tree[group].sel(sample=7)`). Needs the extra:
-        pip install 'hookrun[xarray]'. A file of hookrun 0.1.0, written before axes had
-        names, opens with netCDF's phony names (`phony_dim_k`)."""
+        """The file as an `xarray.DataTree`, read lazily; close it when done.
+
+        Every per-sample dataset is on the one `sample` dimension, whose coordinate is the
+        dataset indices, so a group selects by index (`tree[group].sel(sample=7)`);
+        bfloat16 datasets read as float32. A file of hookrun 0.1.0, written before axes had
+        names, opens with netCDF's phony names (`phony_dim_k`).
+
+        Returns:
+            The `xarray.DataTree` of the file's groups.
+
+        Raises:
+            HookrunError: xarray or h5netcdf is not installed (the extra:
+                `pip install 'hookrun[xarray]'`).
+        """
         try:
             import h5netcdf  # noqa: F401  (xarray's engine; imported here to name it if missing)
             import xarray
-        except ImportError as err:
-            raise HookrunError(
-                f"to_xarray: {err.name} is not installed; install it with: pip install "
-                "'hookrun[xarray]' (xarray and h5netcdf)"
-            ) from None
+        except ImportError:
+            raise missing_extra("to_xarray()", "xarray") from None
         swmr = {"swmr": True} if self.file.swmr_mode else None  # a killed or running writer
         source = io.BytesIO(self.image) if self.image is not None else self.path
         tree = xarray.open_datatree(source, engine="h5netcdf", phony_dims="sort", driver_kwds=swmr)
@@ -160,8 +221,10 @@ class Results:
 
 
 def _decode_bfloat16(ds: Any) -> Any:
-    """A node's variables with bfloat16 bits (attribute dtype=bfloat16) as float32, decoded
-    lazily where xarray allows it (its own element-wise decoding), else on reading."""
+    """A node's variables with bfloat16 bits (attribute dtype=bfloat16) as float32.
+
+    Decoded lazily where xarray allows it (its own element-wise decoding), else on reading.
+    """
     import xarray
 
     try:
@@ -183,8 +246,18 @@ def _decode_bfloat16(ds: Any) -> Any:
 
 
 def open_results(path: str | Path | bytes) -> Results:
-    """Open a captures.h5 for reading (also available as `hookrun.open`): a path, or a
-    file's bytes."""
+    """Open a captures.h5 for reading; `hookrun.open` is this function.
+
+    Args:
+        path: The file's path, or its bytes (`Result.memory` of a sink.path=memory run).
+
+    Returns:
+        The file as `Results`, read-only (`with hookrun.open(path) as res: ...`).
+
+    Raises:
+        OSError: No such file, or not a readable HDF5 file (the message says why: a file
+            cut short, for one).
+    """
     return Results(path)
 
 
@@ -199,9 +272,22 @@ def summary(
     name: str | None = None,
 ) -> str:
     """The end-of-run text: where things are, rows, top-1 classes, time and throughput.
-    `computed`: the rows this process computed (a resumed run found the others done), which
-    is what the throughput counts; `more(file, rows)`: the lines the stages add; `name`: what
-    to call the file instead of its path (`memory`)."""
+
+    Args:
+        path: The complete captures.h5.
+        seconds: How long the run took.
+        class_names: The model's class names, to name each top-1 class; None: by index
+            (a language model's from the vocabulary the file stores).
+        images: The pictures' folder, or None when none were drawn.
+        show: How many samples' top-1 classes to list.
+        computed: The rows this process computed (a resumed run found the others done),
+            which is what the throughput counts; None: every row.
+        more: `more(file, rows)`: the lines the stages add.
+        name: What to call the file instead of its path (`memory`).
+
+    Returns:
+        The summary, one line per item.
+    """
     with Results(path) as res:
         rows = res.completed
         size = path.stat().st_size / 2**20
@@ -238,9 +324,12 @@ def summary(
 
 
 def _vanished(f: h5py.File, rows: int) -> list[str]:
-    """A warning for each attribution that is exactly zero in its first `rows` rows: the
-    target's gradient vanished (torchvision ViT's zero-initialised head with random weights
-    gives zeros everywhere); numbers that are right but say nothing should not pass unseen."""
+    """A warning for each attribution that is exactly zero in its first `rows` rows.
+
+    The target's gradient vanished (torchvision ViT's zero-initialised head with random
+    weights gives zeros everywhere); numbers that are right but say nothing should not pass
+    unseen.
+    """
     found = [ds for group in walk.derived_of(f).values() for ds in group.values()]
     if layout.INPUT_GRAD in f:
         found.append(decoded(f[layout.INPUT_GRAD]))

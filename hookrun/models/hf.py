@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from hookrun.errors import HookrunError, nearest, unknown_key
+from hookrun.extras import missing_extra
 from hookrun.memory import check_fits
 from hookrun.models.config import ModelConfig
 from hookrun.models.language import LanguageModel
@@ -81,10 +82,7 @@ def _transformers() -> Any:
     try:
         import transformers  # an optional extra: pip install hookrun[hf]
     except ImportError:
-        raise HookrunError(
-            "model.source: 'hf' needs the transformers package; valid: pip install hookrun[hf] "
-            "(transformers, tokenizers, safetensors)"
-        ) from None
+        raise missing_extra("model.source: 'hf'", "hf") from None
     return transformers
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hookrun.errors import HookrunError
+from hookrun.extras import missing_extra
 
 __all__ = ["STRATEGIES", "check_placement", "placement_kwargs", "execution_device", "is_placed"]
 
@@ -112,9 +113,8 @@ def check_placement(cfg: Any, meta: nn.Module | None) -> None:
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise HookrunError(
-            f"model.device_map: {cfg.device_map!r} needs the accelerate package; valid: "
-            "pip install 'hookrun[hf]' (or accelerate), or model.device_map=null"
+        raise missing_extra(
+            f"model.device_map: {cfg.device_map!r}", "hf", "model.device_map=null"
         ) from None
     device_map, memory = _parsed(cfg)
     if meta is None:

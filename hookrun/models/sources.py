@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hookrun.errors import HookrunError, nearest
+from hookrun.extras import missing_extra
 from hookrun.models import hf
 from hookrun.models.config import ModelConfig
 from hookrun.models.seeds import SEED_MODELS
@@ -138,10 +139,7 @@ def _timm():
     try:
         import timm  # an optional extra: pip install hookrun[timm]
     except ImportError:
-        raise HookrunError(
-            "model.source: 'timm' needs the timm package; valid: pip install hookrun[timm] "
-            "(timm 1.x), or model=torchvision"
-        ) from None
+        raise missing_extra("model.source: 'timm'", "timm", "model=torchvision") from None
     return timm
 
 

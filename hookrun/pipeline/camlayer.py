@@ -28,7 +28,7 @@ from hookrun.models.adapter import adapt
 from hookrun.runtime.handles import hooked, output_hooks
 from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.hookspec import says_auto, with_layer
-from hookrun.runtime.layouts import (
+from hookrun.runtime.spatial import (
     Layout,
     channels_first_hint,
     decide_grid,

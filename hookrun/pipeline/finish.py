@@ -1,6 +1,9 @@
-"""Step 3 of a run — finish: join torchrun shards, each stage's whole-run work once every
-row is in the file (which is complete only then), the pictures drawn from it, and the
-summary (file, pictures, top-1 classes, each stage's lines, throughput)."""
+"""Step 3 of a run, finish: the shards joined, the whole-run work, the pictures, the summary.
+
+The torchrun shards are joined; each stage's whole-run work runs once every row is in the
+file (which is complete only then); the pictures are drawn from it; and the summary says
+the file, pictures, top-1 classes, each stage's lines and the throughput.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +39,19 @@ log = logging.getLogger("hookrun")
 
 @dataclass
 class Result:
-    """What a run produced. `path` is the captures.h5 (None for a dry run); `open()` reads it."""
+    """What a run produced: `hookrun.run` returns it; `open()` reads its file.
+
+    Attributes:
+        path: The captures.h5; None for a dry run, or a sink.path=memory run.
+        run_dir: The run's folder (pictures, logs, the inline dataset).
+        rows: The rows in the file (a torchrun rank other than 0: those it computed).
+        plan_text: The plan, as the dry run prints it.
+        seconds: How long the run took.
+        summary: The end-of-run text, as the CLI logs it.
+        images: The pictures' folder; None when none were drawn (render=false).
+        profile: Seconds per stage (profile=true), else None.
+        memory: The file's bytes of a sink.path=memory run (`path` is None), else None.
+    """
 
     path: Path | None
     run_dir: Path
@@ -49,7 +64,15 @@ class Result:
     memory: bytes | None = None  # sink.path=memory: the file itself (`path` is None)
 
     def open(self) -> Results:
-        """The captures.h5 opened read-only (`with result.open() as res: ...`)."""
+        """The captures.h5 opened read-only: `with result.open() as res: ...`.
+
+        Returns:
+            The file as `Results` (from memory for a sink.path=memory run).
+
+        Raises:
+            ValueError: A dry run, which writes no file.
+            OSError: The file is gone or unreadable.
+        """
         if self.memory is not None:
             return Results(self.memory)
         if self.path is None:
@@ -58,7 +81,14 @@ class Result:
 
 
 def dry_result(run: Prepared) -> Result:
-    """`dry_run=true`: the plan printed, nothing written."""
+    """`dry_run=true`: the plan printed, nothing written.
+
+    Args:
+        run: The prepared run.
+
+    Returns:
+        A Result with no file.
+    """
     print(run.plan_text)
     print("dry run: nothing written")
     seconds = time.perf_counter() - run.started
@@ -66,8 +96,10 @@ def dry_result(run: Prepared) -> Result:
 
 
 def _draw(spec: RunSpec, path: Path, run_dir: Path, plan_text: str) -> Path | None:
-    """The run's pictures from its complete file (render=true); their folder, or None when
-    nothing was drawable."""
+    """The run's pictures from its complete file (render=true).
+
+    Their folder, or None when nothing was drawable.
+    """
     if not spec.render:
         return None
     # Imported here: matplotlib costs a run that draws nothing 0.2-0.3 s of start-up.
@@ -80,9 +112,11 @@ def _draw(spec: RunSpec, path: Path, run_dir: Path, plan_text: str) -> Path | No
 
 
 def _draw_missing(spec: RunSpec, path: Path, run_dir: Path) -> tuple[Path | None, int]:
-    """The pictures of a complete file that its folder lacks (a run stopped while drawing
-    them), drawn aside and moved in; those already there are left as they are. The folder
-    and how many were added."""
+    """The pictures of a complete file that its folder lacks, drawn aside and moved in.
+
+    For a run stopped while drawing them; those already there are left as they are. The
+    folder and how many were added.
+    """
     if not spec.render:
         return None, 0
     from hookrun.render.draw import render
@@ -108,9 +142,21 @@ def _draw_missing(spec: RunSpec, path: Path, run_dir: Path) -> tuple[Path | None
 def already_complete(
     spec: RunSpec, claim: Claim, run_dir: Path, caller_model: Any, world: World
 ) -> Result:
-    """resume=true on a file that is complete (a requeued job killed after its last row, or
-    while drawing): nothing computed, every dataset left as it is, the missing pictures
-    drawn (by rank 0 under torchrun); exit status 0."""
+    """resume=true on a file that is complete: nothing computed, the missing pictures drawn.
+
+    A requeued job killed after its last row, or while drawing: every dataset is left as it
+    is, the missing pictures drawn (by rank 0 under torchrun); exit status 0.
+
+    Args:
+        spec: The run's spec.
+        claim: The run's claim on its file.
+        run_dir: The run's folder.
+        caller_model: A caller's model, for its class names, or None.
+        world: The torchrun world.
+
+    Returns:
+        The Result, its summary saying nothing was computed.
+    """
     started = time.perf_counter()
     path = claim.final_path
     if world.rank != 0:
@@ -130,10 +176,12 @@ def already_complete(
 
 
 def _every_shard_complete() -> None:
-    """Wait until every rank's shard is complete (before rank 0 joins them), where a signal
-    stops the wait: a blocking barrier is one call into gloo that no handler interrupts,
-    and a rank whose shard was complete waited there for the others however it was told to
-    stop. A process of the job that ended meanwhile is said in one line."""
+    """Wait until every rank's shard is complete, before rank 0 joins them.
+
+    A signal stops the wait: a blocking barrier is one call into gloo that no handler
+    interrupts, and a rank whose shard was complete waited there for the others however it
+    was told to stop. A process of the job that ended meanwhile is said in one line.
+    """
     work = torch.distributed.barrier(async_op=True)
     with interruptible():
         while not work.is_completed():
@@ -149,9 +197,11 @@ def _every_shard_complete() -> None:
 
 
 def _whole_run(run: Prepared, path: Path) -> list[str]:
-    """Each stage's whole-run work still pending in the complete rows' file (all of it in a
-    new run; in a resumed one only what a kill left unwritten), written into the file, which
-    is then marked complete (io/whole_run.py). The stages that computed."""
+    """Each stage's whole-run work still pending in the complete rows' file, written into it.
+
+    All of it in a new run; in a resumed one only what a kill left unwritten. The file is
+    then marked complete (io/whole_run.py). The stages that computed.
+    """
     if not run.finishes:
         return []
     done = []
@@ -169,8 +219,20 @@ def _whole_run(run: Prepared, path: Path) -> list[str]:
 
 
 def finish(run: Prepared, rows_here: int) -> Result:
-    """After the last batch: rank 0 joins the shards, each stage's whole-run work, then
-    pictures and summary."""
+    """After the last batch: the shards joined, whole-run work, pictures and summary.
+
+    Rank 0 joins the shards and does the rest; every other rank returns its shard's Result.
+
+    Args:
+        run: The prepared run.
+        rows_here: The rows this process computed.
+
+    Returns:
+        The run's Result.
+
+    Raises:
+        RunFault: Another process of a torchrun job ended before every shard was complete.
+    """
     spec, world = run.spec, run.world
     total = len(run.data)
     path = run.claim.final_path

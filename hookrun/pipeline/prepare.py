@@ -50,9 +50,9 @@ from hookrun.pipeline.claim import Claim
 from hookrun.pipeline.measure import measure_vectors
 from hookrun.pipeline.plan_text import FileShape, describe_plan
 from hookrun.pipeline.tokencheck import check_reads_tokens, check_token_model, check_token_run
-from hookrun.runtime.layouts import axis_facts
 from hookrun.runtime.plan import CallShapes, HookPlan, check_reached, compile_plan
-from hookrun.runtime.probe import probe_shapes
+from hookrun.runtime.shape_probe import probe_shapes
+from hookrun.runtime.spatial import axis_facts
 from hookrun.runtime.step import RowFacts
 from hookrun.runtime.targets import TargetKind, check_target
 from hookrun.scale import distributed

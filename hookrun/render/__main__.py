@@ -8,30 +8,46 @@ from pathlib import Path
 from hookrun.errors import first_line
 from hookrun.render.draw import render
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m hookrun.render captures.h5`: re-draw the pictures of an earlier run."""
-    parser = argparse.ArgumentParser(prog="python -m hookrun.render", description=main.__doc__)
-    parser.add_argument("path", help="a captures.h5 written by hookrun")
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m hookrun.render` (the CLI reference prints its help).
+
+    Returns:
+        The parser of a captures.h5 path, --out and --max.
+    """
+    cli = argparse.ArgumentParser(
+        prog="python -m hookrun.render", description="Re-draw the pictures of an earlier run."
+    )
+    cli.add_argument("path", help="a captures.h5 written by hookrun")
+    cli.add_argument(
         "--out",
         type=Path,
         default=None,
         help="folder for the pictures (default: <run dir>/images/<experiment>)",
     )
-    parser.add_argument("--max", type=int, default=16, help="samples to draw (first rows)")
-    args = parser.parse_args(argv)
+    cli.add_argument("--max", type=int, default=16, help="samples to draw (first rows)")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hookrun.render captures.h5`: re-draw the pictures of an earlier run.
+
+    Args:
+        argv: The command line's arguments; None reads sys.argv.
+    """
+    cli = parser()
+    args = cli.parse_args(argv)
     if not args.path or not Path(args.path).is_file():
         what = "not a file" if args.path and Path(args.path).exists() else "no such file"
-        parser.error(f"{args.path!r}: {what}")
+        cli.error(f"{args.path!r}: {what}")
     args.path = Path(args.path)
     try:
         written = render(args.path, args.out, args.max)
     except (OSError, KeyError, RuntimeError, ValueError) as err:
         # Not HDF5, cut short, damaged metadata, not a file hookrun wrote: one line.
-        parser.exit(1, f"python -m hookrun.render: error: {args.path}: {first_line(err)}\n")
+        cli.exit(1, f"python -m hookrun.render: error: {args.path}: {first_line(err)}\n")
     if not written:
         print(f"nothing to draw in {args.path}")
         return

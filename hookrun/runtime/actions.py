@@ -4,12 +4,14 @@ Each action is a small class with typed arguments. The same action works at a fo
 (it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
 tensor that continues the computation; a capture returns its input unchanged.
 
-A new action is one class here, registered with `@_action(name)`; its `Args`
-dataclass is what `args:` accepts, and `check()` what it refuses before any work.
+A new action is one class here, registered with `@_action(name)` (from outside:
+`ACTIONS.register(name)` on a subclass that sets `name`); its `Args` dataclass is what
+`args:` accepts, and `check()` what it refuses before any work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -58,7 +60,19 @@ class SiteContext(Protocol):
 
 
 class Action:
-    """Base class: `name` is the config word, `Args` the dataclass of its `args:`."""
+    """Base class of a hook's action: what it does to the tensor at its site.
+
+    A subclass sets `name` (the config word, `action: clamp`) and `Args` (the dataclass of
+    its `args:`, parsed by `build_action`), overrides `apply` and, where it refuses some
+    arguments, `check`. `args.positions`, `args.heads` and `args.dtype` are common to all
+    (`CommonArgs`) and land in `positions`, `heads` and `dtype`.
+
+    Attributes:
+        args: The parsed `Args`.
+        captures: Whether it stores the tensor (`capture`): only those take `args.dtype`.
+        reads_rows: Whether it puts stored rows in per sample (`patch`): it needs a site
+            with one row per sample, and takes no `args.positions`.
+    """
 
     name: ClassVar[str]
     Args: ClassVar[type]
@@ -73,28 +87,70 @@ class Action:
     dtype: str | None = None
 
     def __init__(self, args: Any) -> None:
+        """Keep the parsed arguments; `build_action` makes actions, checked.
+
+        Args:
+            args: An instance of the class's `Args`.
+        """
         self.args = args
 
     @classmethod
     def check(cls, args: Any, key: str) -> None:
-        """Refuse bad `args` (HookrunError naming `key.args.<x>`); called before any work."""
+        """Refuse bad `args`; called before any work. By default every `Args` is fine.
+
+        Args:
+            args: The parsed `Args`.
+            key: The hook's key (`hooks.<name>`), to name `key.args.<x>` in the error.
+
+        Raises:
+            HookrunError: An argument is out of range or conflicts with another.
+        """
 
     def prepare(
         self, shape: tuple[int, ...], site: str, key: str, rows: int, measured: Any = None
     ) -> None:
-        """Check against the model, before any work: called once per site the probe saw
-        (`site` its capture path, `shape` per sample) in a run over dataset rows 0..rows-1;
-        `measured`: what the run's model read for its vector sources (runtime/vectors.py)."""
+        """Check against the model, before any work: once per site the shape probe saw.
+
+        Args:
+            shape: The site's tensor per sample.
+            site: Its capture path (`captures/<layer>/<site>`).
+            key: The hook's key, for errors.
+            rows: The run covers dataset rows 0..rows-1.
+            measured: What the run's model read for its vector sources (runtime/vectors.py).
+
+        Raises:
+            HookrunError: The action cannot act on this site.
+        """
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Act on the tensor at the site: the one subclasses must write.
+
+        Args:
+            tensor: The activation (forward site) or gradient (gradient site).
+            ctx: What the action may use as it runs: record, generator, rows, key.
+
+        Returns:
+            The tensor that continues the computation (a capture: `tensor` itself).
+
+        Raises:
+            NotImplementedError: The base class does nothing.
+        """
         raise NotImplementedError
 
     def sources(self) -> dict[str, str]:
-        """Files the action reads ({file, sha256}), recorded in the run's provenance."""
+        """Files the action reads, recorded in the run's provenance.
+
+        Returns:
+            {"file": path, "sha256": digest} of each; {} by default.
+        """
         return {}
 
     def describe(self) -> str:
-        """`clamp{min=0.0}`: how the plan prints this action."""
+        """How the plan prints this action, e.g. `clamp{min=0.0}`.
+
+        Returns:
+            Its name and the arguments that are set.
+        """
         items = ", ".join(f"{k}={v}" for k, v in vars(self.args).items() if v is not None)
         if self.positions is not None:
             items = ", ".join(filter(None, (items, f"positions={self.positions.describe()}")))
@@ -106,46 +162,81 @@ class Action:
 
 
 @dataclass
+class CommonArgs:
+    """The `args:` every action takes beside its own `Args`, parsed by build_action."""
+
+    positions: Any = None
+    """On token data (runtime/positions.py): where along the tokens the action acts, e.g. last
+    or a list of positions; null: every position."""
+    heads: Any = None
+    """At an attention pattern site (runtime/pattern.py): the heads it acts on; null: all."""
+    dtype: str | None = None
+    """A capture's storage float (float32, float16, bfloat16); null: sink.dtype."""
+
+
+@dataclass
 class NoArgs:
-    pass
+    """An action with no arguments of its own (zero)."""
 
 
 @dataclass
 class CaptureArgs:
-    # Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size.
+    """The `args:` of capture."""
+
     pool: str | None = None
+    """Store pooled feature maps instead of whole ones: avg | max (adaptive), to size x size."""
     size: int = 1
+    """With `pool`: the side of the pooled map (size x size)."""
 
 
 @dataclass
 class ScaleArgs:
+    """The `args:` of scale."""
+
     factor: float = 1.0
+    """The site's tensor is multiplied by this."""
 
 
 @dataclass
 class AddArgs:
+    """The `args:` of add."""
+
     value: float = 0.0
-    # A direction added along the site's last axis, `scale` times (runtime/vectors.py);
-    # `normalize`: at unit length first.
+    """A number added to every element of the site's tensor (without `vector`)."""
     vector: Any = None
+    """A direction added along the site's last axis, `scale` times (runtime/vectors.py);
+    `normalize`: at unit length first.
+    """
     scale: float = 1.0
+    """Times `vector` when it is added."""
     normalize: bool = False
+    """Scale `vector` to unit length before it is added."""
 
 
 @dataclass
 class AblateArgs:
-    vector: Any = None  # the direction removed (runtime/vectors.py)
+    """The `args:` of ablate_direction."""
+
+    vector: Any = None
+    """The direction removed (runtime/vectors.py)."""
 
 
 @dataclass
 class ClampArgs:
+    """The `args:` of clamp."""
+
     min: float | None = None
+    """Values below this are raised to it; null: no lower bound."""
     max: float | None = None
+    """Values above this are lowered to it; null: no upper bound."""
 
 
 @dataclass
 class NoiseArgs:
+    """The `args:` of noise."""
+
     std: float = 1.0
+    """Standard deviation of the Gaussian noise added (seeded per row)."""
 
 
 ACTIONS: Registry[type[Action]] = Registry("an action")
@@ -163,13 +254,16 @@ def _action(name: str):
 
 @_action("capture")
 class Capture(Action):
-    """Store the tensor in captures.h5 (a copy, so later in-place ops cannot change it);
-    with `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
-    `size` per spatial axis — what extraction jobs that want pooled features store."""
+    """Store the tensor in captures.h5, a copy, so later in-place ops cannot change it.
+
+    With `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
+    `size` per spatial axis: what extraction jobs that want pooled features store.
+    """
 
     Args, captures = CaptureArgs, True
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Record the tensor (pooled with `pool`) and return it unchanged."""
         ctx.record(self._pooled(tensor) if self.args.pool else tensor)
         return tensor
 
@@ -183,7 +277,19 @@ class Capture(Action):
             return pool(value, self.args.size)
 
     def stored_shape(self, shape: tuple[int, ...], key: str) -> tuple[int, ...]:
-        """The per-sample shape stored for a tensor of per-sample `shape`."""
+        """The per-sample shape stored for a tensor of per-sample `shape`.
+
+        Args:
+            shape: The site's tensor per sample.
+            key: The hook's key, for errors.
+
+        Returns:
+            `shape`, or with `pool` (C, size, ...).
+
+        Raises:
+            HookrunError: `pool` on a tensor that is not (C, H, W) or (C, L), or a pooled
+                row too large.
+        """
         if not self.args.pool:
             return shape
         if len(shape) not in (2, 3):
@@ -198,6 +304,7 @@ class Capture(Action):
 
     @classmethod
     def check(cls, args: CaptureArgs, key: str) -> None:
+        """Refuse a `pool` other than avg, max or null, and a `size` below 1."""
         if args.pool is None:
             return
         if args.pool not in ("avg", "max"):
@@ -213,12 +320,16 @@ class Scale(Action):
     Args = ScaleArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor times `factor`."""
         return tensor * self.args.factor
 
 
 class _Directed(Action):
-    """An action along a vector of the site's last axis, read before any work: one vector
-    for every site, or each site's own where it was measured there (a prompts source)."""
+    """An action along a vector of the site's last axis, read before any work.
+
+    One vector for every site, or each site's own where it was measured there (a prompts
+    source).
+    """
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
@@ -259,9 +370,11 @@ class _Directed(Action):
         return vector.to(tensor.device, tensor.dtype)
 
     def sources(self) -> dict[str, str]:
+        """The vector's files and their digests."""
         return self.digests
 
     def describe(self) -> str:
+        """As Action.describe, the vector named by its files."""
         if self.source is None:
             return super().describe()
         files = ", ".join(p.name for p in self.source.files())
@@ -270,12 +383,15 @@ class _Directed(Action):
 
 @_action("add")
 class Add(_Directed):
-    """Add `value` to every element (the seeds' `grad + 2`), or `scale` × a vector along the
-    site's last axis (activation addition)."""
+    """Add `value` to every element, or `scale` × a vector along the site's last axis.
+
+    The first is the seeds' `grad + 2`; the second, activation addition.
+    """
 
     Args = AddArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor plus `value`, or plus `scale` × the vector."""
         if self.source is None:
             return tensor + self.args.value
         return tensor + self.args.scale * self._on(tensor, ctx)
@@ -293,6 +409,7 @@ class Add(_Directed):
 
     @classmethod
     def check(cls, args: AddArgs, key: str) -> None:
+        """Refuse `scale`/`normalize` without `vector`, `value` with it, a bad vector."""
         if args.vector is None and (args.scale != 1.0 or args.normalize):
             said = "scale" if args.scale != 1.0 else "normalize"
             raise HookrunError(f"{key}.args.{said}: applies to args.vector, which is not given")
@@ -306,12 +423,15 @@ class Add(_Directed):
 
 @_action("ablate_direction")
 class AblateDirection(_Directed):
-    """Remove each position's component along a direction: x − (x·d̂) d̂ (Arditi et al.
-    2024), d̂ the vector at unit length."""
+    """Remove each position's component along a direction: x − (x·d̂) d̂.
+
+    As Arditi et al. 2024, d̂ the vector at unit length.
+    """
 
     Args = AblateArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor without its component along the direction."""
         unit = self._on(tensor, ctx)
         return tensor - (tensor @ unit)[..., None] * unit
 
@@ -325,6 +445,7 @@ class AblateDirection(_Directed):
 
     @classmethod
     def check(cls, args: AblateArgs, key: str) -> None:
+        """Refuse a missing or bad `vector`."""
         if args.vector is None:
             raise HookrunError(
                 f"{key}.args.vector: null; valid: the direction ablate_direction removes (a "
@@ -340,10 +461,12 @@ class Clamp(Action):
     Args = ClampArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor clamped into [min, max]."""
         return tensor.clamp(min=self.args.min, max=self.args.max)
 
     @classmethod
     def check(cls, args: ClampArgs, key: str) -> None:
+        """Refuse neither bound, and `min` above `max`."""
         if args.min is None and args.max is None:
             raise HookrunError(f"{key}.args: clamp needs min, max or both")
         if args.min is not None and args.max is not None and args.min > args.max:
@@ -357,6 +480,7 @@ class Zero(Action):
     Args = NoArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """Zeros of the tensor's shape."""
         return torch.zeros_like(tensor)
 
 
@@ -367,28 +491,44 @@ class Noise(Action):
     Args = NoiseArgs
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
+        """The tensor plus `std` × seeded standard normal noise."""
         gen = ctx.generator(tensor.device)
         noise = torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype)
         return tensor + self.args.std * noise
 
     @classmethod
     def check(cls, args: NoiseArgs, key: str) -> None:
+        """Refuse a negative `std`."""
         if args.std < 0:
             raise HookrunError(f"{key}.args.std: {args.std} is negative; valid: std >= 0")
 
 
 def build_action(name: str, args: dict[str, Any], key: str) -> Action:
-    """An Action from its config word and `args`; errors name `key.action` / `key.args.<x>`."""
+    """An Action from its config word and `args`, checked.
+
+    Args:
+        name: The config word (`capture`, `clamp`, ...).
+        args: The hook's `args:`, common ones (positions, heads, dtype) included.
+        key: The hook's key (`hooks.<name>`), named in errors.
+
+    Returns:
+        The action, its `positions`, `heads` and `dtype` set.
+
+    Raises:
+        HookrunError: An unknown action (naming `key.action` and the near match) or a bad
+            argument (naming `key.args.<x>`).
+    """
     cls = ACTIONS.get(name, f"{key}.action")
     args = dict(args)
-    positions = parse_positions(args.pop("positions", None), f"{key}.args.positions")
+    common = {f.name: args.pop(f.name, None) for f in dataclasses.fields(CommonArgs)}
+    positions = parse_positions(common["positions"], f"{key}.args.positions")
     if positions is not None and cls.reads_rows:
         raise HookrunError(
             f"{key}.args.positions: {positions.describe()} with action {name}, which puts "
             "whole stored rows back; valid: no positions (patch the whole tensor)"
         )
-    heads = parse_heads(args.pop("heads", None), f"{key}.args.heads")
-    dtype = _parse_dtype(args.pop("dtype", None), cls, f"{key}.args.dtype")
+    heads = parse_heads(common["heads"], f"{key}.args.heads")
+    dtype = _parse_dtype(common["dtype"], cls, f"{key}.args.dtype")
     parsed = parse_typed(args, cls.Args, f"{key}.args")
     check_finite(f"{key}.args", parsed)
     cls.check(parsed, key)

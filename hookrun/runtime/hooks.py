@@ -56,8 +56,9 @@ class Recorder:
         folds: dict[str, int] | None = None,
     ) -> None:
         self.seed = seed
-        # Capture path → rows per sample for tensors not one row per sample (runtime/probe.py):
-        # k > 1 folded sample by sample, 0 no batch axis (stored as one row per batch).
+        # Capture path → rows per sample for tensors not one row per sample (the shape probe,
+        # runtime/shape_probe.py): k > 1 folded sample by sample, 0 no batch axis (stored as
+        # one row per batch).
         self.folds = folds or {}
         self.store_dtype = store_dtype
         # Captures stored in another float (a hook's args.dtype): path → dtype.

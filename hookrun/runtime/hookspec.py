@@ -22,12 +22,15 @@ __all__ = ["HookConfig", "HookSpec", "AUTO", "says_auto", "with_layer"]
 class HookConfig(Frozen):
     select: SelectConfig = field(default_factory=SelectConfig)
     at: Site = MISSING
+    """The site the hook acts at: a module's input or output, or the gradient of either."""
     action: str = MISSING
+    """What the hook does there (its arguments under `args`)."""
     args: dict[str, Any] = field(default_factory=dict)
-    # The backward pass a gradient-site hook acts in. Passes share one forward pass and
-    # never see each other's changes: guided_grad_cam takes plain gradients at the CAM layer
-    # in pass `main` and Guided Backprop's clamped ones at the input in pass `guided`.
     backward: str = "main"
+    """The backward pass a gradient-site hook acts in. Passes share one forward pass and never see
+    each other's changes: guided_grad_cam takes plain gradients at the CAM layer in pass `main`
+    and Guided Backprop's clamped ones at the input in pass `guided`.
+    """
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,17 @@ MODES = ("replace", "add")
 @dataclass
 class PatchArgs:
     file: str | None = None
+    """A finished run's captures.h5 to read from (relative paths from the directory you run in)."""
     record: str | None = None
+    """The dataset of `file` to read; null: the site's own capture of the same module and site."""
     reduce: str = "none"
-    row: str = "same"  # same | an integer row of the source
+    """none | mean: mean averages every stored row (mean ablation)."""
+    row: str = "same"
+    """same | an integer row of the source"""
     mode: str = "replace"
+    """replace | add: the site becomes scale x stored, or site + scale x stored."""
     scale: float = 1.0
+    """Times the stored value, in either mode."""
 
 
 @dataclass(frozen=True)

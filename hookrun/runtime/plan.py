@@ -57,7 +57,7 @@ class PlannedHook:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One floating-point tensor of a call, as the probe measured it (runtime/probe.py): its
+    """One floating-point tensor of a call, as the probe measured it (runtime/shape_probe.py): its
     name suffix (runtime/leaves.py), the shape of one stored row, and how its rows map to
     samples — `fold` 1: one row per sample; k > 1: k rows per sample folded into the batch
     axis, sample by sample (stored (N, k, ...)); 0: no batch axis (the whole tensor, stored

@@ -23,19 +23,21 @@ __all__ = ["INPUT_LAYER", "SelectConfig", "select_layers", "resolve_type"]
 
 @dataclass
 class SelectConfig(Frozen):
-    # Globs over qualified module names (`*` crosses dots, never matches the root);
-    # `input` names the model-input pseudo-layer.
     name: Any = None
-    # Regular expressions, full match.
+    """Globs over qualified module names (`*` crosses dots, never matches the root); `input` names
+    the model-input pseudo-layer.
+    """
     regex: Any = None
-    # Class names: short torch.nn names (ReLU) or dotted import paths.
+    """Regular expressions, full match."""
     type: Any = None
-    # Globs to drop from what the other keys matched.
+    """Class names: short torch.nn names (ReLU) or dotted import paths."""
     exclude: Any = None
-    # Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/engine/
-    # functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex,
-    # only calls made inside the modules those match.
+    """Globs to drop from what the other keys matched."""
     function: Any = None
+    """Functions called inside forward (relu, gelu, linear, softmax, ...; hookrun/runtime/
+    functions.py): each call is a site `<module>/<function>.<k>`; with name/type/regex, only
+    calls made inside the modules those match.
+    """
 
 
 INPUT_LAYER = "input"

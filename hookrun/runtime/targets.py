@@ -50,8 +50,12 @@ class TargetKind(str, Enum):
 @dataclass
 class TargetConfig(Frozen):
     kind: TargetKind = TargetKind.predicted
-    # The class to start from when kind=index.
+    """What the backward pass starts from: the predicted class, the label, a class `index`, the
+    sum of the outputs, none (no backward pass); language models: the next token, the answer or
+    the logit difference of answer and counterfactual.
+    """
     index: int | None = None
+    """The class to start from when kind=index."""
 
 
 # Kinds whose target is each row's label: a class, or a language model's token (the token

@@ -26,6 +26,7 @@ SMALL_PHOTOS = ["dataset.resize=64", "dataset.crop=64", "progress=false"]
 
 
 @pytest.mark.parametrize("experiment", ["guided_bp", "capture"])
+@pytest.mark.slow
 def test_api_writes_the_bytes_the_cli_writes(tmp_path, experiment):
     overrides = [f"experiment={experiment}", *SMALL_PHOTOS]
     cli = hookrun_cli([*overrides, f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path)
@@ -174,6 +175,7 @@ def test_compose_returns_the_frozen_validated_spec():
         hookrun.compose(["experiment=grad_cam", "hooks.photo.action=captur"])
 
 
+@pytest.mark.slow
 def test_readme_from_python_example_runs(tmp_path, monkeypatch):
     text = (ROOT / "README.md").read_text()
     section = text.split("## From Python", 1)[1].split("\n## ", 1)[0]

@@ -87,6 +87,7 @@ def _args(experiment: str) -> list[str]:
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.slow
 def test_every_experiment_runs_on_a_callers_model(model, experiment, stored, tmp_path, caplog):
     args = _args(experiment)
     if experiment == "patch":

@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import h5py
+import pytest
 from conftest import SEED_MLP, hookrun_cli
+
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
 
 # A model module of the user's that registers an exit handler (as wandb or a logger would)
 # and starts a worker thread that is still writing when the run ends.

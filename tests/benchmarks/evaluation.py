@@ -24,7 +24,7 @@ import torchvision
 from loops import compare  # this folder: run as a script, it is first on sys.path
 
 from hookrun.stages.derive.gradients import rows_per_pass
-from hookrun.stages.evaluate.registry import METRICS, EvalBatch
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS, EvalBatch
 from hookrun.stages.evaluate.relevance import pixel_relevance
 
 __all__ = ["evaluation_rows"]
@@ -56,7 +56,7 @@ def _batch(model, x, target, relevance) -> EvalBatch:
 
 
 def _metric(name: str, model, x, target, relevance, **args):
-    metric = METRICS.get(name, "bench")
+    metric = FAITHFULNESS_METRICS.get(name, "bench")
     parsed = metric.Args(**args)
     return lambda: metric.evaluate(parsed, _batch(model, x, target, relevance), "cam")
 

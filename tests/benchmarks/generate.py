@@ -54,8 +54,8 @@ from hookrun.models.language import LanguageModel
 from hookrun.runtime.hooks import Recorder, attach
 from hookrun.runtime.hookspec import HookConfig, HookSpec
 from hookrun.runtime.plan import compile_plan
-from hookrun.runtime.probe import probe_shapes
 from hookrun.runtime.selectors import SelectConfig
+from hookrun.runtime.shape_probe import probe_shapes
 from hookrun.runtime.sites import Site
 from hookrun.stages.generate.decode import Sampling, decode
 

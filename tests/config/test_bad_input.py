@@ -76,6 +76,7 @@ HOOKRUN_ERRORS = [
 
 
 @pytest.mark.parametrize("overrides,words", HOOKRUN_ERRORS, ids=lambda v: str(v)[:40])
+@pytest.mark.slow
 def test_bad_input_message(tmp_path, overrides, words):
     with pytest.raises(HookrunError) as info:
         run_config(
@@ -135,6 +136,7 @@ def test_corrupt_weights_file(tmp_path):
         run_config(tmp_path, [f"model.weights={bad}", *SMALL])
 
 
+@pytest.mark.slow
 def test_mismatched_weights_file(tmp_path):
     import torchvision
 
@@ -186,6 +188,7 @@ def test_unreadable_image_names_the_file(tmp_path):
         run_config(tmp_path / "run", overrides)
 
 
+@pytest.mark.slow
 def test_unreadable_image_in_a_worker_is_one_line_on_the_cli(tmp_path):
     args = [
         *_folder_with_a_broken_image(tmp_path),
@@ -232,6 +235,7 @@ def test_sink_path_under_a_file_is_refused(tmp_path):
         (["model=resnt18"], ["model/resnt18"]),
     ],
 )
+@pytest.mark.slow
 def test_cli_bad_input_exits_nonzero_without_traceback(tmp_path, args, words):
     proc = hookrun_cli([*args, *SMALL, f"sink.path={tmp_path / 'c.h5'}"], tmp_path)
     assert proc.returncode != 0
@@ -282,6 +286,7 @@ def test_a_bad_last_image_stops_before_any_file_exists(tmp_path, last, words):
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_image_past_limit_is_not_read(tmp_path):
     """Only the rows the run reads are checked: limit=4 never reaches the bad last file."""
     result = run_config(tmp_path / "run", [*_folder_ending_in(tmp_path, None), "limit=4"])
@@ -311,6 +316,7 @@ def test_cam_layer_null_where_the_experiment_reads_it(tmp_path, experiment, read
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_cam_layer_null_on_the_cli_is_one_line(tmp_path):
     proc = hookrun_cli(["experiment=grad_cam", "model.cam_layer=null"], tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -318,6 +324,7 @@ def test_cam_layer_null_on_the_cli_is_one_line(tmp_path):
     assert last.startswith("hookrun: error: model.cam_layer: null, but hooks.")
 
 
+@pytest.mark.slow
 def test_cam_layer_null_where_nothing_reads_it_is_fine(tmp_path):
     overrides = ["model=resnet18", "model.weights=null", "model.cam_layer=null", "render=false"]
     overrides += ["dataset=fake", "dataset.size=1", "dataset.image_size=32"]

@@ -194,6 +194,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("overrides,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_hostile_input_stops_in_one_line(tmp_path, monkeypatch, overrides, pattern):
     # PIL's decompression-bomb guard, scaled down so a 100x100 picture trips it.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
@@ -213,6 +214,7 @@ def test_catalogue_has_thirty_cases_beyond_the_issue_list():
     assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
 
 
+@pytest.mark.slow
 def test_an_internal_error_is_one_line_with_the_traceback_in_the_log(tmp_path):
     """An unexpected bug (here: a model whose forward fails only after the probe, on the
     second batch) prints one line naming where the traceback went; exit 1."""
@@ -242,6 +244,7 @@ def test_an_internal_error_is_one_line_with_the_traceback_in_the_log(tmp_path):
     assert "Traceback" in log.read_text()
 
 
+@pytest.mark.slow
 def test_render_and_verify_refuse_a_file_that_is_not_hdf5(tmp_path):
     bogus = tmp_path / "captures.h5"
     bogus.write_text("not HDF5\n")

@@ -15,7 +15,7 @@ from hookrun.errors import HookrunError
 from hookrun.models.sources import MODEL_SOURCES
 from hookrun.runtime.actions import ACTIONS
 from hookrun.stages.derive.registry import METHODS
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -28,7 +28,7 @@ README = (ROOT / "README.md").read_text()
         ("++hooks.h.action=nope", "hooks.h.action", ACTIONS),
         ("++derive.nope.layer=layer4", "derive.nope", METHODS),
         ("++model.source=nope", "model.source", MODEL_SOURCES),
-        ("+evaluate.metrics=[nope]", "evaluate.metrics[0]", METRICS),
+        ("+evaluate.metrics=[nope]", "evaluate.metrics[0]", FAITHFULNESS_METRICS),
     ],
 )
 def test_errors_list_the_registrys_choices(override, key, registry):
@@ -44,10 +44,11 @@ def test_errors_list_the_registrys_choices(override, key, registry):
 
 def test_readme_lists_exactly_the_registered_choices():
     assert choices_table() in README, "run: python -m hookrun.choices --write"
-    for registry in (DATASETS, ACTIONS, METHODS, METRICS, MODEL_SOURCES):
+    for registry in (DATASETS, ACTIONS, METHODS, FAITHFULNESS_METRICS, MODEL_SOURCES):
         assert registry.choices() and all(f"`{n}`" in choices_table() for n in registry.choices())
 
 
+@pytest.mark.slow
 def test_every_dataset_kind_and_experiment_has_a_preset_that_composes():
     for kind in DATASETS.choices():
         assert (ROOT / "conf" / "dataset" / f"{kind}.yaml").is_file(), kind

@@ -72,6 +72,7 @@ TOO_LARGE = [
 
 
 @pytest.mark.parametrize("overrides,key,size", TOO_LARGE, ids=lambda v: str(v)[:50])
+@pytest.mark.slow
 def test_a_size_that_cannot_fit_is_refused_by_the_spec(overrides, key, size):
     with pytest.raises(HookrunError) as err:
         hookrun.compose(overrides)  # the spec: nothing built, nothing read
@@ -80,6 +81,7 @@ def test_a_size_that_cannot_fit_is_refused_by_the_spec(overrides, key, size):
     assert f"{size} at once, more than this machine's 1.0 GiB of memory" in message
 
 
+@pytest.mark.slow
 def test_values_that_fit_pass():
     one = ["dataset=fake", "dataset.size=1", "dataset.image_size=8192"]
     hookrun.compose(one)  # 3 x 8192^2 x 4 B = 768 MiB, one row a batch
@@ -89,6 +91,7 @@ def test_values_that_fit_pass():
 
 
 @pytest.mark.parametrize("key", ["dataset.mean", "dataset.std"])
+@pytest.mark.slow
 def test_a_normalisation_for_other_channels_is_refused(key):
     values = "[0.5,0.5]"
     other = "dataset.std" if key == "dataset.mean" else "dataset.mean"
@@ -113,6 +116,7 @@ def test_a_callers_samples_in_too_large_a_batch_are_refused_before_the_model_run
     assert not (tmp_path / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_pooled_capture_too_large_is_refused_before_the_first_batch(tmp_path):
     # resnet18's layer1 has 64 channels: 64 x 5000 x 5000 x 4 B = 5.96 GiB for one row.
     hooks = [

@@ -120,6 +120,7 @@ def test_what_needs_the_model_is_refused_before_the_file(tmp_path, args, message
     assert not (tmp_path / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_the_cli_says_it_in_one_line_with_exit_2(tmp_path):
     proc = hookrun_cli(
         ["experiment=saliency", "evaluate=faithfulness", "evaluate.reduce=x"], tmp_path
@@ -152,6 +153,7 @@ def attributes(path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_same_bytes_and_verdicts(tmp_path):
     args = [*SMALL, *EVALUATE, "dataset.size=48", "batch_size=4"]
     reference = run_config(tmp_path / "reference", args).path
@@ -174,6 +176,7 @@ def test_kill_9_then_resume_gives_the_same_bytes_and_verdicts(tmp_path):
     assert not ok and "  damaged: /sanity/saliency: no verdict (attributes passed, score)" in lines
 
 
+@pytest.mark.slow
 def test_torchrun_shards_join_with_verdicts_over_every_row(tmp_path):
     args = [*SMALL, *EVALUATE, "dataset.size=10", "batch_size=3"]
     threads = torch.get_num_threads()

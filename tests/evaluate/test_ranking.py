@@ -9,8 +9,11 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 from conftest import hookrun_cli
 from PIL import Image
+
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
 
 SWEEP = [
     "-m",

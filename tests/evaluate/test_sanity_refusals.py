@@ -9,6 +9,7 @@ from conftest import hookrun_cli, run_config
 from hookrun.errors import HookrunError
 
 
+@pytest.mark.slow
 def test_a_layer_listed_twice_is_refused_by_the_cli(tmp_path):
     proc = hookrun_cli(
         [

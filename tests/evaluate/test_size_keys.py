@@ -10,7 +10,7 @@ from conftest import run_config
 
 from hookrun.errors import HookrunError
 from hookrun.stages.evaluate.curves import DeletionArgs, InsertionArgs
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 from hookrun.stages.evaluate.road import RoadArgs
 
 SMALL = [
@@ -59,14 +59,14 @@ def test_more_steps_than_pixels_stop_before_the_file(tmp_path, override, message
     [("deletion", DeletionArgs), ("insertion", InsertionArgs)],
 )
 def test_one_step_per_pixel_is_the_most(name, args):
-    metric = METRICS.get(name, "evaluate.metrics")
+    metric = FAITHFULNESS_METRICS.get(name, "evaluate.metrics")
     metric.check_image(args(steps=12), f"evaluate.{name}", (3, 4))  # accepted
     with pytest.raises(HookrunError, match=rf"^evaluate.{name}.steps: 13 is more than the 12 "):
         metric.check_image(args(steps=13), f"evaluate.{name}", (3, 4))
 
 
 def test_one_road_fraction_per_pixel_is_the_most():
-    road = METRICS.get("road", "evaluate.metrics")
+    road = FAITHFULNESS_METRICS.get("road", "evaluate.metrics")
     road.check_image(RoadArgs(fractions=[0.5] * 12), "evaluate.road", (3, 4))
     with pytest.raises(HookrunError, match=r"^evaluate.road.fractions: 13 fractions"):
         road.check_image(RoadArgs(fractions=[0.5] * 13), "evaluate.road", (3, 4))

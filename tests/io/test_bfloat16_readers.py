@@ -41,6 +41,7 @@ def head(model, layer3: torch.Tensor) -> torch.Tensor:
         return model.fc(torch.flatten(model.avgpool(model.layer4(layer3)), 1))
 
 
+@pytest.mark.slow
 def test_the_stored_bits_are_bfloat16_of_the_float32_run(sources):
     _, _, f32, bf16 = sources
     with h5py.File(bf16) as f:
@@ -52,6 +53,7 @@ def test_the_stored_bits_are_bfloat16_of_the_float32_run(sources):
 
 
 @pytest.mark.parametrize("args", [{}, {"reduce": "mean"}, {"row": 1, "mode": "add"}])
+@pytest.mark.slow
 def test_a_patch_from_a_bfloat16_source_equals_the_float32_source_rounded(sources, tmp_path, args):
     model, overrides, f32, bf16 = sources
     stored = torch.from_numpy(as_bfloat16(read(f32)["captures/layer3/output"]))
@@ -102,6 +104,7 @@ def test_to_xarray_reads_bfloat16_as_numbers(sources):
             tree.close()
 
 
+@pytest.mark.slow
 def test_the_summary_names_the_float32_top1_classes(tmp_path):
     f32 = run_config(tmp_path / "f32", [*DIGITS, "experiment=saliency"])
     bf16 = run_config(tmp_path / "bf16", [*DIGITS, "experiment=saliency", "sink.dtype=bfloat16"])
@@ -112,6 +115,7 @@ def test_the_summary_names_the_float32_top1_classes(tmp_path):
     assert [f"  sample {i}: top-1 {int(k)}" for i, k in enumerate(logits.argmax(1))] == top
 
 
+@pytest.mark.slow
 def test_pictures_and_evaluation_means_of_a_bfloat16_run_are_the_float32_runs(tmp_path):
     overrides = [
         "experiment=grad_cam",

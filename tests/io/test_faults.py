@@ -31,6 +31,8 @@ import hookrun
 from hookrun.errors import HookrunError
 from hookrun.io.layout import open_readonly
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 # resnet18 on 32 px noise: ~21 KiB a row, a few dozen rows a second on this machine.
 RUN = [
     "model=resnet18",
@@ -69,6 +71,7 @@ def one_line(stderr: str) -> str:
     return line
 
 
+@pytest.mark.slow
 def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path):
     args = [*RUN, "dataset.size=192"]
     reference = read(run_config(tmp_path / "reference", args).path)
@@ -93,6 +96,7 @@ def test_file_size_limit_fails_cleanly_then_resumes_to_the_clean_bytes(tmp_path)
     assert attrs(path)["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
     """ENOSPC on a real 3 MiB tmpfs (mounting needs root: skipped where it cannot)."""
     disk = tmp_path / "disk"
@@ -117,6 +121,7 @@ def test_a_full_disk_fails_cleanly_then_resumes_after_room_is_made(tmp_path):
         subprocess.run(["umount", str(disk)])
 
 
+@pytest.mark.slow
 def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
     """EIO from a real file system: tests/io/eio_disk.py, a FUSE disk whose writes past
     1.5 MB fail with EIO while fallocate succeeds, so the error hits HDF5's own write (the
@@ -161,6 +166,7 @@ def test_an_io_error_inside_hdf5s_write_keeps_the_rows_then_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.slow
 def test_a_signal_stops_the_run_marks_interrupted_and_resumes(tmp_path, signum, code):
     args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "signalled"
@@ -182,6 +188,7 @@ def test_a_signal_stops_the_run_marks_interrupted_and_resumes(tmp_path, signum, 
     assert_same_bytes(path, reference)
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     args = [*RUN, "dataset.size=100"]
     run_dir = tmp_path / "run"
@@ -199,6 +206,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     assert attrs(resumed.path)["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_two_runs_racing_for_one_sink_path_one_wins(tmp_path):
     target = tmp_path / "shared" / "captures.h5"
     args = [*RUN, "dataset.size=8", f"sink.path={target}"]
@@ -211,6 +219,7 @@ def test_two_runs_racing_for_one_sink_path_one_wins(tmp_path):
     assert attrs(target)["status"] == "complete" and attrs(target)["completed"] == 8
 
 
+@pytest.mark.slow
 def test_cut_and_damaged_files_are_refused_with_the_reason(tmp_path):
     args = [*RUN, "dataset.size=60"]
     run_dir = tmp_path / "killed"
@@ -280,6 +289,7 @@ def stalled(args: list[str], flag: Path, cwd: Path, run_dir: Path) -> subprocess
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.slow
 def test_stopped_during_its_first_batch_then_resumed(tmp_path, signum):
     """Killed during its first batch, a run leaves no file (it takes its name with its first
     rows); stopped by SIGTERM, a closed one any reader opens, also as SWMR readers do:
@@ -351,6 +361,7 @@ def test_sigterm_in_process_stops_the_batch_and_removes_every_hook(tmp_path):
     assert_same_bytes(resumed.path, read(clean.path))
 
 
+@pytest.mark.slow
 def test_sigterm_inside_a_long_batch_ends_the_run_within_seconds_and_it_resumes(tmp_path):
     """Slurm gives 30 s between SIGTERM and SIGKILL: a batch that takes ten minutes is
     stopped where it is, the batches before it are in the file, marked interrupted, and
@@ -379,6 +390,7 @@ def test_sigterm_inside_a_long_batch_ends_the_run_within_seconds_and_it_resumes(
     assert_same_bytes(path, read(run_config(tmp_path / "clean", args).path))
 
 
+@pytest.mark.slow
 def test_samples_path_holds_each_rows_file_also_after_a_kill_and_resume(tmp_path):
     files = photo_folder(tmp_path / "photos", 48)
     args = folder_resnet(tmp_path / "photos", 24, 1)
@@ -436,6 +448,7 @@ DERIVE = [
 ]
 
 
+@pytest.mark.slow
 def test_killed_during_derive_resumes_to_the_clean_bytes(tmp_path):
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
@@ -462,6 +475,7 @@ FEATURE_MAPS = [
 ]
 
 
+@pytest.mark.slow
 def test_killed_while_drawing_then_resumed_draws_only_the_missing_pictures(tmp_path):
     """Pictures are drawn from the complete file: a kill there leaves a complete, intact
     file and only whole PNGs. The requeued job's resume=true computes nothing, leaves the file

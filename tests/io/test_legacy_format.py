@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import h5py
+import pytest
 import torch
 from conftest import dimensions_of, read, run_config
 
@@ -45,6 +46,7 @@ def test_legacy_file_renders(tmp_path):
     assert "00000_grad_cam_features.18.png" in names and "00001_input.png" in names
 
 
+@pytest.mark.slow
 def test_legacy_file_resumes_to_the_same_rows(tmp_path):
     cut = tmp_path / "captures.h5"
     shutil.copy(LEGACY, cut)

@@ -38,6 +38,7 @@ def test_a_file_in_memory_reads_as_the_same_file_on_disk_and_leaves_nothing(tmp_
         np.testing.assert_array_equal(res["captures/input/grad_output"][0], [22, 26, 30])
 
 
+@pytest.mark.slow
 def test_memory_is_refused_where_a_file_on_disk_is_the_point(tmp_path):
     with pytest.raises(HookrunError, match=r"^resume: true with sink.path: memory"):
         hookrun.run([*RUN, "sink.path=memory", "resume=true"], run_dir=tmp_path)

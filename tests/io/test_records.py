@@ -24,6 +24,7 @@ ARGS = [
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
+@pytest.mark.slow
 def test_dry_run_estimate_is_within_ten_percent_of_the_file(tmp_path, capsys):
     dry = run_config(tmp_path / "dry", [*ARGS, "dry_run=true"])
     assert "dry run: nothing written" in capsys.readouterr().out
@@ -44,6 +45,7 @@ def test_dry_run_estimate_is_within_ten_percent_of_the_file(tmp_path, capsys):
         ["experiment=grad_cam", "model.cam_layer=layer4"],
     ],
 )
+@pytest.mark.slow
 def test_the_estimate_counts_derived_results(tmp_path, experiment):
     """Derived results (integrated gradients' input-sized attributions and completeness gap,
     Grad-CAM's maps) are part of the file, so they are part of the estimate."""
@@ -68,6 +70,7 @@ def _datasets(f: h5py.File) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_throughput_after_resume_counts_only_the_rows_computed(tmp_path):
     path = run_config(tmp_path, ARGS).path
     with h5py.File(path, "r+") as f:  # as a run interrupted after 4 of its 8 batches
@@ -93,6 +96,7 @@ def test_checksums_on_by_default_and_off_when_asked(tmp_path):
     "small",
     [["experiment=saliency", "dataset.size=2"], ["dataset.size=6"], ["dataset.size=1"]],
 )
+@pytest.mark.slow
 def test_the_estimate_of_a_small_file_counts_hdf5s_own_metadata(tmp_path, small):
     """A file of a few rows is mostly HDF5's metadata (15-20 KiB): without it the estimate
     was 32-63% short."""

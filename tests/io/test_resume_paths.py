@@ -13,6 +13,8 @@ from conftest import folder_resnet, photo_folder, run_config
 
 from hookrun.errors import HookrunError
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 
 def test_a_relative_root_from_another_directory_is_refused(tmp_path, monkeypatch):
     for side in ("a", "b"):  # two identical copies of one folder

@@ -43,6 +43,7 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_a_changed_patch_source_is_refused(tmp_path):
     capture = [*SMALL, "dataset.size=2", *hook("l", "layer1", "output", "capture")]
     source = run_config(tmp_path / "a", capture).path
@@ -65,6 +66,7 @@ def test_a_changed_patch_source_is_refused(tmp_path):
     assert digest(path) == before
 
 
+@pytest.mark.slow
 def test_the_same_hooks_reordered_are_refused(tmp_path):
     scale = hook("a", "layer1", "output", "scale", factor=2.0)
     add = hook("b", "layer1", "output", "add", value=1.0)
@@ -80,6 +82,7 @@ def test_the_same_hooks_reordered_are_refused(tmp_path):
     assert digest(path) == before
 
 
+@pytest.mark.slow
 def test_a_damaged_chunk_among_the_completed_rows_is_refused(tmp_path):
     args = [*SMALL, "dataset.size=4", *hook("c", "layer1", "output", "capture")]
     path = run_config(tmp_path / "run", args).path
@@ -96,6 +99,7 @@ def test_a_damaged_chunk_among_the_completed_rows_is_refused(tmp_path):
     assert digest(path) == before
 
 
+@pytest.mark.slow
 def test_a_second_writer_through_a_symbolic_link_is_refused_and_the_link_kept(tmp_path):
     args = [*SMALL, "dataset.size=4", *hook("c", "layer1", "output", "capture")]
     path = run_config(tmp_path / "run", args).path
@@ -122,6 +126,7 @@ def _complete(tmp_path: Path) -> Path:
     ).path
 
 
+@pytest.mark.slow
 def test_verify_refuses_files_that_are_not_whole_hookrun_files(tmp_path):
     path = _complete(tmp_path / "run")
     assert verify(path)[0]
@@ -148,6 +153,7 @@ def test_verify_refuses_files_that_are_not_whole_hookrun_files(tmp_path):
 
 
 @pytest.mark.parametrize("offset", [100, 600, 1900])  # all in HDF5 metadata
+@pytest.mark.slow
 def test_damaged_metadata_gives_one_line_from_verify_render_and_resume(tmp_path, offset):
     args = [*SMALL, "dataset.size=2", *hook("c", "layer1", "output", "capture")]
     path = run_config(tmp_path / "run", args).path
@@ -190,12 +196,14 @@ def test_a_sink_path_ending_in_a_slash_is_refused(tmp_path):
     assert not (tmp_path / "newdir").exists()
 
 
+@pytest.mark.slow
 def test_a_file_name_of_the_longest_legal_length_can_be_locked_and_written(tmp_path):
     target = tmp_path / ("c" * 250 + ".h5")  # 253 bytes: legal, but `.{name}.lock` is not
     result = run_config(tmp_path / "run", [*SMALL, "dataset.size=2", f"sink.path={target}"])
     assert result.path == target and verify(target)[0]
 
 
+@pytest.mark.slow
 def test_verify_and_render_name_what_the_path_is(tmp_path):
     for tool in ("hookrun.verify", "hookrun.render"):
         for arg, what in ((str(tmp_path), "not a file"), ("", "no such file")):
@@ -206,6 +214,7 @@ def test_verify_and_render_name_what_the_path_is(tmp_path):
             assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_second_run_in_the_same_folder_keeps_the_first_runs_pictures(tmp_path):
     """Two runs in one run dir with their files at other paths: the second's pictures would
     replace the first's, so it is refused before any work unless asked to replace them."""

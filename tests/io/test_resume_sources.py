@@ -19,6 +19,8 @@ from PIL import Image
 import hookrun
 from hookrun.errors import HookrunError
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 CHECKPOINT = Path(hookrun.__file__).parent / "models" / "checkpoints" / "digits_cnn.pt"
 
 

@@ -39,6 +39,7 @@ def test_chunks_divide_the_rows_one_append_writes():
     assert chunk_shape((64, 224, 224), 4, write_rows=8)[0] == 1  # a slab of one row
 
 
+@pytest.mark.slow
 def test_a_runs_chunks_never_straddle_two_batches(run_hookrun):
     """Every dataset of a real run: its chunk height divides the rows each batch appends."""
     overrides = [
@@ -60,6 +61,7 @@ def test_a_runs_chunks_never_straddle_two_batches(run_hookrun):
         f.visititems(check)
 
 
+@pytest.mark.slow
 def test_layout_attrs_and_labels(run_hookrun):
     overrides = [
         "model=resnet18",
@@ -94,6 +96,7 @@ def test_layout_attrs_and_labels(run_hookrun):
         assert f["samples/index"].dtype == np.int64
 
 
+@pytest.mark.slow
 def test_float16_and_compression(run_hookrun):
     base = ["dataset.size=3", "dataset.image_size=32", *hook("c", "layer1", "output", "capture")]
     _, plain = run_hookrun(base)
@@ -107,6 +110,7 @@ def test_float16_and_compression(run_hookrun):
     )
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_bytes(run_hookrun):
     overrides = [
         "experiment=guided_bp",
@@ -128,6 +132,7 @@ def test_same_config_and_seed_give_identical_bytes(run_hookrun):
     )
 
 
+@pytest.mark.slow
 def test_batches_do_not_change_the_numbers(run_hookrun):
     overrides = [
         "dataset.size=5",
@@ -143,6 +148,7 @@ def test_batches_do_not_change_the_numbers(run_hookrun):
     )
 
 
+@pytest.mark.slow
 def test_overwrite_true_replaces_the_file(run_hookrun, tmp_path):
     path = tmp_path / "c.h5"
     path.write_bytes(b"old")
@@ -152,6 +158,7 @@ def test_overwrite_true_replaces_the_file(run_hookrun, tmp_path):
     assert result.path == path and data["samples/index"].tolist() == [0]
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_writes_nothing(run_hookrun, tmp_path, capsys):
     overrides = [
         "experiment=guided_bp",

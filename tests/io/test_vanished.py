@@ -4,6 +4,7 @@ over in silence; a model whose gradient flows gets no such line."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -20,6 +21,7 @@ def small_net(head_zero: bool) -> nn.Module:
     return net.eval()
 
 
+@pytest.mark.slow
 def test_a_vanished_gradient_is_named_in_the_summary(tmp_path):
     args = ["experiment=saliency", "render=false", "progress=false"]
     zero = hookrun.run(args, model=small_net(True), dataset=DATA, run_dir=tmp_path / "zero")

@@ -20,6 +20,8 @@ from conftest import TESTS, hookrun_cli, read, run_config
 import hookrun
 from hookrun.io.layout import open_readonly
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 CIRCUIT = ["experiment=circuit", "limit=4", "batch_size=2", "circuit.k=[0,3]"]
 INDUCTION = ["experiment=induction", "dataset.size=4", "batch_size=2"]
 STEERING = ["experiment=steering", "limit=4", "batch_size=2", "generate.max_new_tokens=2"]

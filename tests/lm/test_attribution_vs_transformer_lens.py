@@ -19,10 +19,13 @@ import warnings
 
 import h5py
 import numpy as np
+import pytest
 from conftest import run_config
 from lm_models import save_lm
 from test_circuit import hand_pruned, top_edges
 from test_lm_patching import ROWS, _args, _prompts
+
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
 
 REFERENCE = """
 import json, sys

@@ -153,6 +153,7 @@ def test_what_cannot_be_placed_is_refused_before_any_work(tmp_path, lm, extra, s
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_map_naming_disk_without_an_offload_folder_is_refused_naming_the_map(tmp_path, lm):
     """Issue 40: a map of the user's own sending the blocks to disk, typed on the command line
     with no model.max_memory and no model.offload_folder, is refused naming the map and the
@@ -180,6 +181,7 @@ def test_a_map_naming_disk_without_an_offload_folder_is_refused_naming_the_map(t
     assert not list(tmp_path.rglob("captures.h5"))
 
 
+@pytest.mark.slow
 def test_a_random_init_or_torchrun_with_a_map_is_refused(tmp_path, lm):
     with pytest.raises(HookrunError) as err:
         run_config(

@@ -202,6 +202,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_gives_the_same_file(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     write_jsonl(tmp_path / "prompts.jsonl", PROMPTS * 6)  # 24 rows, 12 batches of 2

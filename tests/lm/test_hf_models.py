@@ -386,6 +386,7 @@ def test_bad_values_are_refused_naming_the_key():
     assert "model=hf" in _one_line(err, "model.dtype")
 
 
+@pytest.mark.slow
 def test_without_transformers_model_hf_says_how_to_install_it():
     code = (
         "import sys; sys.modules['transformers'] = None\n"
@@ -402,7 +403,7 @@ def test_without_transformers_model_hf_says_how_to_install_it():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("model.source: 'hf'"), out.stdout
-    assert "pip install hookrun[hf]" in lines[0]
+    assert "needs the hf extra: pip install 'hookrun[hf]'" in lines[0]
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "gpt_neox"])

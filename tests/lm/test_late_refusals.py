@@ -54,6 +54,7 @@ def _cli_refused(tmp_path: Path, args: list[str], timeout: int = 300) -> str:
 # 1. model.config that transformers cannot build a model from.
 
 
+@pytest.mark.slow
 def test_heads_that_do_not_divide_the_width_are_refused_by_the_cli(tmp_path):
     said = _cli_refused(
         tmp_path, ["model=hf", f"model.config={{{GPT2}, n_head: 3}}", "experiment=lm_cache"]
@@ -292,6 +293,7 @@ def test_a_broken_config_json_in_a_tokenizer_folder_is_named(tmp_path):
 # is allocated; a size that fits draws the same rows as before, in one array.
 
 
+@pytest.mark.slow
 def test_a_repeated_tokens_size_that_cannot_fit_is_refused_by_the_cli(tmp_path):
     said = _cli_refused(tmp_path, ["experiment=induction", "dataset.size=1000000000000"], 120)
     assert re.match(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
+import pytest
 import torch
 from conftest import hook, hookrun_cli, killed_after, read, run_config, torchrun
 from lm_models import SENTENCES, save_lm
@@ -41,6 +42,7 @@ def _args(tmp_path, lines: int, batch: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     args = _args(tmp_path, 400, 2)
     reference = run_config(tmp_path / "reference", args).path
@@ -69,6 +71,7 @@ def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     assert verify(run_dir / "captures.h5")[0]
 
 
+@pytest.mark.slow
 def test_two_torchrun_processes_give_the_single_process_numbers(tmp_path):
     args = _args(tmp_path, 40, 3)
     single = read(run_config(tmp_path / "single", args).path)
@@ -87,6 +90,7 @@ def test_two_torchrun_processes_give_the_single_process_numbers(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_dry_run_says_the_size_and_activations_read_the_tokens_in_order(tmp_path):
     args = _args(tmp_path, 20, 4)
     dry = hookrun_cli([*args, "dry_run=true"], tmp_path)

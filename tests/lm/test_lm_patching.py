@@ -306,6 +306,7 @@ def test_the_mean_picture_lines_rows_up_at_their_read_positions(tmp_path):
     assert "lined up at its read position" in title
 
 
+@pytest.mark.slow
 def test_a_multirun_over_patching_layer_gives_the_full_grids_layers(tmp_path):
     """One cluster job per layer (`--multirun patching.layer=0,1`, the basic launcher here):
     each job's grid is that layer's slice of the one-run grid, named in `layers`: the clean and
@@ -479,6 +480,7 @@ def test_an_architecture_without_known_module_names_is_refused(tmp_path):
     assert FAMILIES["bert"][0] == "masked_lm"
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "prompts.jsonl", ROWS * 14)
@@ -495,6 +497,7 @@ def test_kill_9_mid_stream_then_resume_gives_the_uninterrupted_bytes(tmp_path):
         assert resumed[key].tobytes() == expected[key].tobytes(), key
 
 
+@pytest.mark.slow
 def test_the_dry_run_says_the_grid_its_chunks_and_datasets(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     data = _prompts(tmp_path / "prompts.jsonl")

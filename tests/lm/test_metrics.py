@@ -195,6 +195,7 @@ def test_the_memory_check_counts_the_rows_a_batch_can_have(tmp_path):
     assert _read(result.path)["loss"].shape == (3,)
 
 
+@pytest.mark.slow
 def test_a_head_ablation_sweep_has_a_loss_change_column_per_job(tmp_path):
     save_lm(tmp_path / "lm", "gpt2")
     write_jsonl(tmp_path / "prompts.jsonl", ROWS)
@@ -258,6 +259,7 @@ def test_refused_in_one_line_before_any_work(tmp_path, extra, said):
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_null_metrics_group_is_refused_in_one_line(tmp_path):
     """`metrics=null` (Hydra's own refusal is a ValueError's traceback naming no group), on
     the command line, in a sweep and from Python: one line with the group's options."""

@@ -125,6 +125,7 @@ def test_prompts_with_a_bos_are_measured_with_it_and_the_scale_is_the_hooks(tiny
     assert group["scale"] == 2.5 and list(group["layers"]) == [LAYER]
 
 
+@pytest.mark.slow
 def test_a_layer_by_scale_sweep_is_ranked_by_effect(tmp_path):
     proc = hookrun_cli(
         [
@@ -199,6 +200,7 @@ def test_bad_steering_is_refused_before_any_work(tmp_path, extra, said):
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_gives_the_same_file(tmp_path):
     """kill -9 mid-run, then resume: every dataset (the vector, the metrics, the text) is
     the uninterrupted run's; a second resume of the complete file changes nothing."""

@@ -38,6 +38,7 @@ def _args(tmp_path, lines: int = 60, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_tokenize_once(tmp_path):
     args = _args(tmp_path)
     single = read(run_config(tmp_path / "single", args).path)
@@ -51,6 +52,7 @@ def test_two_torchrun_ranks_tokenize_once(tmp_path):
     assert not (tmp_path / "sharded" / FOLDER).exists()  # complete: the cache is gone
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_the_tokens_of_the_killed_one(tmp_path):
     args = _args(tmp_path, 300)
     reference = read(run_config(tmp_path / "reference", args).path)

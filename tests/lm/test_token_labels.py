@@ -10,6 +10,7 @@ import sys
 
 import h5py
 import numpy as np
+import pytest
 import transformers
 from conftest import hookrun_cli
 from lm_models import save_lm, tokenizer, write_jsonl
@@ -17,6 +18,8 @@ from lm_models import save_lm, tokenizer, write_jsonl
 import hookrun
 from hookrun.io.layout import read_vocabulary
 from hookrun.render.tokens import token_texts
+
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
 
 PROMPTS = [{"prompt": "The cat sat on the"}, {"prompt": "Hooks\ncapture"}]
 QUIET = ["progress=false"]

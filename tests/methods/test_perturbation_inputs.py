@@ -120,6 +120,7 @@ def test_a_size_that_cannot_fit_is_refused_before_any_work(
     ), message
 
 
+@pytest.mark.slow
 def test_a_huge_mask_count_typed_on_the_command_line_is_refused_in_one_line(tmp_path):
     done = hookrun_cli(["experiment=rise", "derive.rise.masks=10000000000", "limit=1"], tmp_path)
     assert done.returncode != 0

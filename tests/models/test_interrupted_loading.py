@@ -113,6 +113,7 @@ transformers.AutoModelForCausalLM.from_pretrained = _slow
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.slow
 def test_a_signal_while_the_cli_loads_hf_weights_exits_as_interrupted(
     tmp_path, monkeypatch, signum, code
 ):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import models_for_tests as m
 import numpy as np
+import pytest
 import torch
 from conftest import hook
 from PIL import Image
@@ -120,6 +121,7 @@ def test_limit_takes_the_first_samples(run_hookrun):
     assert len(data["samples/label"]) == 3
 
 
+@pytest.mark.slow
 def test_cli_prints_the_seed_numbers(tmp_path):
     out = tmp_path / "c.h5"
     args = [

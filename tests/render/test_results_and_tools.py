@@ -34,6 +34,7 @@ def test_find_checkpoint_checks_the_hash_in_the_name(tmp_path):
         find_checkpoint(good.name, [str(tmp_path / "a"), str(tmp_path / "b")])
 
 
+@pytest.mark.slow
 def test_weights_by_name_come_from_the_search_path_offline(tmp_path, monkeypatch):
     import torch.hub
 
@@ -83,6 +84,7 @@ def test_digits_cnn_is_at_least_95_percent_accurate(run_hookrun):
     assert accuracy >= 0.95
 
 
+@pytest.mark.slow
 def test_digits_training_script_reaches_95_percent():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -106,6 +108,7 @@ def test_cam_on_digits_draws_small_images_large(run_hookrun):
     assert drawn == {"00000", "00001"}  # render_max=2 of the 4 samples
 
 
+@pytest.mark.slow
 def test_open_lists_layers_and_reads_lazily(run_hookrun):
     result, data = run_hookrun(
         [
@@ -138,6 +141,7 @@ def test_open_lists_layers_and_reads_lazily(run_hookrun):
             res["layer1/output"]
 
 
+@pytest.mark.slow
 def test_render_cli_redraws_an_old_run(run_hookrun, tmp_path):
     result, _ = run_hookrun(
         [
@@ -189,6 +193,7 @@ def test_tensorboard_logger_writes_the_pictures_and_the_plan(run_hookrun, tmp_pa
     assert any("plan" in t for t in tags["tensors"])
 
 
+@pytest.mark.slow
 def test_main_command_summary_names_the_cat(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hookrun", "experiment=guided_bp", "progress=false"],

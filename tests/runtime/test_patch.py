@@ -75,6 +75,7 @@ def test_steering_adds_scale_times_a_stored_row(clean, tmp_path):
     np.testing.assert_allclose(got["model/output"], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_sweep_over_the_steering_scale(clean, tmp_path):
     _, overrides, source, data = clean
     args = [*overrides, *patch(source, row=0, mode="add"), "++hooks.p.args.scale=0.0,1.0"]

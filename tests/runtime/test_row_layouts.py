@@ -238,6 +238,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_file_keeps_its_per_batch_rows_and_continues_them(tmp_path):
     import subprocess
     import sys

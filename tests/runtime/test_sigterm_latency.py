@@ -71,6 +71,7 @@ def _sigterm_once_flag_goes(args: list[str], flag, cwd, run_dir, wait_s: float) 
     return err
 
 
+@pytest.mark.slow
 def test_sigterm_inside_a_long_backward_ends_the_run_within_seconds_and_it_resumes(tmp_path):
     flag = tmp_path / "stall"
     args = _stalling(flag)
@@ -109,6 +110,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_inside_road_s_sparse_solve_ends_the_run_within_seconds(tmp_path):
     """ROAD's imputation of one 640 x 640 image with 90 % of it removed: one SuperLU
     factorisation, a C call that no signal handler can interrupt (57 s on two busy cores),

@@ -37,6 +37,7 @@ def sweep_rows(cwd: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+@pytest.mark.slow
 def test_sweep_jobs_get_their_own_complete_runs(tmp_path, launcher):
     proc = hookrun_cli(["-m", f"hydra/launcher={launcher}", *SEED_MLP_SCALED], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -52,6 +53,7 @@ def test_sweep_jobs_get_their_own_complete_runs(tmp_path, launcher):
         np.testing.assert_array_equal(got, [[22 * factor, 26 * factor, 30 * factor]])
 
 
+@pytest.mark.slow
 def test_a_failing_job_does_not_hide_the_others(tmp_path):
     args = [
         "-m",
@@ -90,6 +92,7 @@ KILLABLE = [
 ]
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path):
     reference = read(run_config(tmp_path / "reference", KILLABLE).path)
     run_dir = tmp_path / "killed"
@@ -149,6 +152,7 @@ def test_resume_starts_missing_keeps_complete_refuses_foreign_and_changed(tmp_pa
         run_config(tmp_path / "done", [*small, "resume=true", "seed=7"])
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_read_as_one_file(tmp_path):
     overrides = [
         "model=resnet18",
@@ -243,6 +247,7 @@ def test_slurm_preset_builds_the_resuming_launcher():
     assert isinstance(instantiate(launcher), ResumingSlurmLauncher)
 
 
+@pytest.mark.slow
 def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
     # WindowNet's bias table has no batch axis: one row per batch, in every shard and in
     # the joined file, next to per-sample windows (N, 4, 16, 6).
@@ -294,6 +299,7 @@ def test_torchrun_joins_per_batch_rows_in_global_batch_order(tmp_path):
     tree.close()
 
 
+@pytest.mark.slow
 def test_dry_run_estimate_under_torchrun_counts_each_shards_chunks(tmp_path):
     """Each shard is chunked for its own rows: 6 and 4 rows of 200 KiB, 5 rows to a chunk
     for the whole run, make 3 chunks on disk (5+5 and 4), not the 2 one file would hold."""

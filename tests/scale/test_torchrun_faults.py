@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 
 import h5py
+import pytest
 import torch
 from conftest import ONE_THREAD, folder_resnet, hook, photo_folder, read, run_config
 
 import hookrun
 from hookrun.io.layout import open_readonly
+
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
 
 TESTS = Path(__file__).resolve().parents[1]
 OVERRIDES = [

@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import ONE_THREAD, TESTS, hook, read, run_config
 
+pytestmark = pytest.mark.slow  # every test here takes over ~1.5 s
+
 FAULTS = TESTS / "io" / "finish_faults.py"
 IMAGES = [
     "model=resnet18",

@@ -18,24 +18,29 @@ ABLATIONS = ("corrupted", "mean")
 
 @dataclass
 class CircuitConfig(Frozen):
-    # eap: the gradient at the corrupted run; eap_ig: averaged over ig_steps runs whose
-    # input embeddings lie k / ig_steps of the way from the corrupted prompt to the clean
-    # one, k = 0 ... ig_steps - 1 (edges.py; beside Hanna et al.'s: edges.gradient_at).
-    method: str = "eap"
+    method: str = field(default="eap", metadata={"choices": METHODS})
+    """eap: the gradient at the corrupted run; eap_ig: averaged over ig_steps runs whose input
+    embeddings lie k / ig_steps of the way from the corrupted prompt to the clean one, k = 0 ...
+    ig_steps - 1 (edges.py; beside Hanna et al.'s: edges.gradient_at).
+    """
     ig_steps: int = 8
-    # Circuits of these sizes (the k edges of largest mean |score|, those of them on a path
-    # from the embeddings to the logits: faithfulness.circuit_of), each run with every
-    # other edge ablated once the scores are known: /circuit/faithfulness. []: none; auto:
-    # 0, 1, 2, 5, 10, 20, 50, ... up to every edge of the model.
+    """eap_ig: the runs between the corrupted and the clean prompt whose gradients are averaged."""
     k: Any = field(default_factory=list)
-    # What an edge outside the circuit carries instead of its sender's write: the
-    # sender's write in the row's corrupted run, or its mean over every row's corrupted
-    # run at that position (mean ablation).
-    ablation: str = "corrupted"
-    # Path patching: each sender's clean write read by these receivers alone (names as in
-    # /circuit/edges' receivers: a0, m0, ..., logits), every other path corrupted:
-    # /circuit/paths. []: none.
+    """Circuits of these sizes (the k edges of largest mean |score|, those of them on a path from
+    the embeddings to the logits: faithfulness.circuit_of), each run with every other edge
+    ablated once the scores are known: /circuit/faithfulness. []: none; auto: 0, 1, 2, 5, 10,
+    20, 50, ... up to every edge of the model.
+    """
+    ablation: str = field(default="corrupted", metadata={"choices": ABLATIONS})
+    """What an edge outside the circuit carries instead of its sender's write: the sender's write
+    in the row's corrupted run, or its mean over every row's corrupted run at that position
+    (mean ablation).
+    """
     paths: Any = field(default_factory=list)
+    """Path patching: each sender's clean write read by these receivers alone (names as in
+    /circuit/edges' receivers: a0, m0, ..., logits), every other path corrupted: /circuit/paths.
+    []: none.
+    """
 
 
 def _names(paths: Any) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +316,10 @@ class CircuitStage(Stage):
         CORRUPTED: "sample",
     }
     draws = (EDGES, f"{CIRCUIT}/faithfulness*", f"{PATHS}*")
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"circuit": CircuitConfig}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

@@ -5,7 +5,7 @@
 - guided_grad_cam: the input's Guided Backprop gradient times Grad-CAM upsampled to the
   input's size (bilinear), as in the Grad-CAM paper.
 Each works on any layout of the layer's output (channels-first, channels-last, tokens): the
-layout is decided once before the first batch (runtime/layouts.py, `derive.<method>.layout`
+layout is decided once before the first batch (runtime/spatial.py, `derive.<method>.layout`
 and `.prefix_tokens` to override), kept as the derivation's state, and the captures are
 converted to (N, C, H, W) just before the math; results are (N, H, W).
 """
@@ -24,7 +24,7 @@ from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.models.adapter import adapt
 from hookrun.runtime.handles import hooked, output_hooks
-from hookrun.runtime.layouts import (
+from hookrun.runtime.spatial import (
     Grid,
     Layout,
     channels_first_hint,
@@ -48,10 +48,10 @@ __all__ = [
 
 @dataclass
 class CamArgs(LayerArgs):
-    # auto: found from the layer's output shape; nchw | nhwc | tokens when auto cannot tell.
     layout: Layout = Layout.auto
-    # Tokens before the H*W grid tokens (class, register); null: what the model declares.
+    """auto: found from the layer's output shape; nchw | nhwc | tokens when auto cannot tell."""
     prefix_tokens: int | None = None
+    """Tokens before the H*W grid tokens (class, register); null: what the model declares."""
 
 
 def probe_layer(model: nn.Module, layer: str, sample: torch.Tensor) -> tuple[Any, torch.Tensor]:

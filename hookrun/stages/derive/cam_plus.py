@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hookrun.runtime.layouts import Grid
+from hookrun.runtime.spatial import Grid
 from hookrun.stages.derive.cam import CamArgs, GradCAM, as_float
 from hookrun.stages.derive.registry import register_method
 

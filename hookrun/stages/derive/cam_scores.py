@@ -30,7 +30,7 @@ from torch import nn
 
 from hookrun.io import layout
 from hookrun.runtime.handles import ModuleHook, hooked
-from hookrun.runtime.layouts import Grid, Layout, to_channels_first
+from hookrun.runtime.spatial import Grid, Layout, to_channels_first
 from hookrun.stages.derive.after_layer import Rest, rest_after
 from hookrun.stages.derive.bounds import check_rows_per_pass
 from hookrun.stages.derive.cam import CamArgs, LayerSample, as_float, layer_grid
@@ -45,6 +45,7 @@ log = logging.getLogger("hookrun")
 @dataclass
 class ScoreCamArgs(CamArgs):
     internal_batch_size: int | None = None
+    """Masked images per forward pass; null: by input size."""
 
 
 @dataclass(frozen=True)

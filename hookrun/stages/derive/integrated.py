@@ -48,10 +48,15 @@ BLUR_SIGMA = 0.1
 @dataclass
 class IGArgs(Frozen):
     steps: int = 50
-    baseline: str = "zeros"  # zeros | mean | blur | a number (e.g. 0.5)
+    """Points on the path from the baseline to the input at which the gradient is taken."""
+    baseline: str = "zeros"
+    """zeros | mean | blur | a number (e.g. 0.5)"""
     method: str = "gausslegendre"
-    # Rows per extra forward/backward pass; null: by input size (stages/derive/gradients.py).
+    """The quadrature rule (Captum's): gausslegendre | riemann_left | riemann_right |
+    riemann_middle | riemann_trapezoid.
+    """
     internal_batch_size: int | None = None
+    """Rows per extra forward/backward pass; null: by input size (stages/derive/gradients.py)."""
 
 
 def _leggauss(steps: int) -> tuple[np.ndarray, np.ndarray]:

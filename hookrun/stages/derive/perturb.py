@@ -120,10 +120,14 @@ def _pair(value: Any, key: str) -> tuple[int, int]:
 
 @dataclass
 class OcclusionArgs(Frozen):
-    window: Any = 16  # pixels, or [height, width]
+    window: Any = 16
+    """pixels, or [height, width]"""
     stride: Any = 8
+    """pixels between windows, or [height, width]"""
     baseline: float = 0.0
+    """The value an occluded pixel takes."""
     internal_batch_size: int | None = None
+    """Occluded images per forward pass; null: by input size."""
 
 
 @register_method("occlusion")

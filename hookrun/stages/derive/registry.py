@@ -1,8 +1,9 @@
-"""The derived-methods registry: results computed per batch from captured tensors, stored
-raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
+"""The derived-methods registry: results computed per batch from captured tensors.
+
+They are stored raw (un-normalised, un-resized) at /derived/<method>/<layer or input>.
 
 A new method is one class registered with `@register_method(name)` in its own module under
-hookrun/methods/ (imported by hookrun/methods/__init__.py): its `Args` (what
+hookrun/stages/derive/ (imported by its __init__.py): its `Args` (what
 `derive.<name>:` accepts) and `check`, the captures it `requires`, an optional `prepare` on
 the model before the first batch, and `compute` on one batch of records. A method that needs
 passes of its own over the input (integrated gradients, SmoothGrad) sets `runs_passes` and
@@ -40,12 +41,22 @@ __all__ = [
 
 @dataclass
 class LayerArgs(Frozen):
-    # The module whose captures the method reads (the experiments pass model.cam_layer).
+    """The `derive.<name>:` arguments of a method that reads one layer's captures."""
+
     layer: str | None = None
+    """The module whose captures the method reads (the experiments pass model.cam_layer)."""
 
 
 class Method:
-    """Base class: `name` is the config word under `derive:`, `Args` its arguments."""
+    """Base class of a derived method: `name` is its word under `derive:`, `Args` its args.
+
+    A subclass is registered with `@register_method(name)`, which makes the one instance
+    the run uses (and sets `name`). It says which captures it reads (`requires`) and
+    computes one batch's result from them (`compute`); or, with `runs_passes`, runs passes
+    of its own (`passes`); or, with `reads_batch`, writes several results from the captures
+    and the batch (`compute_batch`). The class variables say what data and targets it
+    takes.
+    """
 
     name: ClassVar[str]
     Args: ClassVar[type] = LayerArgs
@@ -74,66 +85,185 @@ class Method:
 
     @classmethod
     def check(cls, args: Any, key: str) -> None:
-        """Refuse bad `args` (HookrunError naming `key.<x>`); called before any work."""
+        """Refuse bad `args`; called before any work. By default every `Args` is fine.
+
+        Args:
+            args: The parsed `Args`.
+            key: The method's key (`derive.<name>`), to name `key.<x>` in the error.
+
+        Raises:
+            HookrunError: An argument is out of range or conflicts with another.
+        """
 
     def requires(self, args: Any) -> list[str]:
-        """The capture datasets this method reads."""
+        """The capture datasets this method reads.
+
+        Args:
+            args: The parsed `Args`.
+
+        Returns:
+            Their paths (`captures/<layer>/<site>`); the run refuses to start without them.
+
+        Raises:
+            NotImplementedError: The base class reads nothing it could name.
+        """
         raise NotImplementedError
 
     def requires_prepared(self, args: Any, state: Any) -> list[str]:
-        """The capture datasets the prepared state says the method reads (none by default)."""
+        """The capture datasets the prepared state says the method reads.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+
+        Returns:
+            Their paths; none by default.
+        """
         return []
 
     def prepare(self, args: Any, model: nn.Module, sample: torch.Tensor) -> Any:
-        """State computed once from the model before the first batch (None by default)."""
+        """State computed once from the model before the first batch.
+
+        Args:
+            args: The parsed `Args`.
+            model: The run's model.
+            sample: One row of what the method explains (the input, or a language model's
+                embeddings).
+
+        Returns:
+            Its state, handed to every later call; None by default.
+        """
         return None
 
     def check_captures(self, args: Any, state: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Refuse, before any work, captures it reads whose per-row shapes (`shapes`: path →
-        shape, every capture of the run) it cannot read (HookrunError naming the key)."""
+        """Refuse, before any work, captures it reads whose per-row shapes it cannot read.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            shapes: Every capture of the run: path → per-row shape.
+
+        Raises:
+            HookrunError: A capture of a shape the method cannot read; names the key.
+        """
 
     def compute(self, args: Any, state: Any, records: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The result for one batch from its records — the captures it `requires` as the run
-        made them (on the run's device, in its dtype), the host copies for anything else."""
+        """The result for one batch from its records.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            records: The captures it `requires` as the run made them (on the run's device,
+                in its dtype), the host copies for anything else; by path.
+
+        Returns:
+            The batch's result, one row per sample, stored at `derived/<name>/<layer>`.
+
+        Raises:
+            NotImplementedError: A method with `runs_passes` or `reads_batch` has none.
+        """
         raise NotImplementedError
 
     def compute_batch(
         self, args: Any, state: Any, records: Mapping[str, torch.Tensor], batch: BatchContext
     ) -> dict[str, torch.Tensor]:
-        """A `reads_batch` method's results for one batch, keyed by HDF5 path (host tensors)."""
+        """A `reads_batch` method's results for one batch.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            records: The batch's records, by path.
+            batch: The batch as a method with passes of its own sees it.
+
+        Returns:
+            HDF5 path → host tensor.
+
+        Raises:
+            NotImplementedError: Only a `reads_batch` method has it.
+        """
         raise NotImplementedError
 
     def passes(self, args: Any, state: Any, batch: BatchContext) -> dict[str, torch.Tensor]:
-        """A `runs_passes` method's results for one batch, keyed by HDF5 path (host tensors)."""
+        """A `runs_passes` method's results for one batch, from passes of its own.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            batch: The batch: its inputs, targets and model, to run passes on.
+
+        Returns:
+            HDF5 path → host tensor.
+
+        Raises:
+            NotImplementedError: Only a `runs_passes` method has it.
+        """
         raise NotImplementedError
 
     def stored_shapes(
         self, args: Any, state: Any, key: str, sample: tuple[int, ...]
     ) -> dict[str, tuple[int, ...]]:
-        """Per-sample shape of each dataset the method writes, `key` being its main one and
-        `sample` the model input's shape (the dry run's size estimate); by default one
-        result shaped like the input."""
+        """Per-sample shape of each dataset the method writes (the dry run's size estimate).
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            key: Its main dataset's path.
+            sample: The model input's shape per sample.
+
+        Returns:
+            Path → per-sample shape; by default one result shaped like the input.
+        """
         return {key: sample}
 
     def extra_rows(
         self, args: Any, state: Any, sample: tuple[int, ...]
     ) -> tuple[int, tuple[int, ...]]:
-        """(rows its extra passes run per batch row, the shape of one such row) — what
-        `internal_batch_size` rows a pass are checked against memory with (`sample`: what
-        the method explains per row). `state` is None at config time: a count that needs
-        the model or the image is then 1, its lower bound. None by default."""
+        """The rows its extra passes run per batch row, checked against memory.
+
+        `internal_batch_size` rows a pass are checked with this.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned; None at config time, where a count that needs
+                the model or the image is 1, its lower bound.
+            sample: What the method explains per row.
+
+        Returns:
+            (rows per batch row, the shape of one such row); (0, sample) by default.
+        """
         return 0, sample
 
     def check_sizes(self, args: Any, state: Any, rows: int, sample: tuple[int, ...]) -> None:
-        """Refuse (memory.check_fits, naming the key) what a batch of `rows` makes the method
-        allocate at once beside its passes (masks, coalitions); called before any work."""
+        """Refuse what a batch of `rows` makes the method allocate at once beside its passes.
+
+        Masks and coalitions, say; called before any work.
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+            rows: The batch's rows.
+            sample: What the method explains per row.
+
+        Raises:
+            HookrunError: It would not fit (memory.check_fits, naming the key).
+        """
 
 
 METHODS: Registry[Method] = Registry("a method")
 
 
 def register_method(name: str):
-    """Class decorator: register a Method under its `derive:` name."""
+    """Class decorator: register a Method under its `derive:` name.
+
+    Args:
+        name: The word under `derive:`; the class's `name` is set to it.
+
+    Returns:
+        The decorator, which registers one instance of the class and returns the class.
+
+    Raises:
+        ValueError: (from the decorator) another method has that name already.
+    """
     return METHODS.register_class(name)
 
 
@@ -150,11 +280,19 @@ class Derivation:
 
     @property
     def key(self) -> str:
+        """Its main dataset's path, `derived/<method>/<layer or input>`."""
         # Methods that attribute the model input store at /derived/<method>/input.
         return layout.derived_key(self.method.name, getattr(self.args, "layer", None) or "input")
 
     def stored_shapes(self, sample: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-        """Per-sample shape of each dataset this derivation writes (`sample`: the input's)."""
+        """Per-sample shape of each dataset this derivation writes.
+
+        Args:
+            sample: The model input's shape per sample.
+
+        Returns:
+            Path → per-sample shape.
+        """
         shape = self.explained if self.explained is not None else sample
         return self.method.stored_shapes(self.args, self.state, self.key, shape)
 
@@ -166,10 +304,23 @@ def plan_derivations(
     sample: torch.Tensor,
     explained: torch.Tensor | None = None,
 ) -> list[Derivation]:
-    """Each requested method (name → parsed Args) against the captures the plan makes
-    (path → per-row shape); its state prepared on the model, on `explained` (one sample of
-    what the gradient methods explain, when it is not `sample`: a language model's
-    embeddings) for those methods."""
+    """Each requested method checked against the captures the plan makes, its state prepared.
+
+    Args:
+        requests: Method name → parsed Args.
+        captures: Every capture of the run: path → per-row shape.
+        model: The run's model, which each method prepares on.
+        sample: One row of the model's input.
+        explained: One sample of what the gradient methods explain, when it is not
+            `sample` (a language model's embeddings); those methods prepare on it.
+
+    Returns:
+        One Derivation per request, in order.
+
+    Raises:
+        HookrunError: An unknown method (with the near match), missing captures, or
+            captures of a shape the method cannot read.
+    """
     out = []
     for name, args in requests.items():
         method = METHODS.get(name, f"derive.{name}")
@@ -197,8 +348,19 @@ def derive(
     records: Mapping[str, torch.Tensor],
     batch: BatchContext | None = None,
 ) -> dict:
-    """The derived tensors for one batch of records, keyed by their HDF5 paths; `batch` is
-    what methods with passes of their own need."""
+    """The derived tensors for one batch of records.
+
+    Args:
+        derivations: What `plan_derivations` returned.
+        records: The batch's records, by path.
+        batch: What methods with passes of their own, or reading the batch, need.
+
+    Returns:
+        HDF5 path → host tensor.
+
+    Raises:
+        RuntimeError: A method needs `batch` and none was given.
+    """
     out = {}
     for d in derivations:
         if d.method.runs_passes:

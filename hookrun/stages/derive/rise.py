@@ -41,9 +41,13 @@ SHIFTS_KEY = layout.derived_key("rise", "input") + ".mask_shifts"
 @dataclass
 class RiseArgs(Frozen):
     masks: int = 2000
+    """Random masks per image; the map is their mean weighted by the score each one keeps."""
     cells: int = 7
+    """Each mask is a cells x cells grid of kept or dropped cells, upsampled and shifted."""
     p: float = 0.5
+    """Probability that a cell is kept."""
     internal_batch_size: int | None = None
+    """Masked images per forward pass; null: by input size."""
 
 
 def draw_masks(

@@ -63,13 +63,20 @@ def segments_key(method: str) -> str:
 
 @dataclass
 class FeatureAblationArgs(Frozen):
-    segments: str = "slic"  # slic | grid | file
-    n_segments: int = 50  # slic: about how many
-    compactness: float = 10.0  # slic
-    cells: int = 8  # grid: cells × cells rectangles
-    mask: str | None = None  # file: an (H, W) integer .npy
+    segments: str = "slic"
+    """slic | grid | file"""
+    n_segments: int = 50
+    """slic: about how many"""
+    compactness: float = 10.0
+    """slic"""
+    cells: int = 8
+    """grid: cells × cells rectangles"""
+    mask: str | None = None
+    """file: an (H, W) integer .npy"""
     baseline: float = 0.0
+    """The value the pixels of an ablated segment take."""
     internal_batch_size: int | None = None
+    """Perturbed images per forward pass; null: by input size."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +206,8 @@ class FeatureAblation(Method):
 
 @dataclass
 class KernelShapArgs(FeatureAblationArgs):
-    samples: int = 256  # coalitions per row; all of them when 2^segments − 2 is no more
+    samples: int = 256
+    """coalitions per row; all of them when 2^segments − 2 is no more"""
 
 
 def _coalition_count(m: int, samples: int) -> int:

@@ -31,10 +31,13 @@ __all__ = ["SmoothGrad", "SmoothGradArgs"]
 @dataclass
 class SmoothGradArgs(Frozen):
     samples: int = 25
+    """Noisy copies of each input whose gradients are averaged."""
     sigma: float = 0.15
+    """Noise standard deviation, as a fraction of the input's value range."""
     squared: bool = False
-    # Rows per extra forward/backward pass; null: by input size (stages/derive/gradients.py).
+    """Average the squared gradients (SmoothGrad-Squared) instead of the gradients."""
     internal_batch_size: int | None = None
+    """Rows per extra forward/backward pass; null: by input size (stages/derive/gradients.py)."""
 
 
 @register_method("smoothgrad")

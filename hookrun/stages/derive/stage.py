@@ -29,6 +29,12 @@ __all__ = ["DeriveStage", "parse_derive", "check_extra_passes", "AUTO"]
 AUTO = "auto"  # a method's layer when model.cam_layer=auto (the probe picks it)
 
 
+def method_schemas(prefix: str) -> dict[str, type]:
+    """The `Args` of every registered method, by its key under `prefix` (`derive`, or the
+    sanity check's `sanity.derive`): what parse_derive merges each method's node into."""
+    return {f"{prefix}.{name}": method.Args for name, method in METHODS.items()}
+
+
 def parse_derive(raw: Any, target: TargetConfig, prefix: str = "derive") -> dict[str, Any]:
     """Method name → its parsed, checked Args, in the node's order; errors name
     `<prefix>.<method>.<key>` (the sanity check parses its methods' nodes here too)."""
@@ -162,6 +168,10 @@ class DeriveStage(Stage):
 
     # What the perturbation methods perturbed: no maps (neither drawn nor evaluated as one).
     draws = (segments_key("*"), CELLS_KEY, SHIFTS_KEY)
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return method_schemas("derive")
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hookrun.errors import HookrunError, unknown_key
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 from hookrun.stages.evaluate.relevance import REDUCTIONS
 from hookrun.typed import Frozen, check_range, parse_typed
 
@@ -20,17 +20,18 @@ __all__ = ["EvaluateConfig", "EvaluateSpec", "parse_evaluate"]
 
 @dataclass
 class EvaluateConfig(Frozen):
-    # Metrics computed for every evaluated attribution, in order (hookrun/evaluate/).
     metrics: list[str] = field(default_factory=lambda: ["deletion", "insertion", "road"])
-    # Attribution paths to evaluate (derived/<method>/<layer|input>, captures/input/
-    # grad_output); null: every attribution the run makes.
+    """Metrics computed for every evaluated attribution, in order (hookrun/stages/evaluate/)."""
     of: list[str] | None = None
-    # Input-shaped attributions (N, C, H, W) → pixel relevance: abs_sum | sum | max_abs.
+    """Attribution paths to evaluate (derived/<method>/<layer|input>, captures/input/ grad_output);
+    null: every attribution the run makes.
+    """
     reduce: str = "abs_sum"
-    # Perturbed images per forward pass; null: as many as 8M input values allow.
+    """Input-shaped attributions (N, C, H, W) → pixel relevance: abs_sum | sum | max_abs."""
     batch_size: int | None = None
-    # What a sweep ranks its jobs by; null: road when it is computed, else the first metric.
+    """Perturbed images per forward pass; null: as many as 8M input values allow."""
     rank_by: str | None = None
+    """What a sweep ranks its jobs by; null: road when it is computed, else the first metric."""
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,14 @@ def parse_evaluate(raw: Mapping[str, Any] | None) -> EvaluateSpec | None:
     if not raw:
         return None
     general = [f.name for f in dataclasses.fields(EvaluateConfig)]
-    _unknown(raw, general + METRICS.choices(), "evaluate")
+    _unknown(raw, general + FAITHFULNESS_METRICS.choices(), "evaluate")
     config = parse_typed({k: v for k, v in raw.items() if k in general}, EvaluateConfig, "evaluate")
     if not config.metrics:
-        raise HookrunError(f"evaluate.metrics: []; valid: any of {', '.join(METRICS.choices())}")
+        raise HookrunError(
+            f"evaluate.metrics: []; valid: any of {', '.join(FAITHFULNESS_METRICS.choices())}"
+        )
     for i, name in enumerate(config.metrics):
-        METRICS.get(name, f"evaluate.metrics[{i}]")
+        FAITHFULNESS_METRICS.get(name, f"evaluate.metrics[{i}]")
     if len(set(config.metrics)) != len(config.metrics):
         raise HookrunError(f"evaluate.metrics: {list(config.metrics)} names a metric twice")
     if config.reduce not in REDUCTIONS:
@@ -67,8 +70,8 @@ def parse_evaluate(raw: Mapping[str, Any] | None) -> EvaluateSpec | None:
     if config.of is not None and not config.of:
         raise HookrunError("evaluate.of: []; valid: attribution paths, or null for every one")
     parsed = []
-    for name in METRICS.choices():  # every node is checked, also of a metric not run
-        metric = METRICS.get(name, "evaluate.metrics")
+    for name in FAITHFULNESS_METRICS.choices():  # every node is checked, also of a metric not run
+        metric = FAITHFULNESS_METRICS.get(name, "evaluate.metrics")
         args = parse_typed(raw.get(name), metric.Args, f"evaluate.{name}")
         metric.check(args, f"evaluate.{name}")
         parsed.append((name, args))

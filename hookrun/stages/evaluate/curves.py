@@ -21,9 +21,9 @@ from hookrun.errors import HookrunError
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, FRACTIONS, evaluate_key
 from hookrun.stages.evaluate.registry import (
     EvalBatch,
-    Metric,
+    FaithfulnessMetric,
     Stored,
-    register_metric,
+    register_faithfulness_metric,
     target_probabilities,
 )
 from hookrun.stages.evaluate.relevance import pixel_ranks
@@ -37,13 +37,17 @@ BASELINES = ("zeros", "blur", "mean")
 @dataclass
 class DeletionArgs(Frozen):
     steps: int = 20
-    baseline: str = "zeros"  # zeros | blur | mean
+    """Points on the curve: the fraction of pixels removed goes from 0 to 1 in this many steps."""
+    baseline: str = "zeros"
+    """zeros | blur | mean"""
 
 
 @dataclass
 class InsertionArgs(Frozen):
     steps: int = 20
-    baseline: str = "blur"  # zeros | blur | mean
+    """Points on the curve: the fraction of pixels inserted goes from 0 to 1 in this many steps."""
+    baseline: str = "blur"
+    """zeros | blur | mean"""
 
 
 def pixel_counts(steps: int, pixels: int) -> list[int]:
@@ -62,7 +66,7 @@ def baseline_image(baseline: str, x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=(2, 3), keepdim=True).expand_as(x)  # mean: each channel's, per image
 
 
-class _Curve(Metric):
+class _Curve(FaithfulnessMetric):
     summary_suffix = AUC_SUFFIX
     removes = True  # deletion: the most relevant pixels go; insertion: they come back
 
@@ -123,13 +127,13 @@ class _Curve(Metric):
         }
 
 
-@register_metric("deletion")
+@register_faithfulness_metric("deletion")
 class Deletion(_Curve):
     Args = DeletionArgs
     higher_is_better = False  # a faithful map loses the class fast
 
 
-@register_metric("insertion")
+@register_faithfulness_metric("insertion")
 class Insertion(_Curve):
     Args = InsertionArgs
     removes = False

@@ -17,7 +17,7 @@ from hookrun.io import layout
 from hookrun.stage import Stored, drawn_by_stages
 from hookrun.stages.derive.gradients import rows_per_pass
 from hookrun.stages.evaluate.config import EvaluateSpec
-from hookrun.stages.evaluate.registry import METRICS, EvalBatch
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS, EvalBatch
 from hookrun.stages.evaluate.relevance import check_attribution, pixel_relevance
 
 __all__ = ["Evaluation", "plan_evaluation", "attribution_shapes"]
@@ -36,7 +36,7 @@ class Evaluation:
         """Every dataset written, by path: per-sample shape and attributes."""
         out: dict[str, Stored] = {}
         for name, args in self.spec.metrics:
-            metric = METRICS.get(name, "evaluate.metrics")
+            metric = FAITHFULNESS_METRICS.get(name, "evaluate.metrics")
             for attribution in self.attributions:
                 out.update(metric.stored(args, attribution, self.image))
         return out
@@ -68,7 +68,7 @@ class Evaluation:
         )
         out: dict[str, torch.Tensor] = {}
         for name, args in self.spec.metrics:
-            metric = METRICS.get(name, "evaluate.metrics")
+            metric = FAITHFULNESS_METRICS.get(name, "evaluate.metrics")
             for attribution in self.attributions:
                 out.update(metric.evaluate(args, batch, attribution))
         return out
@@ -98,7 +98,9 @@ def plan_evaluation(
         check_attribution(f"{where}: {key}", made[key], sample)
     image = (int(sample[-2]), int(sample[-1]))
     for name, args in spec.metrics:
-        METRICS.get(name, "evaluate.metrics").check_image(args, f"evaluate.{name}", image)
+        FAITHFULNESS_METRICS.get(name, "evaluate.metrics").check_image(
+            args, f"evaluate.{name}", image
+        )
     return Evaluation(spec, tuple(dict.fromkeys(wanted)), image, store_dtype)
 
 

@@ -22,7 +22,7 @@ from hookrun.io import layout, walk
 from hookrun.render.tables import ranked, write_table
 from hookrun.stages.evaluate.config import parse_evaluate
 from hookrun.stages.evaluate.keys import EVALUATE
-from hookrun.stages.evaluate.registry import METRICS
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 __all__ = ["job_means", "write_ranking"]
 
@@ -47,7 +47,11 @@ def job_means(path: Path) -> dict[str, Any]:
         rows = state.completed
         for metric, datasets in walk.group_of(f, EVALUATE).items():
             for name, ds in datasets.items():
-                suffix = METRICS.get(metric, "evaluate").summary_suffix if metric in METRICS else ""
+                suffix = (
+                    FAITHFULNESS_METRICS.get(metric, "evaluate").summary_suffix
+                    if metric in FAITHFULNESS_METRICS
+                    else ""
+                )
                 if ds.ndim != 1 or not suffix or not name.endswith(suffix):
                     continue
                 attribution = name.removesuffix(suffix)
@@ -72,7 +76,7 @@ def write_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
     rank_by = next((j["evaluation"]["rank_by"] for j in done if j["evaluation"]["rank_by"]), None)
     if rank_by is None:
         return []
-    metrics = [m for m in METRICS.choices()]
+    metrics = [m for m in FAITHFULNESS_METRICS.choices()]
     rows = []
     for job in done:
         ev = job["evaluation"]
@@ -81,7 +85,7 @@ def write_ranking(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
             row |= {"layer": layer, "attribution": attribution}
             row |= {m: ev["means"].get(f"{m}:{attribution}", float("nan")) for m in metrics}
             rows.append(row)
-    higher = METRICS.get(rank_by, "evaluate.rank_by").higher_is_better
+    higher = FAITHFULNESS_METRICS.get(rank_by, "evaluate.rank_by").higher_is_better
     rows = ranked(rows, rank_by, higher)
     columns = ["rank", "job", "method", "layer", *metrics, "attribution", "overrides"]
     order = "higher" if higher else "lower"

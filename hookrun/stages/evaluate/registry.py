@@ -1,11 +1,13 @@
-"""The metrics registry: how faithful is an attribution to the model it explains.
+"""The faithfulness metrics (`evaluate.metrics`): how faithful is an attribution to its model.
 
-A metric is one class registered with `@register_metric(name)` in its own module under
-hookrun/evaluate/ (imported by hookrun/evaluate/__init__.py): its `Args` (what
+A metric is one class registered with `@register_faithfulness_metric(name)` in its own
+module under hookrun/stages/evaluate/ (imported by its __init__.py): its `Args` (what
 `evaluate.<name>:` accepts) and `check`, the datasets it writes per attribution (`stored`,
 with their attributes), and `evaluate` on one batch. Every metric scores a perturbed image
 by the softmax probability of the run's target class, through the bare model (the run's
-hooks stand aside), without gradients, `rows_per_pass` images per forward pass.
+hooks stand aside), without gradients, `rows_per_pass` images per forward pass. (The
+`metrics` stage, hookrun/stages/metrics/, is another thing: a language model's loss, KL and
+logit difference under the run's hooks.)
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from hookrun.stage import Stored
 from hookrun.typed import Frozen
 
 __all__ = [
-    "METRICS",
-    "Metric",
+    "FAITHFULNESS_METRICS",
+    "FaithfulnessMetric",
     "NoArgs",
     "EvalBatch",
     "Stored",
-    "register_metric",
+    "register_faithfulness_metric",
     "target_probabilities",
 ]
 
@@ -51,7 +53,7 @@ class EvalBatch:
     relevance: Mapping[str, torch.Tensor]
 
 
-class Metric:
+class FaithfulnessMetric:
     """Base class: `name` is the word in `evaluate.metrics`, `Args` its `evaluate.<name>:`."""
 
     name: ClassVar[str]
@@ -84,12 +86,12 @@ class Metric:
         raise NotImplementedError
 
 
-METRICS: Registry[Metric] = Registry("a metric")
+FAITHFULNESS_METRICS: Registry[FaithfulnessMetric] = Registry("a metric")
 
 
-def register_metric(name: str):
-    """Class decorator: register a Metric under its `evaluate.metrics` name."""
-    return METRICS.register_class(name)
+def register_faithfulness_metric(name: str):
+    """Class decorator: register a FaithfulnessMetric under its `evaluate.metrics` name."""
+    return FAITHFULNESS_METRICS.register_class(name)
 
 
 def _chunks(total: int, size: int) -> Iterator[slice]:

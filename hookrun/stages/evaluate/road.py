@@ -25,9 +25,9 @@ from hookrun.stages.evaluate.impute import noisy_linear_imputation
 from hookrun.stages.evaluate.keys import FRACTIONS, SCORE_SUFFIX, evaluate_key
 from hookrun.stages.evaluate.registry import (
     EvalBatch,
-    Metric,
+    FaithfulnessMetric,
     Stored,
-    register_metric,
+    register_faithfulness_metric,
     target_probabilities,
 )
 from hookrun.stages.evaluate.relevance import pixel_ranks
@@ -42,7 +42,11 @@ DIRECTIONS = (("road_morf", True), ("road_lerf", False))
 @dataclass
 class RoadArgs(Frozen):
     fractions: list[float] = field(default_factory=lambda: [k / 10 for k in range(1, 10)])
+    """The fractions of pixels removed, most relevant first (MoRF) and least relevant first
+    (LeRF).
+    """
     noise: float = 0.01
+    """Standard deviation of the noise added to each imputed pixel."""
 
 
 def removed_counts(fractions: list[float], pixels: int) -> list[int]:
@@ -67,8 +71,8 @@ class _Draws:
         return self.blocks[index]
 
 
-@register_metric("road")
-class Road(Metric):
+@register_faithfulness_metric("road")
+class Road(FaithfulnessMetric):
     Args = RoadArgs
     summary_suffix = SCORE_SUFFIX
 

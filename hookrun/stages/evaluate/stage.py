@@ -5,6 +5,7 @@ bare model, at /evaluate/<metric>/<attribution path>; the metrics are a registry
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ from hookrun.stage import (
     describe_stored,
     register_stage,
 )
-from hookrun.stages.evaluate.config import parse_evaluate
+from hookrun.stages.evaluate.config import EvaluateConfig, parse_evaluate
 from hookrun.stages.evaluate.faithfulness import Evaluation, attribution_shapes, plan_evaluation
 from hookrun.stages.evaluate.keys import AUC_SUFFIX, EVALUATE, SCORE_SUFFIX
 from hookrun.stages.evaluate.ranking import write_ranking
+from hookrun.stages.evaluate.registry import FAITHFULNESS_METRICS
 
 __all__ = ["EvaluateStage"]
 
@@ -72,6 +74,13 @@ class EvaluateStage(Stage):
         f"{EVALUATE}/*{SCORE_SUFFIX}": "sample",
         f"{EVALUATE}/*": "sample fraction",
     }
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {
+            "evaluate": EvaluateConfig,
+            **{f"evaluate.{n}": m.Args for n, m in FAITHFULNESS_METRICS.items()},
+        }
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

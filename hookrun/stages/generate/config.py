@@ -15,27 +15,34 @@ __all__ = ["GenerateConfig", "parse_generate"]
 
 @dataclass
 class GenerateConfig(Frozen):
-    # Tokens generated after each row's prompt (its tokens up to the read position).
     max_new_tokens: int = 20
-    # 0: greedy (the most likely token); above 0: sampling from the distribution at this
-    # temperature, seeded by the run's seed and the batch (a resume draws the same tokens).
+    """Tokens generated after each row's prompt (its tokens up to the read position)."""
     temperature: float = 0.0
-    # Sampling only: the k most likely tokens (null: all), then the smallest set whose
-    # probability reaches top_p (null or 1: all).
+    """0: greedy (the most likely token); above 0: sampling from the distribution at this
+    temperature, seeded by the run's seed and the batch (a resume draws the same tokens).
+    """
     top_k: int | None = None
+    """Sampling only: the k most likely tokens (null: all), then the smallest set whose probability
+    reaches top_p (null or 1: all).
+    """
     top_p: float | None = None
-    # Stop a row at the model's end token (its config's eos_token_id), which is kept.
+    """Sampling only: after top_k, the smallest set of tokens whose probability reaches top_p (null
+    or 1: all).
+    """
     stop_at_eos: bool = True
-    # true: each generated token's log probability under the model without the run's hooks
-    # too (/generation/logprobs_unhooked: how fluent the hooked text is to the plain model).
-    # Under hooks that change values that is one more pass over each prompt and its text;
-    # without them it is the run's own log probabilities, stored as they are. false: not
-    # stored (nor /generation/unchanged).
+    """Stop a row at the model's end token (its config's eos_token_id), which is kept."""
     fluency: bool = True
-    # true: each capture of the run (a module's input or output, one row per token) also
-    # stores what its site saw at every step, at the position whose output chose the step's
-    # token: /generation/captures/<module>/<site> (N, steps, ...).
+    """true: each generated token's log probability under the model without the run's hooks too
+    (/generation/logprobs_unhooked: how fluent the hooked text is to the plain model). Under
+    hooks that change values that is one more pass over each prompt and its text; without them
+    it is the run's own log probabilities, stored as they are. false: not stored (nor
+    /generation/unchanged).
+    """
     captures: bool = False
+    """true: each capture of the run (a module's input or output, one row per token) also stores
+    what its site saw at every step, at the position whose output chose the step's token:
+    /generation/captures/<module>/<site> (N, steps, ...).
+    """
 
 
 def parse_generate(raw: Mapping[str, Any] | None) -> GenerateConfig | None:

@@ -244,6 +244,10 @@ class GenerateStage(Stage):
     }
 
     @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"generate": GenerateConfig}
+
+    @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
         return parse_generate(raw)
 

@@ -67,9 +67,13 @@ _AGREE, _AGREE_HALF = 1e-4, 1e-2
 @dataclass
 class LensArgs(Frozen):
     k: int = 5
-    norm: str | None = None  # the final norm's module name; none: no norm; null: found
-    unembed: str | None = None  # the unembedding's module name; null: found
-    blocks: str | None = None  # the nn.ModuleList of the blocks; null: found
+    """The top-k tokens stored per block and position."""
+    norm: str | None = None
+    """the final norm's module name; none: no norm; null: found"""
+    unembed: str | None = None
+    """the unembedding's module name; null: found"""
+    blocks: str | None = None
+    """the nn.ModuleList of the blocks; null: found"""
 
 
 @dataclass(frozen=True)

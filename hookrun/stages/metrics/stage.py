@@ -9,6 +9,7 @@ them by the loss change with no code of the user's."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,12 @@ _TOKEN_TARGETS = (
 
 @dataclass
 class MetricsConfig(Frozen):
-    # Any of loss, token_loss, answer_logprob, logit_diff, kl (compute.py).
     names: list[str] = field(default_factory=lambda: ["loss", "answer_logprob", "kl"])
-    # A sweep ranks its jobs by this metric's change, largest first (metrics_ranking.csv);
-    # null: loss, or the first of `names` with an unhooked twin.
+    """Any of loss, token_loss, answer_logprob, logit_diff, kl (compute.py)."""
     rank_by: str | None = None
+    """A sweep ranks its jobs by this metric's change, largest first (metrics_ranking.csv); null:
+    loss, or the first of `names` with an unhooked twin.
+    """
 
 
 def _rankable(names: Any) -> list[str]:
@@ -127,6 +129,10 @@ class MetricsStage(Stage):
     name = node = "metrics"
     order = 55
     axes = {metric_key("token_loss*"): "sample token", f"{METRICS_GROUP}/*": "sample"}
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"metrics": MetricsConfig}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

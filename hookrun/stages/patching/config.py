@@ -30,27 +30,35 @@ APPROXIMATIONS = ("atp", "atp_ig")
 
 @dataclass
 class PatchingConfig(Frozen):
-    # Site kinds patched, each a grid of its own: resid | attn | mlp | heads (a grid of
-    # layers × heads × positions).
     sites: list[str] = field(default_factory=lambda: ["resid"])
-    # Positions patched: all (every position of the padded rows; past a row's last real
-    # token its cells are NaN) or a list of positions (0-based, inside every row).
+    """Site kinds patched, each a grid of its own: resid | attn | mlp | heads (a grid of layers ×
+    heads × positions).
+    """
     positions: Any = "all"
-    # Layers patched: all, one layer (an int: `--multirun patching.layer=0,1,2` gives one
-    # cluster job per layer, each the matching slice of the all-layers grid) or a list.
+    """Positions patched: all (every position of the padded rows; past a row's last real token its
+    cells are NaN) or a list of positions (0-based, inside every row).
+    """
     layer: Any = "all"
-    # A stored clean run (a captures.h5 of the same prompts, stages/patching/clean.py) read instead
-    # of a clean forward pass: clean and corrupted as separate jobs. null: one run does both.
+    """Layers patched: all, one layer (an int: `--multirun patching.layer=0,1,2` gives one cluster
+    job per layer, each the matching slice of the all-layers grid) or a list.
+    """
     clean: str | None = None
-    # Rows per patched forward pass (copies of the corrupted batch × its rows); null: as many
-    # as `memory_mib` of activations allow (grid.py says the estimate).
+    """A stored clean run (a captures.h5 of the same prompts, stages/patching/clean.py) read
+    instead of a clean forward pass: clean and corrupted as separate jobs. null: one run does
+    both.
+    """
     batch_size: int | None = None
+    """Rows per patched forward pass (copies of the corrupted batch × its rows); null: as many as
+    `memory_mib` of activations allow (grid.py says the estimate).
+    """
     memory_mib: int = 256
-    # How each cell is found: exact | atp | atp_ig, or a list of them (each its own grid;
-    # with exact, each approximation's error and correlation with it are stored too).
+    """The activations one patched forward pass may hold, when batch_size is null."""
     method: Any = "exact"
-    # atp_ig: the points between the corrupted and the clean input (1: atp itself).
+    """How each cell is found: exact | atp | atp_ig, or a list of them (each its own grid; with
+    exact, each approximation's error and correlation with it are stored too).
+    """
     ig_steps: int = 8
+    """atp_ig: the points between the corrupted and the clean input (1: atp itself)."""
 
     @property
     def methods(self) -> tuple[str, ...]:

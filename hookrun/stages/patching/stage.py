@@ -4,6 +4,7 @@ named once every row is written."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import h5py
@@ -13,7 +14,12 @@ from hookrun.io import layout
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import MODEL_OUTPUT, SAMPLES_INDEX
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
-from hookrun.stages.patching.config import APPROXIMATIONS, SITE_KINDS, parse_patching
+from hookrun.stages.patching.config import (
+    APPROXIMATIONS,
+    SITE_KINDS,
+    PatchingConfig,
+    parse_patching,
+)
 from hookrun.stages.patching.grid import PatchingGrid, plan_patching
 from hookrun.stages.patching.keys import (
     CELLS,
@@ -77,6 +83,10 @@ class PatchingStage(Stage):
         patching_key("heads*"): "sample layer head position",
         f"{PATCHING}/*": "sample layer position",
     }
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"patching": PatchingConfig}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

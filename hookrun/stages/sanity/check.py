@@ -23,7 +23,7 @@ from torch import nn
 from hookrun.io import layout
 from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.plan import HookPlan, check_reached, compile_plan
-from hookrun.runtime.probe import probe_shapes
+from hookrun.runtime.shape_probe import probe_shapes
 from hookrun.stage import Stored
 from hookrun.stages.derive.registry import Derivation, plan_derivations
 from hookrun.stages.evaluate.relevance import check_attribution

@@ -37,8 +37,6 @@ SIMILARITIES = ("spearman_abs", "spearman", "ssim")
 
 @dataclass
 class SanityConfig(Frozen):
-    # Experiments whose attribution is checked (each makes one: a derived result or the
-    # input gradient); their hooks and derive run on the original and randomised models.
     methods: list[str] = field(
         default_factory=lambda: [
             "saliency",
@@ -48,20 +46,25 @@ class SanityConfig(Frozen):
             "smoothgrad",
         ]
     )
-    # Modules randomised, in order; auto: the output layer, then the feature extractor's
-    # blocks from the last to the first (stages/sanity/randomize.py).
+    """Experiments whose attribution is checked (each makes one: a derived result or the input
+    gradient); their hooks and derive run on the original and randomised models.
+    """
     layers: Any = "auto"
-    # cascading: each step randomises one more layer; independent: one layer at a time.
+    """Modules randomised, in order; auto: the output layer, then the feature extractor's blocks
+    from the last to the first (stages/sanity/randomize.py).
+    """
     mode: str = "cascading"
-    # Input-shaped maps (C, H, W) → (H, W): abs_sum | sum | max_abs.
+    """cascading: each step randomises one more layer; independent: one layer at a time."""
     reduce: str = "abs_sum"
-    # A method passes when the mean over the steps of the median spearman_abs is below this.
+    """Input-shaped maps (C, H, W) → (H, W): abs_sum | sum | max_abs."""
     threshold: float = 0.5
-    # Store every compared map at every step (/sanity/<method>/maps); the grid needs them.
+    """A method passes when the mean over the steps of the median spearman_abs is below this."""
     keep_maps: bool = True
-    # Per derived method, arguments over its experiment's (e.g. integrated_gradients:
-    # {steps: 16}).
+    """Store every compared map at every step (/sanity/<method>/maps); the grid needs them."""
     derive: dict[str, Any] = field(default_factory=dict)
+    """Per derived method, arguments over its experiment's (e.g. integrated_gradients: {steps:
+    16}).
+    """
 
 
 def _twice(names: Any) -> str | None:

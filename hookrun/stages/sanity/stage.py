@@ -27,10 +27,10 @@ from hookrun.stage import (
     register_stage,
 )
 from hookrun.stages.derive.registry import derive
-from hookrun.stages.derive.stage import says_auto, with_layer
+from hookrun.stages.derive.stage import method_schemas, says_auto, with_layer
 from hookrun.stages.evaluate.stage import check_class
 from hookrun.stages.sanity.check import PreparedMethod, SanityCheck, prepare_sanity
-from hookrun.stages.sanity.config import SanitySpec, sanity_spec
+from hookrun.stages.sanity.config import SanityConfig, SanitySpec, sanity_spec
 from hookrun.stages.sanity.keys import SANITY, read_sanity, sanity_key
 from hookrun.stages.sanity.verdicts import read_verdicts, write_verdicts
 
@@ -93,6 +93,10 @@ class SanityStage(Stage):
         sanity_key("*", "maps"): "sample step y x",
         f"{SANITY}/*": "sample step",
     }
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"sanity": SanityConfig, **method_schemas("sanity.derive")}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

@@ -23,19 +23,22 @@ _POSITIONS = ("last", "all")
 
 @dataclass
 class SteeringConfig(Frozen):
-    # The modules the vector is measured at and added to (their output): a hook per run,
-    # one vector per module.
     layers: Any = None
-    # The prompt sets (.jsonl of {prompt} rows): the vector is mean(plus) − mean(minus).
+    """The modules the vector is measured at and added to (their output): a hook per run, one
+    vector per module.
+    """
     plus: str | None = None
+    """The prompt sets (.jsonl of {prompt} rows): the vector is mean(plus) − mean(minus)."""
     minus: str | None = None
-    # Which tokens of each prompt are averaged: last | all.
+    """The prompt set subtracted (.jsonl of {prompt} rows); see `plus`."""
     positions: str = "last"
-    # Times the vector (after `normalize`, to unit length, when true).
+    """Which tokens of each prompt are averaged: last | all."""
     scale: float = 1.0
+    """Times the vector (after `normalize`, to unit length, when true)."""
     normalize: bool = False
-    # The metric whose change measures the effect: answer_logprob | logit_diff.
+    """Scale the vector to unit length before `scale` multiplies it."""
     effect: str = "answer_logprob"
+    """The metric whose change measures the effect: answer_logprob | logit_diff."""
 
 
 def parse_steering(raw: Mapping[str, Any] | None) -> SteeringConfig | None:

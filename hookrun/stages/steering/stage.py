@@ -11,6 +11,7 @@ fluency."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,10 @@ class SteeringStage(Stage):
     name = node = "steering"
     order = 65
     axes = {f"{VECTORS}/*": "feature"}
+
+    @classmethod
+    def schema(cls) -> Mapping[str, type]:
+        return {"steering": SteeringConfig}
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:

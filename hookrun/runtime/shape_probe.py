@@ -1,4 +1,4 @@
-"""The probe: which rows of each hooked tensor belong to which sample, measured before any work.
+"""The shape probe: which rows of each hooked tensor are which sample's, measured before any work.
 
 The model runs twice, on a batch of two different samples (a, b) and a batch of three
 (b, a, b). Every floating-point leaf of every hooked call is then one of:
