@@ -19,12 +19,12 @@ from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import attach, read_names
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import (
-    SCALE_ATTRS,
     FileState,
     Provenance,
     copy_attrs,
     copy_group_attrs,
     dataset_names,
+    drop_scale_attrs,
     is_pending,
     is_whole_run,
     mark_complete,
@@ -154,9 +154,7 @@ def join_shards(
                 if is_whole_run(first):  # the same in every shard (the vocabulary): copied
                     # once (a virtual dataset takes no variable-length strings)
                     opened[0].copy(first, out, name=key)
-                    for name in SCALE_ATTRS:  # they point into the shard: attach names it
-                        if name in out[key].attrs:
-                            del out[key].attrs[name]
+                    drop_scale_attrs(out[key])  # they point into the shard
                     continue
                 # Shards hold whole batches in order, so a record stored once per batch
                 # joins in global batch order too.
