@@ -121,6 +121,13 @@ def _refuse_text_without_language_model(cfg: DictConfig, model: Any, kind: str) 
         language = cfg.model.get("source") == "hf"
     if not language:
         what = "strings" if kind == "text" else "prompt dicts"
+        if type(model).__module__.startswith("transformers."):  # a language model, untokenized
+            raise HookrunError(
+                f"dataset: a list of {what} is read with a tokenizer, and the "
+                f"{type(model).__name__} was given without one; valid: "
+                "hookrun.run(..., model=model, tokenizer=its tokenizer), or token ids "
+                "({input_ids, attention_mask}: a tokenizer's output)"
+            )
         raise HookrunError(
             f"dataset: a list of {what} is a language model's data, and this run's model is "
             "not one; valid: model=hf or model=tiny_lm (from Python a transformers model with "

@@ -32,6 +32,9 @@ OWN_LIBRARIES = frozenset(
         "sympy",
         "mpmath",
         "triton",
+        # torch._inductor imports colorama where it is installed (every torchvision run);
+        # its one exit handler, reset_all, is registered with atexit, which leave() runs.
+        "colorama",
         "torchvision",
         "timm",
         "huggingface_hub",

@@ -38,7 +38,7 @@ __all__ = [
     "mark_bfloat16", "is_bfloat16", "marks_bfloat16",
     "without_bfloat16_mark", "read_paths", "MODEL_OUTPUT", "INPUT_PHOTO", "INPUT_GRAD",
     "Provenance", "FileState", "PER_BATCH", "FOLDED", "per_batch", "folded", "rows_for",
-    "rows_note", "copy_attrs", "capture_key", "derived_key", "gap_key",
+    "rows_note", "copy_attrs", "drop_scale_attrs", "capture_key", "derived_key", "gap_key",
     "GAP_SUFFIX", "chunk_shape", "open_readonly", "read_state", "read_provenance",
     "dataset_names", "write_header", "mark_status", "mark_completed", "mark_rows",
     "mark_complete", "SAMPLE", "NOT_A_VARIABLE", "SCALE_ATTRS", "is_dimension",
@@ -236,6 +236,14 @@ def copy_attrs(src: h5py.HLObject, dst: h5py.HLObject) -> None:
     for name, value in src.attrs.items():
         if name not in SCALE_ATTRS:
             dst.attrs[name] = value
+
+
+def drop_scale_attrs(ds: h5py.Dataset) -> None:
+    """The dimension-scale attributes off a dataset copied whole from another file (h5py's
+    `copy` keeps them, pointing into that file); `attach` gives it this file's own."""
+    for name in SCALE_ATTRS:
+        if name in ds.attrs:
+            del ds.attrs[name]
 
 
 def read_paths(f: h5py.File) -> list[str] | None:

@@ -10,13 +10,16 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import did_you_mean
+
+if TYPE_CHECKING:  # the pipeline imports this module: a name for the annotation only
+    from hookrun.pipeline.finish import Result
 from hookrun.extras import missing_extra
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
@@ -46,20 +49,31 @@ class Results:
         image: The file's bytes when opened from memory, else None.
     """
 
-    def __init__(self, path: str | Path | bytes) -> None:
+    def __init__(self, path: str | Path | bytes | memoryview | Result) -> None:
         """Open a captures.h5 read-only.
 
         Args:
-            path: The file's path, or its bytes (`Result.memory` of a sink.path=memory run).
+            path: The file's path, its bytes (`Result.memory` of a sink.path=memory run),
+                or the `Result` that `hookrun.run` returned.
 
         Raises:
-            OSError: No such file, or not a readable HDF5 file (the message says why: a
-                file cut short, for one).
+            OSError: No such file, not a readable HDF5 file (the message says why: a file
+                cut short, for one), or a dry run's Result.
         """
-        if isinstance(path, bytes | bytearray):  # a file in memory (sink.path=memory)
+        if hasattr(path, "memory") and hasattr(path, "path"):  # hookrun.run's Result
+            path = path.memory if path.memory is not None else path.path
+            if path is None:
+                raise OSError("this Result holds no file: it was a dry run")
+        if isinstance(path, bytes | bytearray | memoryview):  # a file in memory
             self.image: bytes | None = bytes(path)
             self.path = Path("memory")
-            self.file = h5py.File(io.BytesIO(self.image), "r")
+            try:
+                self.file = h5py.File(io.BytesIO(self.image), "r")
+            except OSError:
+                raise OSError(
+                    f"these {len(self.image)} bytes are not a whole HDF5 file (cut short, or "
+                    "never one): hookrun.open takes a sink.path=memory run's Result.memory"
+                ) from None
             return
         self.image = None
         self.path = Path(path)
@@ -245,11 +259,12 @@ def _decode_bfloat16(ds: Any) -> Any:
     return ds.assign(changed) if changed else ds
 
 
-def open_results(path: str | Path | bytes) -> Results:
+def open_results(path: str | Path | bytes | memoryview | Result) -> Results:
     """Open a captures.h5 for reading; `hookrun.open` is this function.
 
     Args:
-        path: The file's path, or its bytes (`Result.memory` of a sink.path=memory run).
+        path: The file's path, its bytes (`Result.memory` of a sink.path=memory run), or
+            the `Result` that `hookrun.run` returned.
 
     Returns:
         The file as `Results`, read-only (`with hookrun.open(path) as res: ...`).

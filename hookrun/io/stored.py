@@ -24,6 +24,7 @@ from hookrun.io.layout import (
     copy_attrs,
     copy_group_attrs,
     dataset_names,
+    drop_scale_attrs,
     is_pending,
     is_whole_run,
     mark_complete,
@@ -153,6 +154,7 @@ def join_shards(
                 if is_whole_run(first):  # the same in every shard (the vocabulary): copied
                     # once (a virtual dataset takes no variable-length strings)
                     opened[0].copy(first, out, name=key)
+                    drop_scale_attrs(out[key])  # they point into the shard
                     continue
                 # Shards hold whole batches in order, so a record stored once per batch
                 # joins in global batch order too.

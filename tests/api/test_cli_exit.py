@@ -207,3 +207,29 @@ def test_import_hookrun_loads_no_torchvision():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "torchvision loaded: False" in proc.stdout, proc.stdout
+
+
+# An image run with a torchvision model in a fresh interpreter: torchvision's ops load
+# torch._dynamo and torch._inductor, which import colorama where it is installed (it was
+# the one foreign package, so a torchvision run's SIGTERM and success both paid the ordinary
+# teardown: 4-5 s after "interrupted by SIGTERM" on two busy cores).
+IMAGE_RUN = """
+import sys
+from hookrun.quick_exit import QuickExit
+quick = QuickExit()
+import hookrun
+hookrun.run(["experiment=grad_cam", "model=mobilenet_v2", "dataset=fake", "dataset.size=1",
+             "dataset.image_size=32", "progress=false"], run_dir=sys.argv[1])
+print("foreign:", quick.foreign(), flush=True)
+"""
+
+
+def test_a_torchvision_run_imports_nothing_that_keeps_the_ordinary_exit(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", IMAGE_RUN, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "foreign: []" in proc.stdout, proc.stdout

@@ -180,3 +180,15 @@ def test_token_ids_for_a_model_that_is_no_language_model_are_refused(tmp_path):
         )
     said = "dataset: token rows are a language model's input, and this run's model (a ResNet)"
     assert str(err.value).startswith(said) and "valid: " in str(err.value)
+
+
+def test_strings_for_a_transformers_model_without_its_tokenizer_name_the_tokenizer(lm, tmp_path):
+    """The model is a language model: what is missing is its tokenizer, not another model
+    (it was refused as "this run's model is not one")."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm)
+    with pytest.raises(HookrunError) as err:
+        hookrun.run(["render=false"], model=model, dataset=DOCUMENTS, run_dir=tmp_path)
+    said = str(err.value)
+    assert said.startswith("dataset: a list of strings is read with a tokenizer, and the GPT2")
+    assert "valid: hookrun.run(..., model=model, tokenizer=" in said and "\n" not in said
+    assert not list(tmp_path.rglob("*.h5"))

@@ -46,3 +46,15 @@ def test_memory_is_refused_where_a_file_on_disk_is_the_point(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("hookrun: error: sink.path: memory keeps the file in the ")
     assert not (tmp_path / "cli" / "captures.h5").exists()
+
+
+def test_open_takes_the_result_a_memoryview_and_names_cut_bytes(tmp_path):
+    on_disk = hookrun.run(RUN, run_dir=tmp_path / "disk")
+    memory = hookrun.run([*RUN, "sink.path=memory"], run_dir=tmp_path / "memory")
+    want = read(on_disk.path)["captures/input/grad_output"]
+    for given in (on_disk, memory, memoryview(memory.memory)):
+        with hookrun.open(given) as res:
+            np.testing.assert_array_equal(res["captures/input/grad_output"][()], want)
+    cut = memory.memory[: len(memory.memory) // 2]
+    with pytest.raises(OSError, match=rf"^these {len(cut)} bytes are not a whole HDF5 file"):
+        hookrun.open(cut)

@@ -285,6 +285,7 @@ def test_kernel_shap_is_the_exact_shapley_value_when_every_coalition_fits(resnet
         target=target,
         n_samples=3000,
         feature_mask=masks[:, None].expand(len(x), 3, 32, 32),
+        perturbations_per_eval=500,  # its default, 1 a pass, took minutes here
     )
     scale = float(np.abs(want.numpy()).max())
     assert np.abs(captum[:, 0].detach().numpy() - want.numpy()).max() < 0.1 * scale
@@ -402,3 +403,36 @@ def test_methods_that_score_a_class_refuse_target_none(resnet, tmp_path, name):
     with pytest.raises(HookrunError) as err:
         _run(tmp_path, [*overrides, "target.kind=none"], name)
     assert "target.kind" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_rise_on_a_model_whose_output_is_not_one_row_of_classes(tmp_path):
+    """seed_convnet's output is a (2, 15, 15) map per row, which every method reads flattened
+    (the target one of its 450 values); RISE's softmax is over those same values, as by hand
+    (it ended in an internal error on the gather)."""
+    from hookrun.models.seeds import SeedConvNet
+
+    masks, cells, p = 6, 4, 0.5
+    data = _run(
+        tmp_path,
+        [
+            "model=seed_convnet",
+            "dataset=fake",
+            "dataset.image_size=32",
+            "dataset.channels=1",
+            "limit=2",
+            "batch_size=2",
+            f"derive.rise.masks={masks}",
+            f"derive.rise.cells={cells}",
+            f"derive.rise.p={p}",
+        ],
+        "rise",
+    )
+    x, target = _inputs(data)
+    model = SeedConvNet().eval()
+    m = _rise_masks(masks, cells, p, torch.Generator().manual_seed(zlib.crc32(b"rise|input|0")))
+    want = []
+    for i in range(len(x)):
+        with torch.no_grad():
+            probs = model(x[i] * m[:, None]).flatten(1).softmax(-1)[:, target[i]]
+        want.append((probs[:, None, None] * m).sum(0) / (masks * p))
+    _close(data["derived/rise/input"], torch.stack(want).numpy())

@@ -181,3 +181,26 @@ def _complete(path: Path) -> bool:
             return f.attrs["status"] == "complete"
     except (OSError, KeyError):
         return False
+
+
+def test_a_joined_language_model_file_verifies_with_the_single_processs_dimensions(tmp_path):
+    """A token run's vocabulary (/model/vocabulary, a whole-run dataset copied once into the
+    join) kept the shard's dimension-scale references, which point into the shard: the
+    joined file's dimensions could not be read (verify: "its metadata cannot be read")."""
+    single(tmp_path / "single", INDUCTION, "induction")
+    run_dir = tmp_path / "run"
+    done = torchrun([*INDUCTION, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    joined = run_dir / "captures.h5"
+    verify = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(joined)], capture_output=True, text=True
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    files = [next((tmp_path / "single").rglob("captures.h5")), joined]
+    names = []
+    for path in files:
+        with h5py.File(path) as f:
+            names.append(
+                {k: [d.label for d in f[k].dims] for k in ("model/vocabulary", "model/output")}
+            )
+    assert names[0] == names[1]

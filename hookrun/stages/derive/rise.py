@@ -143,7 +143,9 @@ class Rise(Method):
             return (x[None] * masks[ks.start : ks.stop, None, None]).flatten(0, 1)
 
         def probability(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return output.float().softmax(-1).gather(1, targets[:, None])[:, 0]
+            # over the output's values flattened, as every target is read (targets.py)
+            flat = output.float().reshape(len(output), -1)
+            return flat.softmax(-1).gather(1, targets[:, None].to(flat.device))[:, 0]
 
         per_pass = perturbation_rows(args.internal_batch_size, x)
         scores = perturbed_scores(batch, args.masks, make, per_pass, probability)  # (N, masks)
