@@ -10,19 +10,27 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import did_you_mean
-
-if TYPE_CHECKING:  # the pipeline imports this module: a name for the annotation only
-    from hookrun.pipeline.finish import Result
 from hookrun.extras import missing_extra
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
+
+
+class RunResult(Protocol):
+    """What `hookrun.run` returns (pipeline/finish.py: Result), as this reader uses it.
+
+    The pipeline imports this module, so the result is named by its shape, not imported.
+    """
+
+    path: Path | None
+    memory: bytes | None
+
 
 __all__ = ["Results", "open_results", "summary"]
 
@@ -49,7 +57,7 @@ class Results:
         image: The file's bytes when opened from memory, else None.
     """
 
-    def __init__(self, path: str | Path | bytes | memoryview | Result) -> None:
+    def __init__(self, path: str | Path | bytes | memoryview | RunResult) -> None:
         """Open a captures.h5 read-only.
 
         Args:
@@ -259,7 +267,7 @@ def _decode_bfloat16(ds: Any) -> Any:
     return ds.assign(changed) if changed else ds
 
 
-def open_results(path: str | Path | bytes | memoryview | Result) -> Results:
+def open_results(path: str | Path | bytes | memoryview | RunResult) -> Results:
     """Open a captures.h5 for reading; `hookrun.open` is this function.
 
     Args:
