@@ -19,6 +19,9 @@ from hookrun.io.layout import open_readonly
 from hookrun.stages.evaluate.ranking import job_means
 from hookrun.verify import verify
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 SMALL = [
     "model=resnet18",
     "model.weights=null",

@@ -19,6 +19,9 @@ from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.stages.evaluate.impute import impute
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 GRADIENT = ["++hooks.g.select.name=input", "++hooks.g.at=grad_output", "++hooks.g.action=capture"]
 # Edge neighbours 1/6, corner ones 1/12 (Rong et al.): written out, not imported.
 WEIGHTS = {(dr, dc): (1 / 12 if dr and dc else 1 / 6) for dr in (-1, 0, 1) for dc in (-1, 0, 1)}

@@ -22,6 +22,9 @@ import hookrun
 from hookrun.stage import stage_columns
 from hookrun.stages.sanity.randomize import default_layers
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 MOBILENET_LAYERS = ["classifier.1", *(f"features.{i}" for i in range(18, -1, -1))]
 
 

@@ -22,6 +22,9 @@ from test_lm_patching import HEADS, ROWS, _prompts
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 NAMES = {
     "gpt2": {
         "proj": "transformer.h.{}.attn.c_proj",

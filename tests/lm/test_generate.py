@@ -15,6 +15,9 @@ from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 PROMPTS = [
     {"prompt": "The cat sat on the"},

@@ -18,6 +18,9 @@ from lm_models import save_lm, tokenizer, write_jsonl
 import hookrun
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 ROWS = [
     {
         "prompt": "The cat sat on the",

@@ -19,6 +19,9 @@ from lm_models import FAMILIES, save_lm, tokenizer, write_jsonl
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 # Clean prompt and answer, corrupted (counterfactual) prompt and answer: the same token length
 # under lm_models' tokenizer (8, 10 and 14 tokens: the rows are padded to 14).
 ROWS = [

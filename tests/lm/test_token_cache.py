@@ -16,6 +16,9 @@ from lm_models import SENTENCES, save_lm
 from hookrun.data.token_cache import FOLDER
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 TOKENIZED, READ = "tokens tokenized into the token cache", "tokens read from the token cache"
 
 

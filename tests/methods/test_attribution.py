@@ -16,6 +16,9 @@ from torchvision.transforms.functional import gaussian_blur
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory):

@@ -21,6 +21,9 @@ import hookrun
 from hookrun.errors import HookrunError
 from hookrun.pipeline.camlayer import pick_cam_layer
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 
 def _vit_tokens(tensor: torch.Tensor) -> torch.Tensor:
     """pytorch-grad-cam's ViT reshape: drop the class token, tokens → (N, D, h, w)."""

@@ -17,6 +17,9 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CAT_CLASSES = range(281, 286)  # ImageNet's tabby, tiger cat, Persian, Siamese, Egyptian cat
 # Fewer passes for the methods with passes of their own (tests/methods/test_attribution.py

@@ -24,6 +24,9 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory):

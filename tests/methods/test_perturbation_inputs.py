@@ -20,6 +20,9 @@ from hookrun import memory
 from hookrun.errors import HookrunError
 from hookrun.stages.derive.perturb import check_baseline
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 GIB = 1 << 30
 FLOAT32 = "valid: a finite number from -3.403e+38 to 3.403e+38"
 

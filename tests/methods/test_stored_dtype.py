@@ -14,6 +14,9 @@ import pytest
 import torch
 from conftest import read, resnet18_file, run_config
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 # Each method and its layer (CAM needs the layer before global pooling and the head).
 METHODS = [
     ("grad_cam", "layer2"),

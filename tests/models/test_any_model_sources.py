@@ -16,6 +16,9 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 import hookrun
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 timm = pytest.importorskip("timm")
 
 

@@ -14,6 +14,9 @@ from torch import nn
 import hookrun
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 
 class Block(nn.Module):
     def __init__(self) -> None:

@@ -27,6 +27,9 @@ from torch import nn
 import hookrun
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 BASE = ["experiment=guided_bp", "render=false", "batch_size=2"]
 
 

@@ -17,6 +17,9 @@ from conftest import hook, hookrun_cli, read, resnet18_file, run_config
 
 from hookrun.errors import HookrunError
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):

@@ -15,6 +15,9 @@ import pytest
 import torch
 from conftest import run_config
 
+# Each test here runs hookrun (through a module fixture or itself): not the inner loop.
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lm"))
 from lm_models import save_lm, write_jsonl  # noqa: E402
 
