@@ -99,11 +99,20 @@ def test_sigterm_inside_a_long_backward_ends_the_run_within_seconds_and_it_resum
         assert f.attrs["status"] == "complete"
 
 
-def _children(pid: int) -> list[int]:
+def _forks(pid: int) -> list[int]:
+    """`pid`'s children that are forks of it (same command line): run_in_child's solver,
+    not a helper some library runs with subprocess (on CI one ran at start-up, and the
+    signal then stopped the run before its file was made)."""
     out = []
+    try:
+        own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return out
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            if (stat.parent / "cmdline").read_bytes() == own:
                 out.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
@@ -134,7 +143,7 @@ def test_sigterm_inside_road_s_sparse_solve_ends_the_run_within_seconds(tmp_path
     ]
     proc = spawn(args, tmp_path)
     deadline = time.monotonic() + 180
-    while not (solver := _children(proc.pid)) and proc.poll() is None:
+    while not (solver := _forks(proc.pid)) and proc.poll() is None:
         assert time.monotonic() < deadline, "no solve in a child process after 180 s"
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
