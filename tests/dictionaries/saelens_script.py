@@ -74,10 +74,36 @@ def build(settings: dict, seed: int):
     return sae.eval()
 
 
+def batchtopk(settings: dict, seed: int, folder: Path):
+    """A BatchTopK training SAE saved as SAELens saves one when training ends (as
+    jumprelu, its batch threshold the threshold of every latent), then loaded back by
+    SAELens's own load_from_disk: that SAE is the reference."""
+    cfg = sae_lens.BatchTopKTrainingSAEConfig(
+        d_in=D_IN,
+        d_sae=D_SAE,
+        k=5.0,
+        apply_b_dec_to_input=settings["apply_b_dec_to_input"],
+        normalize_activations=settings["normalize_activations"],
+    )
+    training = sae_lens.BatchTopKTrainingSAE(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in training.named_parameters():
+            scale = 1 / p.shape[0] ** 0.5 if name.startswith("W_") else 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    training.topk_threshold = torch.tensor(0.4, dtype=torch.double)
+    training.save_inference_model(folder)
+    return sae_lens.SAE.load_from_disk(folder).eval()
+
+
 def main(out: Path, cases: dict) -> None:
     for seed, (case, settings) in enumerate(sorted(cases.items())):
-        sae = build(settings, seed)
-        sae.save_model(out / case)
+        if settings["architecture"] == "batchtopk":
+            sae = batchtopk(settings, seed, out / case)
+            assert json.loads((out / case / "cfg.json").read_text())["architecture"] == "jumprelu"
+        else:
+            sae = build(settings, seed)
+            sae.save_model(out / case)
         scaler = ActivationScaler(scaling_factor=settings.get("scaling_factor"))
         if scaler.scaling_factor is not None:
             scaler.save(str(out / case / "activation_scaler.json"))

@@ -55,6 +55,9 @@ CASES = {
     "jumprelu": _case("jumprelu"),
     "jumprelu_no_b_dec": _case("jumprelu", b_dec=False),
     "jumprelu_scaler": _case("jumprelu", normalize="expected_average_only_in", scaling_factor=2.5),
+    # saved as jumprelu by SAELens's training (save_inference_model), read back by its
+    # load_from_disk for the reference numbers
+    "batchtopk": _case("batchtopk"),
     "gated": _case("gated"),
     "gated_no_b_dec": _case("gated", b_dec=False),
     "gated_constant_norm": _case("gated", normalize="constant_norm_rescale"),
@@ -63,6 +66,16 @@ CASES = {
     "skip_transcoder": _case("skip_transcoder", b_dec=False),
     "jumprelu_transcoder": _case("jumprelu_transcoder", b_dec=False),
     "jumprelu_skip_transcoder": _case("jumprelu_skip_transcoder", b_dec=False),
+}
+
+
+# SAELens's architecture -> hookrun's (a transcoder is its activation plus transcoder=True)
+HOOKRUNS = {
+    "batchtopk": "jumprelu",
+    "transcoder": "standard",
+    "skip_transcoder": "standard",
+    "jumprelu_transcoder": "jumprelu",
+    "jumprelu_skip_transcoder": "jumprelu",
 }
 
 
@@ -105,6 +118,7 @@ def test_encode_and_decode_equal_saelens(saved: Path, case: str):
     assert sae.normalize == settings["normalize_activations"]
     assert sae.scaling_factor == settings.get("scaling_factor")
     assert sae.k == settings.get("k")
+    assert sae.architecture == HOOKRUNS.get(settings["architecture"], settings["architecture"])
     assert ("W_skip" in sae.tensors) == ("skip" in settings["architecture"])
 
 
