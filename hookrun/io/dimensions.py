@@ -34,6 +34,7 @@ from hookrun.io.layout import (
     MODEL_OUTPUT,
     MODEL_VOCABULARY,
     NOT_A_VARIABLE,
+    SAE,
     SAMPLE,
     SAMPLES,
     SAMPLES_INDEX,
@@ -77,6 +78,7 @@ AXES: dict[str, str] = {
     f"{MODEL_VOCABULARY}*": "vocabulary",
     pattern_key("*"): "sample head query key",
     f"{CAPTURES}/*": "sample {layout}",
+    f"{SAE}/*": "sample {layout}",  # a spliced dictionary's records: as its action names them
 }
 
 

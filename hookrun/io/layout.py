@@ -45,7 +45,8 @@ __all__ = [
     "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
     "attr", "has_attrs", "set_attrs", "modify_attrs", "WRITTEN", "is_whole_run",
     "mark_pending", "mark_written", "is_pending", "pending", "MODEL_VOCABULARY",
-    "vocabulary_arrays", "read_vocabulary", "MODEL_VOCABULARY_LENGTH",
+    "vocabulary_arrays", "read_vocabulary", "MODEL_VOCABULARY_LENGTH", "SAE", "layer_of",
+    "splice_key",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -94,6 +95,20 @@ def capture_key(
 
 
 PATTERN = "pattern"
+# A dictionary spliced into a site (runtime/splice.py) records beside it, under its own group.
+SAE = "sae"
+
+
+def layer_of(key: str) -> str:
+    """The <layer> of a capture path `captures/<layer>/<site>` (a function site's layer holds
+    a `/`: `<module>/<function>.<k>`)."""
+    return key.split("/", 1)[1].rsplit("/", 1)[0]
+
+
+def splice_key(site: str, output: str) -> str:
+    """`/sae/<layer>/<site>/<output>`: what a dictionary spliced at the capture path `site`
+    records (latents, reconstruction, error)."""
+    return f"{SAE}/{site.split('/', 1)[1]}/{output}"
 
 
 def pattern_key(module: str, call: int = 0) -> str:

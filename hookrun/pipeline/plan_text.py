@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hookrun.io.layout import MODEL_OUTPUT, capture_key
 from hookrun.io.storage import allocated_bytes
 from hookrun.memory import format_bytes
+from hookrun.runtime.actions import Output
 from hookrun.runtime.plan import CallShapes, HookPlan
 
 __all__ = ["FileShape", "describe_plan", "format_bytes"]
@@ -57,6 +58,9 @@ def describe_plan(
     lines = [*plan.notes, f"HookPlan: {len(plan.hooks)} hook(s); backward pass: {backward}"]
     stored = plan.capture_shapes(shapes)
     folds = plan.folds(shapes)
+    # What each hook records at each of its sites (Action.outputs): a capture its site's own
+    # tensor, a splice tensors of other shapes at paths of their own.
+    recorded = {(h.name, key): found for h, key, _, found in plan.site_outputs(shapes)}
     for hook in plan.hooks:
         in_pass = ""
         if hook.site.is_grad and len(plan.backward_passes) > 1:
@@ -66,15 +70,21 @@ def describe_plan(
             for call, call_shapes in enumerate(shapes.get(layer, [])):
                 for leaf in call_shapes.at(hook.site):
                     key = capture_key(layer, hook.site, call, leaf=leaf.name)
-                    shape = stored[key] if hook.action.captures else leaf.shape
-                    size = math.prod(shape) * file.size_of(key)
-                    where = f"/{key}" if hook.action.captures else "(not stored)"
                     label = f"{layer} (call {call})" if call else layer
                     per = "batch" if folds.get(key) == 0 else "sample"
-                    lines.append(
-                        f"    {label:<32} {str(list(shape)):<20} "
-                        f"{format_bytes(size):>11}/{per}  {where}"
-                    )
+                    outputs = recorded.get((hook.name, key), {})
+                    if key not in outputs:  # the site itself is acted on, not stored
+                        size = format_bytes(math.prod(leaf.shape) * file.size_of(key))
+                        shown = f"{str(list(leaf.shape)):<20} {size:>11}/{per}  (not stored)"
+                        lines.append(f"    {label:<32} {shown}")
+                        label = ""
+                    for path, output in outputs.items():
+                        size = _output_bytes(output, file.size_of(path))
+                        lines.append(
+                            f"    {label:<32} {str(list(output.shape)):<20} "
+                            f"{size:>11}/{per}  /{path}"
+                        )
+                        label = ""
             if not shapes.get(layer):
                 lines.append(f"    {layer:<32} (not called in the probe forward pass)")
             elif not any(c.at(hook.site) for c in shapes[layer]):
@@ -82,6 +92,16 @@ def describe_plan(
                 lines.append(f"    {layer:<32} (no floating-point tensor here: nothing stored)")
     lines.append(_size_line(stored, folds, file))
     return "\n".join(lines)
+
+
+def _output_bytes(output: Output, itemsize: int) -> str:
+    """One sample's bytes of a record: dense, its shape's; sparse, each non-zero's value and
+    index and each row's count (io/sparse.py), in proportion to L0, not the width."""
+    if not output.sparse:
+        return format_bytes(math.prod(output.shape) * itemsize)
+    per_nonzero = format_bytes(itemsize + 4)
+    rows = math.prod(output.shape[:-1])
+    return f"sparse: {per_nonzero} x L0 x {rows} + {format_bytes(4 * rows)}"
 
 
 def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: FileShape) -> str:

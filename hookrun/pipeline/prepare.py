@@ -50,6 +50,7 @@ from hookrun.pipeline.claim import Claim
 from hookrun.pipeline.measure import measure_vectors
 from hookrun.pipeline.plan_text import FileShape, describe_plan
 from hookrun.pipeline.tokencheck import check_reads_tokens, check_token_model, check_token_run
+from hookrun.runtime.actions import Output
 from hookrun.runtime.plan import CallShapes, HookPlan, check_reached, compile_plan
 from hookrun.runtime.shape_probe import probe_shapes
 from hookrun.runtime.spatial import axis_facts
@@ -102,6 +103,8 @@ class Prepared:
     # Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype.
     dtypes: dict[str, str] = field(default_factory=dict)
     axes: AxisFacts = field(default_factory=AxisFacts)  # for the file's dimension names
+    # Records stored sparse (a dictionary's latents: Output.sparse), by path.
+    sparse: dict[str, Output] = field(default_factory=dict)
     # Attributes of the datasets and groups the stages create, by path.
     attrs: dict[str, dict] = field(default_factory=dict)
     # The stages' datasets of the whole run, written once every row is in (io/whole_run.py).
@@ -159,6 +162,7 @@ def prepare(
         measured = measure_vectors(plan, probed.shapes, model, spec, device)
         for hook, site, leaf in plan.sites(probed.shapes):  # a patch: its source file
             hook.action.prepare(leaf.shape, site, f"hooks.{hook.name}", len(data), measured)
+        outputs = plan.outputs(probed.shapes)
         captures = plan.capture_shapes(probed.shapes)
         vocabulary = _vocabulary(model, tokens)
         setup = Setup(
@@ -206,7 +210,8 @@ def prepare(
             facts=_row_facts(spec, data, files),
             folds=folds,
             dtypes=_capture_dtypes(plan, probed.shapes),
-            axes=axis_facts(captures | shaped, folds, model, sample),
+            axes=_named(axis_facts(captures | shaped, folds, model, sample), outputs),
+            sparse={path: o for path, o in outputs.items() if o.sparse},
             attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
             finishes={k: v for p in planned.values() for k, v in p.finishes().items()},
             constants=vocabulary_arrays(vocabulary) if vocabulary else {},
@@ -324,13 +329,16 @@ def _stage_attrs(planned: dict[str, Plan]) -> dict[str, dict]:
     return out
 
 
+def _named(facts: AxisFacts, outputs: dict[str, Output]) -> AxisFacts:
+    """The axes of each record whose action named them (Output.dims) over what the shapes
+    say."""
+    named = {path: o.dims for path, o in outputs.items() if o.dims is not None and not o.sparse}
+    return replace(facts, tensors={**facts.tensors, **named})
+
+
 def _capture_dtypes(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, str]:
     """Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype."""
-    return {
-        key: hook.action.dtype
-        for hook, key, _ in plan.sites(shapes)
-        if hook.action.captures and hook.action.dtype
-    }
+    return {path: o.dtype for path, o in plan.outputs(shapes).items() if o.dtype}
 
 
 def _listed_positions(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, dict]:
@@ -339,8 +347,9 @@ def _listed_positions(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> di
     shape alone when P equals T."""
     return {
         key: {LISTED_POSITIONS: list(hook.action.positions.items)}
-        for hook, key, _ in plan.sites(shapes)
-        if hook.action.captures
+        for hook, key, _, outputs in plan.site_outputs(shapes)
+        if key in outputs
+        and not hook.action.changes
         and hook.action.positions is not None
         and hook.action.positions.kind == "list"
     }

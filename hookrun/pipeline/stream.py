@@ -106,6 +106,7 @@ def stream(run: Prepared) -> int:
     copier = HostCopier()
     recorder = Recorder(spec.seed, run.store_dtype, copier, timer, run.folds)
     recorder.dtypes = {key: STORE_DTYPES[dtype] for key, dtype in run.dtypes.items()}
+    recorder.sparse = frozenset(run.sparse)
     recorder.keep = frozenset().union(*(plan.reads() for plan in run.stages.values()))
     step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, run.facts)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)

@@ -6,3 +6,4 @@ stages (hookrun/stages/) use it from above."""
 
 # Actions in modules of their own register when the runtime is imported.
 from hookrun.runtime import patch  # noqa: E402,F401  (registers patch)
+from hookrun.runtime import splice  # noqa: E402,F401  (registers sae, transcoder)

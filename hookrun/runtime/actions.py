@@ -1,8 +1,15 @@
-"""What a hook does to the tensor at its site: capture it or change it.
+"""What a hook does to the tensor at its site: record it, change it, or both.
 
 Each action is a small class with typed arguments. The same action works at a forward site
 (it sees an activation) and at a gradient site (it sees a gradient). `apply` returns the
 tensor that continues the computation; a capture returns its input unchanged.
+
+Two facts of an action are separate: whether it changes the value at its site (`changes`)
+and what it records (`outputs`: named tensors with their paths, shapes, axis names, float
+and storage, which the plan, the dry run, the file's layout, resume, verify and the
+torchrun join learn from it). A capture records its site and changes nothing; `scale`
+changes it and records nothing; a dictionary's splice (runtime/splice.py) does both,
+recording tensors of other shapes at paths of their own.
 
 A new action is one class here, registered with `@_action(name)` (from outside:
 `ACTIONS.register(name)` on a subclass that sets `name`); its `Args` dataclass is what
@@ -28,6 +35,7 @@ from hookrun.typed import check_finite, parse_typed
 
 __all__ = [
     "SiteContext",
+    "Output",
     "Action",
     "Capture",
     "Scale",
@@ -44,8 +52,11 @@ __all__ = [
 class SiteContext(Protocol):
     """What an action may use at the moment it runs."""
 
-    def record(self, tensor: torch.Tensor) -> None:
-        """Store `tensor` as this site's capture for the current batch."""
+    def record(self, tensor: torch.Tensor, path: str | None = None) -> None:
+        """Store `tensor` for the current batch at `path`.
+
+        `path` is one of the action's `outputs` (None: the site's own capture path, `key`).
+        """
 
     def generator(self, device: torch.device) -> torch.Generator:
         """A random generator seeded for this hook and batch (same seed → same numbers)."""
@@ -58,25 +69,58 @@ class SiteContext(Protocol):
     def key(self) -> str:
         """The capture path of the tensor it acts on (the same at every decoding step)."""
 
+    @property
+    def inputs(self) -> torch.Tensor | None:
+        """At a module's output: the call's first floating-point input, else None.
+
+        What a transcoder reads.
+        """
+
+
+@dataclass(frozen=True)
+class Output:
+    """One tensor an action records per sample at one site.
+
+    Attributes:
+        path: Its path in captures.h5 (a capture's: the site's own, `captures/<layer>/<site>`).
+        shape: One sample's row.
+        dims: The names of its axes after the sample axis (None: named from its shape as a
+            capture's are, io/dimensions.py).
+        dtype: The float it is stored in (None: sink.dtype).
+        sparse: Stored as its non-zero values with their indices along the last axis
+            (io/sparse.py): bytes in proportion to the non-zeros, not the width.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dims: tuple[str, ...] | None = None
+    dtype: str | None = None
+    sparse: bool = False
+
 
 class Action:
     """Base class of a hook's action: what it does to the tensor at its site.
 
     A subclass sets `name` (the config word, `action: clamp`) and `Args` (the dataclass of
     its `args:`, parsed by `build_action`), overrides `apply` and, where it refuses some
-    arguments, `check`. `args.positions`, `args.heads` and `args.dtype` are common to all
-    (`CommonArgs`) and land in `positions`, `heads` and `dtype`.
+    arguments, `check`; one that records overrides `outputs` and sets `stores`.
+    `args.positions`, `args.heads` and `args.dtype` are common to all (`CommonArgs`) and land
+    in `positions`, `heads` and `dtype`.
 
     Attributes:
         args: The parsed `Args`.
-        captures: Whether it stores the tensor (`capture`): only those take `args.dtype`.
+        changes: Whether it changes the value at its site (a capture does not): only those
+            act in a stage's own passes (a decoding step, the unhooked comparison), and only
+            those are limited to a site's first input.
+        stores: Whether it can record (`outputs`): only those take `args.dtype`.
         reads_rows: Whether it puts stored rows in per sample (`patch`): it needs a site
             with one row per sample, and takes no `args.positions`.
     """
 
     name: ClassVar[str]
     Args: ClassVar[type]
-    captures: ClassVar[bool] = False
+    changes: bool = True
+    stores: ClassVar[bool] = False
     # Puts stored rows in per sample (patch): needs a site with one row per sample.
     reads_rows: ClassVar[bool] = False
     # `args.positions` on token data (runtime/positions.py): where along the tokens it acts.
@@ -121,6 +165,67 @@ class Action:
         Raises:
             HookrunError: The action cannot act on this site.
         """
+
+    @property
+    def records(self) -> bool:
+        """Whether it records anything (by default: whether it can)."""
+        return self.stores
+
+    def outputs(self, shape: tuple[int, ...], site: str, key: str) -> dict[str, Output]:
+        """What it records at one site, before any work.
+
+        Args:
+            shape: The site's tensor per sample (at `args.positions`, what they pick).
+            site: The site's capture path (`captures/<layer>/<site>`).
+            key: The hook's key, for errors.
+
+        Returns:
+            Path → Output of each tensor it records there; {} by default.
+
+        Raises:
+            HookrunError: It cannot record at this site.
+        """
+        return {}
+
+    def place(self, model: Any, site: Any, key: str) -> tuple[str, ...] | None:
+        """The modules it acts on when its hook selects none (a dictionary names its own).
+
+        Args:
+            model: The run's model.
+            site: The hook's `at`.
+            key: The hook's key, for errors.
+
+        Returns:
+            Module names; None by default (a hook must then select its modules).
+
+        Raises:
+            HookrunError: What it names does not exist in the model.
+        """
+        return None
+
+    def bind(self, model: Any, layers: tuple[str, ...], site: Any, key: str) -> None:
+        """Check against the model once its modules are selected, before the probe.
+
+        Args:
+            model: The run's model.
+            layers: The modules the hook selected.
+            site: The hook's `at`.
+            key: The hook's key, for errors.
+
+        Raises:
+            HookrunError: The action cannot act on those modules.
+        """
+
+    def claims(self) -> tuple[str, ...]:
+        """What it records at a site, by kind.
+
+        Two hooks claiming one kind at one site are refused before any work (two captures
+        of one output).
+
+        Returns:
+            The kinds; () by default.
+        """
+        return ()
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         """Act on the tensor at the site: the one subclasses must write.
@@ -260,12 +365,20 @@ class Capture(Action):
     `size` per spatial axis: what extraction jobs that want pooled features store.
     """
 
-    Args, captures = CaptureArgs, True
+    Args, changes, stores = CaptureArgs, False, True
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         """Record the tensor (pooled with `pool`) and return it unchanged."""
         ctx.record(self._pooled(tensor) if self.args.pool else tensor)
         return tensor
+
+    def outputs(self, shape: tuple[int, ...], site: str, key: str) -> dict[str, Output]:
+        """The site's own tensor (pooled with `pool`), at its capture path."""
+        return {site: Output(site, self.stored_shape(shape, key), dtype=self.dtype)}
+
+    def claims(self) -> tuple[str, ...]:
+        """The site's tensor itself."""
+        return ("capture",)
 
     def _pooled(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -545,9 +658,10 @@ def _parse_dtype(value: Any, cls: type[Action], key: str) -> str | None:
     """A capture's `args.dtype`, refused on an action that stores nothing."""
     if value is None:
         return None
-    if not cls.captures:
+    if not cls.stores:
         raise HookrunError(
-            f"{key}: {value!r} with action {cls.name}, which stores nothing; valid: action capture"
+            f"{key}: {value!r} with action {cls.name}, which stores nothing; valid: an action "
+            f"that records ({', '.join(n for n, c in ACTIONS.items() if c.stores)})"
         )
     if value not in CAPTURE_DTYPES:
         raise HookrunError(f"{key}: {value!r}; valid: {', '.join(CAPTURE_DTYPES)}")

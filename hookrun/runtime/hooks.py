@@ -28,6 +28,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from hookrun.io.layout import INPUT_GRAD, capture_key
+from hookrun.io.sparse import SparseRows, sparsify
 from hookrun.models.adapter import adapt
 from hookrun.runtime.functions import CallSites, is_inplace, resolve_words, watch_calls, weights_of
 from hookrun.runtime.handles import ModuleHook, hooked
@@ -63,6 +64,8 @@ class Recorder:
         self.store_dtype = store_dtype
         # Captures stored in another float (a hook's args.dtype): path → dtype.
         self.dtypes: dict[str, torch.dtype] = {}
+        # Records stored sparse (Output.sparse: a dictionary's latents): their non-zeros only.
+        self.sparse: frozenset[str] = frozenset()
         self.copier = copier or HostCopier()
         self.timer = timer or StageTimer(enabled=False)
         # True while a derived method runs passes of its own: every hook stands aside.
@@ -97,6 +100,10 @@ class Recorder:
         dtype = (
             self.dtypes.get(key, self.store_dtype) if tensor.is_floating_point() else tensor.dtype
         )
+        if key in self.sparse:
+            with self.timer.stage("copy"):
+                self.records[key] = _host_sparse(sparsify(tensor.detach()), dtype)
+            return
         fold = self.folds.get(key, 1)
         if fold != 1:
             tensor = tensor[None] if fold == 0 else tensor.reshape(-1, fold, *tensor.shape[1:])
@@ -115,16 +122,29 @@ class Recorder:
         return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + salt)
 
 
+def _host_sparse(rows: SparseRows, dtype: torch.dtype) -> SparseRows:
+    """A batch's non-zeros on the host, values in the store float. A plain copy, not the
+    pinned pool: their count changes every batch (a pool keyed by shape would only grow),
+    and finding them already waited for the device."""
+    return SparseRows(
+        counts=rows.counts.to("cpu", torch.int32),
+        values=rows.values.to("cpu", dtype),
+        latent=rows.latent.to("cpu", torch.int32),
+    )
+
+
 class _Context:
     """The SiteContext one action sees: where its captures go, which generator it draws."""
 
-    __slots__ = ("recorder", "hook", "key")
+    __slots__ = ("recorder", "hook", "key", "inputs")
 
-    def __init__(self, recorder: Recorder, hook: str, key: str) -> None:
-        self.recorder, self.hook, self.key = recorder, hook, key
+    def __init__(
+        self, recorder: Recorder, hook: str, key: str, inputs: torch.Tensor | None = None
+    ) -> None:
+        self.recorder, self.hook, self.key, self.inputs = recorder, hook, key, inputs
 
-    def record(self, tensor: torch.Tensor) -> None:
-        self.recorder.record(self.key, tensor)
+    def record(self, tensor: torch.Tensor, path: str | None = None) -> None:
+        self.recorder.record(self.key if path is None else path, tensor)
 
     def generator(self, device: torch.device) -> torch.Generator:
         return self.recorder.generator(self.hook, self.key, device)
@@ -135,11 +155,15 @@ class _Context:
 
 
 def _apply(
-    hooks: list[PlannedHook], tensor: torch.Tensor, recorder: Recorder, key: str
+    hooks: list[PlannedHook],
+    tensor: torch.Tensor,
+    recorder: Recorder,
+    key: str,
+    inputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     for hook in hooks:
         if acts_at_step(hook, recorder.step):
-            ctx = _Context(recorder, hook.name, key)
+            ctx = _Context(recorder, hook.name, key, inputs)
             tensor = act_at(hook.action, tensor, ctx, recorder.mask)
     return tensor
 
@@ -162,16 +186,26 @@ def _hook_gradient(
 
 
 def _forward_site(
-    layer: str, site: Site, hooks: list[PlannedHook], recorder: Recorder, value: Any, call: int
+    layer: str,
+    site: Site,
+    hooks: list[PlannedHook],
+    recorder: Recorder,
+    value: Any,
+    call: int,
+    args: Any = None,
 ) -> Any:
-    """Each floating-point leaf of `value` through the hooks that act on it (acts_on)."""
+    """Each floating-point leaf of `value` through the hooks that act on it (acts_on); at an
+    output, `args` is the call's input (its first floating-point tensor: SiteContext.inputs)."""
     found = leaves(value)
+    given = leaves(args) if args is not None else []
+    inputs = given[0][1] if given else None
     new = {
         leaf: _apply(
             [h for h in hooks if acts_on(h, i)],
             t,
             recorder,
             capture_key(layer, site, call, leaf=leaf),
+            inputs,
         )
         for i, (leaf, t) in enumerate(found)
     }
@@ -229,7 +263,7 @@ def _post_hook(layer: str, plan: HookPlan, recorder: Recorder):
             return None
         call = recorder.calls[layer] - 1
         if on_output:
-            output = _forward_site(layer, Site.output, on_output, recorder, output, call)
+            output = _forward_site(layer, Site.output, on_output, recorder, output, call, args)
         if on_grad and torch.is_grad_enabled():
             _hook_grad_outputs(layer, call, output, on_grad, recorder)
         return output if on_output else None
@@ -259,7 +293,7 @@ def _call_site(plan: HookPlan, recorder: Recorder):
             args = _grad_input_clones(layer, call, args, on_grad_in, recorder)
         output = func(*args, **kwargs)
         if on_output:
-            output = _forward_site(layer, Site.output, on_output, recorder, output, call)
+            output = _forward_site(layer, Site.output, on_output, recorder, output, call, args)
         if on_pattern:
             output = _forward_site(layer, Site.pattern, on_pattern, recorder, output, call)
         if on_grad_out and torch.is_grad_enabled():

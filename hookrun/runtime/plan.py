@@ -15,7 +15,7 @@ from torch import nn
 from hookrun.errors import HookrunError
 from hookrun.io.layout import capture_key
 from hookrun.models.adapter import adapt
-from hookrun.runtime.actions import Action
+from hookrun.runtime.actions import Action, Output
 from hookrun.runtime.functions import resolve_words
 from hookrun.runtime.hookspec import HookSpec
 from hookrun.runtime.pattern import WORD, bind_pattern
@@ -86,7 +86,7 @@ def acts_on(hook: PlannedHook, leaf: int) -> bool:
     those after it are what it is told (a transformer block's additive attention mask, −3.4e38
     where masked: scaled, clamped or noised, it would unmask tokens; a linear's weight).
     Captures store every tensor; at other sites every hook acts on every tensor."""
-    return leaf == 0 or hook.site != Site.input or hook.action.captures
+    return leaf == 0 or hook.site != Site.input or not hook.action.changes
 
 
 def acts_at_step(hook: PlannedHook, step: int) -> bool:
@@ -141,7 +141,7 @@ class HookPlan:
     def acting(self) -> HookPlan:
         """The plan of the hooks that change values (captures and gradient sites left out):
         what acts in a stage's own passes of the model (each decoding step, a second pass)."""
-        keep = [h for h in self.hooks if not h.action.captures and not h.site.is_grad]
+        keep = [h for h in self.hooks if h.action.changes and not h.site.is_grad]
         return dataclasses.replace(self, hooks=keep)
 
     def at(self, layer: str, site: Site) -> list[PlannedHook]:
@@ -163,7 +163,7 @@ class HookPlan:
                         if not acts_on(hook, i):
                             continue
                         key = capture_key(layer, hook.site, call, leaf=leaf.name)
-                        if hook.action.captures and leaf.refused:
+                        if hook.action.records and leaf.refused:
                             raise HookrunError(
                                 f"hooks.{hook.name}: /{key} cannot be stored row by row "
                                 f"({leaf.refused}; shape {list(leaf.shape)} per sample or "
@@ -178,26 +178,53 @@ class HookPlan:
                             )
                         yield hook, key, leaf
 
-    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
-        """The shape of one row of every capture dataset, from a probe's shapes."""
-        out = {}
+    def site_outputs(
+        self, shapes: Mapping[str, list[CallShapes]]
+    ) -> Iterator[tuple[PlannedHook, str, Leaf, dict[str, Output]]]:
+        """(hook, capture path, leaf, its outputs) of every site a recording hook acts on.
+
+        An action that records for a site of pure rows only (`positions` pick before a
+        non-changing action records; rows folded into the batch axis stay folded where the
+        record keeps the site's shape): anything else is refused.
+        """
         for hook, key, leaf in self.sites(shapes):
-            if hook.action.captures:
-                shape = leaf.shape
-                if hook.action.positions is not None:
-                    shape = positions_shape(hook.action.positions, shape)
-                out[key] = hook.action.stored_shape(shape, f"hooks.{hook.name}")
-                if leaf.fold != 1 and out[key] != leaf.shape:
+            if not hook.action.records:
+                continue
+            action, name = hook.action, f"hooks.{hook.name}"
+            shape = leaf.shape
+            if action.positions is not None and not action.changes:
+                shape = positions_shape(action.positions, shape)
+            outputs = action.outputs(shape, key, name)
+            for path, output in outputs.items():
+                if leaf.fold == 1 or output.shape == leaf.shape:
+                    continue
+                if path == key:
                     raise HookrunError(
-                        f"hooks.{hook.name}.args.pool: /{key} {_rows_text(leaf)}, not feature "
-                        "maps of one sample; valid: null (store it whole)"
+                        f"{name}.args.pool: /{key} {_rows_text(leaf)}, not feature maps of one "
+                        "sample; valid: null (store it whole)"
                     )
-        return out
+                raise HookrunError(
+                    f"{name}: /{key} {_rows_text(leaf)}, and {action.name} records /{path} "
+                    "per sample; valid: a site with one row per sample"
+                )
+            yield hook, key, leaf, outputs
+
+    def outputs(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, Output]:
+        """Every tensor the run's hooks record, by path, from a probe's shapes."""
+        return {p: o for _, _, _, found in self.site_outputs(shapes) for p, o in found.items()}
+
+    def capture_shapes(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, tuple[int, ...]]:
+        """The shape of one row of every dense record (captures), from a probe's shapes."""
+        return {p: o.shape for p, o in self.outputs(shapes).items() if not o.sparse}
 
     def folds(self, shapes: Mapping[str, list[CallShapes]]) -> dict[str, int]:
-        """Capture path → `Leaf.fold` of every capture not stored one row per sample."""
-        found = self.sites(shapes)
-        return {key: leaf.fold for h, key, leaf in found if h.action.captures and leaf.fold != 1}
+        """Record path → `Leaf.fold` of every record not stored one row per sample."""
+        return {
+            path: leaf.fold
+            for _, _, leaf, found in self.site_outputs(shapes)
+            if leaf.fold != 1
+            for path in found
+        }
 
 
 def _rows_text(leaf: Leaf) -> str:
@@ -209,18 +236,19 @@ def _rows_text(leaf: Leaf) -> str:
 def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
     """Resolve every hook's selector against `model`; raise HookrunError on any mismatch."""
     plan = HookPlan()
-    captured: dict[tuple[str, Site], str] = {}
+    captured: dict[tuple[str, Site, str], str] = {}
     for spec in hooks:
         name, action = spec.name, spec.action
         key = f"hooks.{name}"
         functions = tuple(_names(spec.select.function))
-        if spec.action.heads is not None and (spec.at != Site.pattern or action.captures):
+        if spec.action.heads is not None and (spec.at != Site.pattern or not action.changes):
             raise HookrunError(
                 f"{key}.args.heads: {list(spec.action.heads)} with {action.name} at "
                 f"{spec.at.value}; valid: heads only for zero, scale, patch, ... at: pattern"
             )
         if spec.at == Site.pattern:
             plan.hooks.append(_pattern_hook(spec, model))
+            action.bind(model, plan.hooks[-1].within or (), spec.at, key)
             _claim(captured, spec, plan.hooks[-1].within or ())
             note = adapt(model).use_eager()
             plan.notes += (note,) if note else ()
@@ -231,8 +259,14 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
             within = tuple(select_layers(spec.select, model, f"{key}.select")) if narrowed else None
             if within is not None and INPUT_LAYER in within:
                 raise HookrunError(f"{key}.select.name: 'input' runs no functions; valid: modules")
+            action.bind(model, (), spec.at, key)  # call sites are known after the probe
             site = PlannedHook(name, spec.at, action, (), spec.backward, (), functions, within)
             plan.hooks.append(site)
+            continue
+        placed = action.place(model, spec.at, key) if _selects_nothing(spec) else None
+        if placed is not None:  # a dictionary at the module its hook name says
+            _claim(captured, spec, placed)
+            plan.hooks.append(PlannedHook(name, spec.at, action, placed, spec.backward, placed))
             continue
         try:
             layers = tuple(select_layers(spec.select, model, f"{key}.select"))
@@ -248,19 +282,23 @@ def compile_plan(hooks: tuple[HookSpec, ...], model: nn.Module) -> HookPlan:
                 f"'input'; valid: {', '.join(s.value for s in INPUT_LAYER_SITES)}"
             )
         _claim(captured, spec, layers)
+        action.bind(model, layers, spec.at, key)
         exact = tuple(n for n in _names(spec.select.name) if n != INPUT_LAYER and _literal(n))
         plan.hooks.append(PlannedHook(name, spec.at, action, layers, spec.backward, exact))
     return plan
 
 
-def _claim(captured: dict[tuple[str, Site], str], spec: HookSpec, layers: tuple) -> None:
-    """Refuse a second capture of one (module, site)."""
-    for layer in layers if spec.action.captures else ():
-        other = captured.setdefault((layer, spec.at), spec.name)
-        if other != spec.name:
+def _claim(captured: dict[tuple[str, Site, str], str], spec: HookSpec, layers: tuple) -> None:
+    """Refuse a second record of one kind (`Action.claims`) at one (module, site)."""
+    for layer in layers:
+        for kind in spec.action.claims():
+            other = captured.setdefault((layer, spec.at, kind), spec.name)
+            if other == spec.name:
+                continue
+            what = "captures" if kind == "capture" else f"records {kind} at"
             raise HookrunError(
-                f"hooks.{spec.name}: captures {layer}/{spec.at.value}, which hooks.{other} "
-                "already captures; keep one of them"
+                f"hooks.{spec.name}: {what} {layer}/{spec.at.value}, which hooks.{other} "
+                f"already {what.split()[0]}; keep one of them"
             )
 
 
@@ -322,6 +360,11 @@ def bind_calls(plan: HookPlan, shapes: Mapping[str, list[CallShapes]]) -> HookPl
     return dataclasses.replace(plan, hooks=hooks)
 
 
+def _selects_nothing(spec: HookSpec) -> bool:
+    select = spec.select
+    return not any((select.name, select.regex, select.type, select.function))
+
+
 def _names(value: object) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
@@ -332,17 +375,17 @@ def _literal(pattern: str) -> bool:
 
 def _rule(hook: HookSpec | PlannedHook) -> tuple:
     site = hook.at if isinstance(hook, HookSpec) else hook.site
-    return site, hook.backward, hook.action.describe(), hook.action.captures
+    return site, hook.backward, hook.action.describe(), hook.action.records
 
 
 def _same_rule(spec: HookSpec, other: HookSpec) -> bool:
-    """Two hooks applying one rule (same site, pass, action and args; no capture), as
+    """Two hooks applying one rule (same site, pass, action and args; recording nothing), as
     guided_bp's module and function hooks do."""
-    return other is not spec and not spec.action.captures and _rule(other) == _rule(spec)
+    return other is not spec and not spec.action.records and _rule(other) == _rule(spec)
 
 
 def _companion(hook: PlannedHook, other: PlannedHook) -> bool:
-    same = not hook.action.captures and _rule(other) == _rule(hook)
+    same = not hook.action.records and _rule(other) == _rule(hook)
     return other is not hook and same and bool(other.layers)
 
 
@@ -413,7 +456,7 @@ def _drop_unstorable(
     for hook in plan.hooks:
         bad = {}
         for layer in hook.layers:
-            calls = shapes.get(layer, []) if hook.action.captures else []
+            calls = shapes.get(layer, []) if hook.action.records else []
             why = [leaf.refused for c in calls for leaf in c.at(hook.site) if leaf.refused]
             if why and layer not in hook.exact:
                 bad[layer] = f"{layer} (not stored: {why[0]})"

@@ -112,9 +112,11 @@ def parse_heads(value: Any, key: str) -> tuple[int, ...] | None:
 
 def act_at(action: Any, tensor: torch.Tensor, ctx: Any, mask: torch.Tensor | None) -> Any:
     """`action` applied to `tensor` at its `positions` (all of it when none are set), and
-    at a pattern site (N, heads, T, T) on its `heads` only (all when none are set)."""
+    at a pattern site (N, heads, T, T) on its `heads` only (all when none are set). An action
+    that changes nothing (a capture) sees only the positions' values, (N, P, ...) or (N, ...)
+    for `last`; one that changes values sees the whole tensor and changes those positions."""
     heads: tuple[int, ...] | None = getattr(action, "heads", None)
-    if heads is not None and not action.captures:
+    if heads is not None and action.changes:
         chosen = torch.zeros(tensor.shape[1], dtype=torch.bool, device=tensor.device)
         chosen[list(heads)] = True
         shape = (1, -1, *[1] * (tensor.dim() - 2))
@@ -124,9 +126,9 @@ def act_at(action: Any, tensor: torch.Tensor, ctx: Any, mask: torch.Tensor | Non
         return action.apply(tensor, ctx)
     index = _index(positions, mask.to(tensor.device))
     rows = torch.arange(tensor.shape[0], device=tensor.device).unsqueeze(1)
-    if action.captures:
+    if not action.changes:
         picked = tensor[rows, index]  # (N, P, ...)
-        ctx.record(picked[:, 0] if positions.kind == "last" else picked)
+        action.apply(picked[:, 0] if positions.kind == "last" else picked, ctx)
         return tensor
     chosen = torch.zeros(tensor.shape[:2], dtype=torch.bool, device=tensor.device)
     chosen[rows, index] = True

@@ -9,14 +9,17 @@ activation addition, Rimsky et al. 2024) and `action: ablate_direction` (Arditi 
              positions: last, reduce: mean}                  # the mean of a stored run's rows
     vector: {prompts: happy.jsonl, positions: last}          # this run's model over prompts
     vector: {plus: SOURCE, minus: SOURCE}                     # the difference of two sources
+    vector: {sae: DIR, latent: 1234}                          # a dictionary latent's decoder row
 
 A prompts file ({prompt: ...} rows, as dataset=prompts reads them) gives the mean of the
 hook's own site over its rows, measured with the run's model and tokenizer before any work
 (pipeline/measure.py), one vector per site: a hook over several layers adds each layer's own.
 A stored run gives the mean over its rows of the record at `positions`: `last` (each row's
 last real token, by /samples/mask), `all` (every real token), or a record already of one
-vector per row ((N, D): a capture with `args.positions: last`). Everything is read and
-checked before the first batch, and each file's SHA-256 joins the run's provenance.
+vector per row ((N, D): a capture with `args.positions: last`). A dictionary's latent gives
+its decoder row in the model's space (hookrun/dictionaries: `Dictionary.decoder_direction`;
+`name` picks one of a folder of several). Everything is read and checked before the first
+batch, and each file's SHA-256 joins the run's provenance.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookrun.dictionaries.load import load_dictionaries
 from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.io.stored import read_rows, record_rows, stored_record
@@ -44,7 +48,8 @@ _POSITIONS = ("last", "all")
 _VALID = (
     "a .npy, .pt or .safetensors file of one (D,) vector, {file, key}, a stored run "
     "{file: captures.h5, record, positions: last|all, reduce: mean}, {prompts: a .jsonl of "
-    "{prompt} rows, positions: last|all}, or {plus: ..., minus: ...}"
+    "{prompt} rows, positions: last|all}, {sae: a dictionary's folder, latent: J}, or "
+    "{plus: ..., minus: ...}"
 )
 
 
@@ -61,6 +66,7 @@ class VectorSource:
     plus: VectorSource | None = None
     minus: VectorSource | None = None
     prompts: bool = False  # `file` is a prompts .jsonl, measured at the hook's site
+    latent: int | None = None  # `file` is a dictionary's folder: this latent's decoder row
 
     def files(self) -> list[Path]:
         if self.plus is not None and self.minus is not None:
@@ -89,7 +95,25 @@ def parse_vector(value: Any, key: str) -> VectorSource:
         return VectorSource(plus=plus, minus=minus)
     if "prompts" in given:
         return _prompts_source(given, key)
+    if "sae" in given:
+        return _latent_source(given, key)
     return _file_source(given, key)
+
+
+def _latent_source(given: dict, key: str) -> VectorSource:
+    extra = set(given) - {"sae", "latent", "name"}
+    if extra:
+        raise HookrunError(
+            f"{key}.{sorted(extra)[0]}: not a key of a latent source; valid: sae, latent, name"
+        )
+    latent = given.get("latent")
+    if isinstance(latent, bool) or not isinstance(latent, int) or latent < 0:
+        raise HookrunError(f"{key}.latent: {latent!r}; valid: a latent index (an integer >= 0)")
+    path = Path(str(given["sae"])).expanduser()
+    if not path.exists():
+        raise HookrunError(f"{key}.sae: {str(path)!r} does not exist (from {Path.cwd()})")
+    name = given.get("name")
+    return VectorSource(file=path, key=None if name is None else str(name), latent=latent)
 
 
 def _prompts_source(given: dict, key: str) -> VectorSource:
@@ -173,6 +197,8 @@ def read_vector(
         if measured is None or (source, site) not in measured:
             raise RuntimeError(f"{key}: {source.file} was not measured at /{site}")
         vector = measured[(source, site)]
+    elif source.latent is not None:
+        vector = _decoder_row(source, key)
     elif source.record is not None:
         vector = _run_mean(source, key)
     else:
@@ -191,6 +217,27 @@ def read_vector(
             f"{key}: {source.file} holds a value that is not finite; valid: finite values"
         )
     return vector.double()
+
+
+def _decoder_row(source: VectorSource, key: str) -> torch.Tensor:
+    """A dictionary latent's direction in the model's space, float64."""
+    assert source.file is not None and source.latent is not None
+    found = load_dictionaries(source.file, f"{key}.sae")
+    if source.key is not None:
+        named = {d.name: d for d in found}
+        if source.key not in named:
+            raise HookrunError(f"{key}.name: {source.key!r}; valid: {', '.join(sorted(named))}")
+        found = [named[source.key]]
+    if len(found) != 1:
+        names = ", ".join(d.name for d in found)
+        raise HookrunError(f"{key}.name: missing, and {source.file} holds {names}; valid: one")
+    (d,) = found
+    if source.latent >= d.d_sae:
+        raise HookrunError(
+            f"{key}.latent: {source.latent} is past the {d.d_sae} latents of {d.name}; valid: "
+            f"0..{d.d_sae - 1}"
+        )
+    return d.decoder_direction(source.latent).detach().double()
 
 
 def _tensor_file(source: VectorSource, key: str) -> torch.Tensor:
@@ -284,4 +331,10 @@ def _run_mean(source: VectorSource, key: str) -> torch.Tensor:
 def digests(source: VectorSource) -> dict[str, str]:
     """The provenance of the files a vector is read from: {file, sha256} (several joined)."""
     files = [p.resolve() for p in source.files()]
+    # A dictionary's folder: its weights and configs, each hashed.
+    files = [f for p in files for f in (_folder_files(p) if p.is_dir() else [p])]
     return {"file": ", ".join(map(str, files)), "sha256": ", ".join(sha256_of(p) for p in files)}
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".safetensors", ".json"))

@@ -73,7 +73,7 @@ class _Decoding:
     @property
     def acting(self) -> list[str]:
         """The hooks that change values while decoding (the others only record)."""
-        return list(dict.fromkeys(h.name for h in self.hooks.hooks if not h.action.captures))
+        return list(dict.fromkeys(h.name for h in self.hooks.hooks if h.action.changes))
 
 
 class GeneratePlan(Plan):
@@ -300,14 +300,12 @@ def _generation_hooks(plan: HookPlan, stepped: set[str]) -> HookPlan:
     (`args.positions`, `patch`) act at the prompt's pass only (plan.acts_at_step).
     Refused: attention-pattern actions."""
     for hook in plan.hooks:
-        if hook.site == Site.pattern and not hook.action.captures:
+        if hook.site == Site.pattern and hook.action.changes:
             raise HookrunError(
                 f"hooks.{hook.name}.at: pattern with generate; valid: capture there (the prompt's "
                 "pass), or a module's input or output"
             )
-    keep = [
-        h for h in plan.hooks if not h.site.is_grad and (not h.action.captures or h.name in stepped)
-    ]
+    keep = [h for h in plan.hooks if not h.site.is_grad and (h.action.changes or h.name in stepped)]
     return dataclasses.replace(plan, hooks=keep)
 
 
@@ -330,7 +328,7 @@ def _step_captures(
     out, hooks = {}, set()
     for hook, key, leaf in setup.plan.sites(setup.shapes):
         per_token = bool(leaf.shape) and leaf.shape[0] == tokens and leaf.fold == 1
-        if hook.action.captures and _per_token(hook) and per_token:
+        if hook.action.records and not hook.action.changes and _per_token(hook) and per_token:
             out[key] = tuple(leaf.shape[1:])
             hooks.add(hook.name)
     if not out:

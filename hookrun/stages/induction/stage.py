@@ -59,7 +59,7 @@ class InductionStage(Stage):
         """Scored where the rows are repeated tokens and attention patterns are captured;
         refused before any work where the rows hold no later repeat to score."""
         dataset = setup.spec.dataset
-        captures = any(h.site == Site.pattern and h.action.captures for h in setup.plan.hooks)
+        captures = any(h.site == Site.pattern and h.action.records for h in setup.plan.hooks)
         if getattr(dataset, "kind", None) != KIND or not captures:
             return None
         if dataset.repeats < 2:
