@@ -285,8 +285,9 @@ class CapturesFile:
             need += storage.batch_need([datasets[k] for k in once], spans[once[0]][0], 1)
         for key, rows in sparse.items():
             entries = self.sparse[key][1:]
-            if rows.nnz:
-                need += storage.batch_need(list(entries), len(entries[0]), rows.nnz)
+            if rows.nnz:  # the margin for HDF5's own bytes is in `need` once already
+                extra = storage.batch_need(list(entries), len(entries[0]), rows.nnz)
+                need += extra - storage.RESERVE_MARGIN
         storage.reserve(self.file, need)  # refused: HDF5 untouched
         try:
             for key, array in arrays.items():
