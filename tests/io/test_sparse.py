@@ -321,3 +321,12 @@ def test_token_batches_and_activations_over_a_sparse_key_skip_padding(tmp_path):
 def test_densify_of_what_the_batches_helper_makes_is_its_dense():
     arrays, dense = batch(3)
     np.testing.assert_array_equal(densify(arrays[KEY], WIDTH), dense)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sparsify_stays_on_the_device():
+    dense = _random((ROWS, TOKENS, 64), torch.float32).cuda()
+    rows = sparsify(dense)
+    assert rows.counts.is_cuda and rows.values.is_cuda and rows.latent.is_cuda
+    np.testing.assert_array_equal(densify(rows, 64), dense.cpu().numpy())
