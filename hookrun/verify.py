@@ -1,7 +1,8 @@
 """`python -m hookrun.verify FILE`: is this captures.h5 complete and intact?
 
 Reads every chunk of every dataset (HDF5 checks each chunk's fletcher32 checksum as it reads
-it), checks that every dataset holds the rows `completed` promises, that every stage's
+it), checks that every dataset holds the rows `completed` promises (a sparse record the
+entries its counts promise, each latent index inside its width), that every stage's
 whole-run results are written (a file killed during that work holds them pending), that every
 axis has its dimension name (the `sample` coordinate holding the dataset indices), and that
 the file is not cut short. Prints the status, the rows and any damage; exit status 0 only for
@@ -21,12 +22,16 @@ from hookrun.io.dimensions import check_dimensions
 from hookrun.io.layout import (
     MODEL_OUTPUT,
     SAMPLES_INDEX,
+    SPARSE_COUNTS,
     dataset_names,
     open_readonly,
     pending,
     read_state,
     rows_for,
+    sparse_groups,
+    sparse_part,
 )
+from hookrun.io.sparse_record import sparse_damage
 from hookrun.io.storage import cut_short, missing_rows, unreadable_rows
 from hookrun.stage import stages
 
@@ -66,13 +71,22 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
         cut = missing_rows([ds], need, path.stat().st_size)
         if cut:
             damage.append(cut)
-        if rows < need:
+        # A sparse record's entries short of its counts: one line for the record (below).
+        entries = sparse_part(ds) not in (None, SPARSE_COUNTS)
+        if rows < need and not entries:
             damage.append(
                 f"{name}: {rows} rows, fewer than the {need} completed={state.completed} needs"
             )
-        unreadable = unreadable_rows(ds, rows)
+        if entries and state.status != "complete":
+            # A killed writer's last chunk of entries may be torn past what `completed`
+            # counts, which resume reads past its checksum (storage.torn_tail_rows).
+            unreadable = unreadable_rows(ds, min(rows, need), torn_tail=True)
+        else:
+            unreadable = unreadable_rows(ds, rows)
         if unreadable:
             damage.append(unreadable)
+    for group in sparse_groups(f):  # entries the counts promise, indices inside the width
+        damage += sparse_damage(f[group], state.completed)
     damage += check_dimensions(f, state.completed)  # names as xarray and netCDF read them
     return state.status or "none", state.completed, names, damage
 

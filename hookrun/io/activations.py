@@ -13,12 +13,13 @@ stored mask), rows the file counts as complete only (a running or killed run's f
 A capture of listed positions (`args.positions: [0, -1]`, (N, P, D), its attribute
 `positions` says which) holds real tokens only (a listed position past a row's real tokens
 is refused before the run), so every stored position is a token; a capture of one position
-per row (`args.positions: last`, (N, D)) has one token per row.
+per row (`args.positions: last`, (N, D)) has one token per row. A sparse record's key (a
+group of counts, values and latent: io/sparse.py) reads the same, each token's vector dense.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,8 +28,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from hookrun.io.encoding import is_bfloat16, read_floats
-from hookrun.io.layout import CAPTURES, LISTED_POSITIONS, SAMPLES_MASK, open_readonly, read_state
+from hookrun.io.encoding import bits_to_float32, is_bfloat16
+from hookrun.io.layout import (
+    CAPTURES,
+    LISTED_POSITIONS,
+    SAMPLES_MASK,
+    SPARSE_COUNTS,
+    SPARSE_VALUES,
+    open_readonly,
+    read_state,
+    sparse_spec,
+)
+from hookrun.io.sparse_record import SparseRecord
 
 __all__ = ["Activations", "TokenBatches"]
 
@@ -62,7 +73,38 @@ class _Tokens:
         )
 
 
+def _sparse_tokens(f: h5py.File, key: str) -> _Tokens:
+    """Where a sparse record's tokens are: as a dense capture of its dense shape."""
+    dense, _ = sparse_spec(f[key])
+    if len(dense) not in (1, 2):
+        raise ValueError(
+            f"{key} has dense shape {dense} per row; valid: a sparse record of (T, D) or (D,)"
+        )
+    counts = f[key][SPARSE_COUNTS]
+    rows = min(read_state(f).completed, len(counts))
+    per_row, features = (1, dense[0]) if len(dense) == 1 else dense
+    masked = len(dense) == 2 and SAMPLES_MASK in f and f[SAMPLES_MASK].shape[1] == per_row
+    chunk_rows = counts.chunks[0] if counts.chunks else 64
+    return _Tokens(rows, per_row, features, chunk_rows, masked)
+
+
+def _reader(f: h5py.File, key: str) -> Callable[[int, int], tuple[np.ndarray, bool]]:
+    """What reads rows [start, stop) of a key.
+
+    A capture's as stored (True for a bfloat16 one's bits), a sparse record's as dense
+    float32 (one SparseRecord, its offsets computed once).
+    """
+    node = f[key]
+    if sparse_spec(node) is not None:
+        record = SparseRecord(node)
+        return lambda start, stop: (record[start:stop], False)
+    bits = is_bfloat16(node)
+    return lambda start, stop: (node[start:stop], bits)
+
+
 def _tokens(f: h5py.File, key: str) -> _Tokens:
+    if key in f and sparse_spec(f[key]) is not None:
+        return _sparse_tokens(f, key)
     if key not in f or not isinstance(f[key], h5py.Dataset):
         captures = sorted(k for k in f.get(CAPTURES, {}))
         raise KeyError(
@@ -121,6 +163,7 @@ class Activations(Dataset):
         self.tokens, self.features, self.rows = layout.per_row, layout.features, layout.rows
         self._cache: tuple[int, np.ndarray] | None = None
         self._file = None  # opened on first read, in the process (DataLoader worker) reading
+        self._read: Callable[[int, int], tuple[np.ndarray, bool]] | None = None
 
     def __len__(self) -> int:
         """The real tokens in the capture's complete rows."""
@@ -147,7 +190,10 @@ class Activations(Dataset):
             if self._file is None:
                 self._file = open_readonly(self.path)
             stop = min(start + self.block, self.rows)
-            block = np.asarray(read_floats(self._file[self.key], slice(start, stop)))
+            if self._read is None:
+                self._read = _reader(self._file, self.key)
+            block, bits = self._read(start, stop)
+            block = bits_to_float32(block) if bits else np.asarray(block)
             self._cache = (start, block.reshape(stop - start, self.tokens, self.features))
         return torch.from_numpy(np.array(self._cache[1][row - start, token], dtype=np.float32))
 
@@ -294,16 +340,16 @@ class TokenBatches(IterableDataset):
     ) -> Iterator[torch.Tensor]:
         """Each block's real tokens, (M, the keys' D summed), in the buffer's dtype."""
         rows = layouts[0].rows
-        sets = [(f[key], is_bfloat16(f[key])) for key in self.keys]  # looked up once
         mask = f[SAMPLES_MASK] if layouts[0].masked else None
+        readers = [_reader(f, key) for key in self.keys]  # looked up once
         for start in starts:
             stop = min(start + self.block, rows)
             real = None
             if mask is not None:  # flat indices of the real tokens: faster than a bool mask
                 real = torch.from_numpy(np.flatnonzero(mask[start:stop]))
             parts = []
-            for (ds, bits), layout in zip(sets, layouts, strict=True):
-                values = ds[start:stop]
+            for read, layout in zip(readers, layouts, strict=True):
+                values, bits = read(start, stop)
                 block = (
                     torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
                     if bits
@@ -370,8 +416,13 @@ class TokenBatches(IterableDataset):
         return tuple(part.contiguous() for part in batch.split(self.widths, dim=1))
 
 
-def _stored_dtype(ds: h5py.Dataset) -> torch.dtype:
-    """The torch dtype a capture's values are kept in: its own float (bfloat16's bits)."""
+def _stored_dtype(ds: h5py.Dataset | h5py.Group) -> torch.dtype:
+    """The torch dtype a capture's values are kept in: its own float (bfloat16's bits).
+
+    A sparse record's: that of its values.
+    """
+    if sparse_spec(ds) is not None:
+        ds = ds[SPARSE_VALUES]
     if is_bfloat16(ds):
         return torch.bfloat16
     return {np.float16: torch.float16, np.float64: torch.float64}.get(ds.dtype.type, torch.float32)

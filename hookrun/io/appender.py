@@ -31,19 +31,24 @@ from hookrun.io.dimensions import AxisFacts, name_dimensions
 from hookrun.io.layout import (
     SAMPLE,
     SAMPLES_INDEX,
+    SPARSE_PARTS,
     Provenance,
     dataset_names,
     is_whole_run,
     mark_bfloat16,
     mark_completed,
     mark_rows,
+    mark_sparse,
     mark_status,
     per_batch,
     read_state,
     rows_for,
+    sparse_groups,
+    sparse_spec,
     write_attrs,
     write_header,
 )
+from hookrun.io.sparse import SparseRows, SparseSpec, check_rows
 from hookrun.io.storage import chunk_shape
 from hookrun.io.whole_run import (
     WholeRun,
@@ -54,6 +59,10 @@ from hookrun.io.whole_run import (
 )
 
 __all__ = ["FileOptions", "CapturesFile", "Summaries"]
+
+# Entries per chunk of a sparse record's values and latent (1-D, appended at any length):
+# 256 KiB of float32, so an append touches one or two chunks beyond its own.
+ENTRY_CHUNK = 1 << 16
 
 # What a file says of all its rows (file, rows, the shard files a join reads, or None),
 # written before it is marked complete.
@@ -87,6 +96,11 @@ class FileOptions:
     finishes: Mapping[str, WholeRun] = dataclasses.field(default_factory=dict)
     # Whole-run datasets known before any work (path → values), written with the first batch.
     constants: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Sparse records (io/sparse.py: the batch's value is a SparseRows): group path →
+    # SparseSpec(dense per-sample shape, axis names with the sample axis first), e.g.
+    # {"sae/h.1/output/latents": ((T, 16384), ("sample", "token", "latent"))}. Needed only
+    # to make the file: it marks the group, so a reopened file knows without options.
+    sparse: Mapping[str, SparseSpec | tuple] = dataclasses.field(default_factory=dict)
 
     def dtype_of(self, key: str) -> str:
         """The float the dataset at `key` is stored in."""
@@ -137,6 +151,9 @@ class CapturesFile:
         self.datasets: dict[str, h5py.Dataset] = {}
         self.keys: set[str] = set()
         self.batch: dict[str, int] = {}  # key → rows per batch-row (0: one row per sample)
+        # Sparse records: group path → its counts, values and latent datasets, and width.
+        self.sparse: dict[str, tuple[h5py.Dataset, ...]] = {}
+        self.widths: dict[str, int] = {}
         self.broken = False  # HDF5 failed a write: the handle must not flush again
 
     def _use(self, file: h5py.File) -> None:
@@ -145,9 +162,14 @@ class CapturesFile:
         self.file = file
         self.rows = read_state(file).completed
         names = dataset_names(file)
-        self.datasets = {k: file[k] for k in names if not is_whole_run(file[k])}
-        self.keys = set(self.datasets)
+        groups = sparse_groups(file)
+        parts = {f"{g}/{p}" for g in groups for p in SPARSE_PARTS}
+        self.datasets = {k: file[k] for k in names if not is_whole_run(file[k]) and k not in parts}
+        self.sparse = {g: tuple(file[f"{g}/{p}"] for p in SPARSE_PARTS) for g in groups}
+        self.widths = {g: sparse_spec(file[g])[0][-1] for g in groups}
+        self.keys = set(self.datasets) | set(self.sparse)
         self.batch = {k: per_batch(ds) for k, ds in self.datasets.items()}
+        self.batch.update({g: 0 for g in groups})  # one row per sample, always
 
     @classmethod
     def create(
@@ -216,18 +238,23 @@ class CapturesFile:
             _give_name(self._part(), self.path, self.new[1])
             self.new = None
 
-    def append(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def append(self, arrays: Mapping[str, np.ndarray | SparseRows]) -> None:
         """Write one batch (every key, same row count), then flush and advance `completed`.
         The `sample` coordinate (/sample) repeats /samples/index, in files that have it
         (every new one with dataset indices; not one of hookrun 0.1.0, which is resumed as
-        it began)."""
+        it began). A key of FileOptions.sparse takes SparseRows of numpy arrays (io/sink.py
+        `host_rows` makes them): its counts append as the batch's rows, its values and latent
+        after the entries already there."""
         if SAMPLES_INDEX in arrays and (SAMPLE in self.keys or not self.keys):
             arrays = {**arrays, SAMPLE: arrays[SAMPLES_INDEX]}
         if self.file is None:
             self._begin()
         if not self.keys:
             for key, array in arrays.items():
-                self._create(key, array)
+                if isinstance(array, SparseRows):
+                    self._create_sparse(key, array)
+                else:
+                    self._create(key, array)
             make_constants(self.file, self.options.constants, self.options.checksum)
             make_pending(self.file, self.options.finishes, self.options.checksum)
             # Scales write attributes, which SWMR forbids: every axis is named first.
@@ -248,14 +275,25 @@ class CapturesFile:
         # size the dataset itself records (a reopened file needs no options to continue).
         spans = {k: (self.rows // b, 1) if b else (self.rows, count) for k, b in self.batch.items()}
         datasets = self.datasets
-        plain = [datasets[k] for k in arrays if not self.batch[k]]
+        sparse = {k: a for k, a in arrays.items() if k in self.sparse}
+        self._check_sparse(sparse, count)  # before any byte: a bad batch leaves the file
+        plain = [datasets[k] for k in arrays if not self.batch[k] and k not in sparse]
+        plain += [self.sparse[k][0] for k in sparse]  # counts: a row per sample
         need = storage.batch_need(plain, self.rows, count)
         once = [k for k in arrays if self.batch[k]]
         if once:
             need += storage.batch_need([datasets[k] for k in once], spans[once[0]][0], 1)
+        for key, rows in sparse.items():
+            entries = self.sparse[key][1:]
+            if rows.nnz:  # the margin for HDF5's own bytes is in `need` once already
+                extra = storage.batch_need(list(entries), len(entries[0]), rows.nnz)
+                need += extra - storage.RESERVE_MARGIN
         storage.reserve(self.file, need)  # refused: HDF5 untouched
         try:
             for key, array in arrays.items():
+                if key in sparse:
+                    self._write_sparse(key, array)
+                    continue
                 start, rows = spans[key]
                 datasets[key].resize(start + rows, axis=0)
                 datasets[key][start : start + rows] = array
@@ -293,6 +331,80 @@ class CapturesFile:
         mark_rows(ds, fold, self.options.batch_size)
         if self.options.dtype_of(key) == "bfloat16" and array.dtype == np.uint16:
             mark_bfloat16(ds)  # only floats reach the file as uint16
+
+    def _check_sparse(self, sparse: Mapping[str, SparseRows], count: int) -> None:
+        """Refuse a sparse record that is no SparseRows, of other rows or token axes than
+        its dataset, or whose parts disagree."""
+        for key, rows in sparse.items():
+            if not isinstance(rows, SparseRows):
+                raise RuntimeError(f"{key}: a sparse record takes SparseRows, not {type(rows)}")
+            counts = self.sparse[key][0]
+            if tuple(rows.counts.shape) != (count, *counts.shape[1:]):
+                raise RuntimeError(
+                    f"{key}: counts of shape {tuple(rows.counts.shape)}; valid: "
+                    f"{(count, *counts.shape[1:])} (the batch's rows, the record's tokens)"
+                )
+            try:
+                check_rows(rows, self.widths[key], key)
+            except ValueError as err:
+                raise RuntimeError(str(err)) from None
+
+    def _write_sparse(self, key: str, rows: SparseRows) -> None:
+        """Counts as the batch's rows, values and latent after the entries there."""
+        counts, values, latent = self.sparse[key]
+        counts.resize(self.rows + len(rows), axis=0)
+        counts[self.rows :] = rows.counts
+        start = len(values)
+        for ds, part in ((values, rows.values), (latent, rows.latent)):
+            ds.resize(start + rows.nnz, axis=0)
+            if rows.nnz:
+                ds[start:] = part
+
+    def _create_sparse(self, key: str, rows: SparseRows) -> None:
+        """The group of a sparse record, marked, with its three datasets (before SWMR)."""
+        if key not in self.options.sparse:
+            raise RuntimeError(
+                f"{key}: SparseRows for a key FileOptions.sparse does not declare; valid: "
+                f"{sorted(self.options.sparse) or 'none declared'}"
+            )
+        shape, dims = SparseSpec(*self.options.sparse[key])
+        shape, dims = tuple(int(n) for n in shape), tuple(str(d) for d in dims)
+        if not shape or len(dims) != len(shape) + 1 or min(shape) < 1 or dims[0] != SAMPLE:
+            raise RuntimeError(
+                f"{key}: sparse shape {shape} with dims {dims}; valid: a dense per-sample "
+                "shape (*lead, width) of sizes >= 1 and a name per axis, the sample axis first"
+            )
+        options, lead = self.options, shape[:-1]
+        group = self.file.require_group(key)
+        mark_sparse(group, shape, dims)
+        common = {
+            "compression": options.compression,
+            "fletcher32": options.checksum,
+            "track_times": False,
+        }
+        counts = group.create_dataset(
+            "counts",
+            shape=(0, *lead),
+            maxshape=(None, *lead),
+            chunks=chunk_shape(lead, 4, options.expected_rows, options.batch_size),
+            dtype=np.int32,
+            **common,
+        )
+        stored = options.dtype_of(key)
+        bits = stored == "bfloat16"
+        made = []
+        for name, dtype in (("values", np.uint16 if bits else stored), ("latent", np.int32)):
+            made.append(
+                group.create_dataset(
+                    name, shape=(0,), maxshape=(None,), chunks=(ENTRY_CHUNK,), dtype=dtype, **common
+                )
+            )
+        if bits:
+            mark_bfloat16(made[0])
+        self.sparse[key] = (counts, *made)
+        self.widths[key] = shape[-1]
+        self.keys.add(key)
+        self.batch[key] = 0
 
     def _write_rows(self, fold: int) -> int:
         return self.options.batch_size if fold else 1  # a folded record is (N, k, ...)

@@ -40,17 +40,21 @@ from hookrun.io.layout import (
     SAMPLES_INDEX,
     SAMPLES_MASK,
     SAMPLES_TOKENS,
+    SPARSE_COUNTS,
     dataset_names,
     folded,
     is_whole_run,
     pattern_key,
     per_batch,
+    sparse_part,
+    sparse_spec,
 )
 
 __all__ = [
     "name_axes",
     "BATCH",
     "FOLD",
+    "ENTRY",
     "AXES",
     "LAYOUT_AXES",
     "AxisFacts",
@@ -69,6 +73,10 @@ __all__ = [
 # (name_axes) when they register.
 BATCH = "batch"
 FOLD = "fold"
+# A sparse record's values and latent (io/layout.py) run along ENTRY: a dimension of the
+# record's own group that grows with it (unlimited, empty: netCDF readers size it from the
+# datasets attached), one per record because each record has its own number of entries.
+ENTRY = "entry"
 AXES: dict[str, str] = {
     SAMPLE: SAMPLE,
     SAMPLES_TOKENS: "sample token",
@@ -111,6 +119,10 @@ def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]
     """The dimension names of dataset `path`: its rows' axis (SAMPLE, BATCH; FOLD), then
     what AXES says when it fits the dataset's rank, else `dim_<k>`."""
     rule = next((r for pattern, r in AXES.items() if fnmatchcase(path, pattern)), SAMPLE)
+    part = sparse_part(ds)
+    if part is not None:  # its group says: the dense axes but the last, or the entries
+        dims = sparse_spec(ds.parent)[1]
+        rule = " ".join([SAMPLE, *dims[1:-1]]) if part == SPARSE_COUNTS else ENTRY
     words: list[str] = []
     for word in rule.split():
         if word == "{layout}":
@@ -165,6 +177,8 @@ def _plan(f: h5py.File, facts: AxisFacts) -> dict[str, tuple[str, ...]]:
             members[group] = set(f[group or "/"].keys())
         shape, names = ds.shape, list(axis_names(path, ds, facts))
         for axis in range(1 if names[0] in _ROWS else 0, len(names)):
+            if names[axis] == ENTRY:  # the record's own, growing: no size to keep apart
+                continue
             names[axis] = _free(group, names[axis], shape[axis], sizes, members[group])
             sizes.setdefault(group, {})[names[axis]] = shape[axis]
         out[path] = tuple(names)
@@ -199,6 +213,11 @@ class _Scales:
     def row(self, name: str) -> h5py.Dataset:
         """The root scale of a row axis (unlimited: it grows with the file)."""
         return self.found.get(name) or self._make("", name, 0, unlimited=True)
+
+    def growing(self, group: str, name: str) -> h5py.Dataset:
+        """The unlimited scale `name` of `group` itself (a sparse record's entries)."""
+        found = self.found.get(posixpath.join(group, name))
+        return found if found is not None else self._make(group, name, 0, unlimited=True)
 
     def fixed(self, group: str, name: str, size: int) -> h5py.Dataset:
         """The scale `name` of `size` seen from `group` (its own or a group's above)."""
@@ -236,8 +255,12 @@ def attach(f: h5py.File, names: Names, checksum: bool = True) -> None:
         for axis, name in enumerate(names[path]):
             if name is None or len(ds.dims[axis]):
                 continue
-            row = name in _ROWS
-            scale = scales.row(name) if row else scales.fixed(group, name, shape[axis])
+            if name in _ROWS:
+                scale = scales.row(name)
+            elif name == ENTRY:
+                scale = scales.growing(group, name)
+            else:
+                scale = scales.fixed(group, name, shape[axis])
             ds.dims[axis].attach_scale(scale)
 
 
@@ -273,7 +296,7 @@ def check_dimensions(f: h5py.File, completed: int) -> list[str]:
         for axis, name in enumerate(names):
             if name is None:
                 damage.append(f"{path}: axis {axis} has no dimension name")
-            elif name not in _ROWS and len(ds.dims[axis][0]) != ds.shape[axis]:
+            elif name not in (*_ROWS, ENTRY) and len(ds.dims[axis][0]) != ds.shape[axis]:
                 damage.append(
                     f"{path}: dimension {name!r} has size {len(ds.dims[axis][0])}, axis "
                     f"{axis} {ds.shape[axis]}"

@@ -45,8 +45,10 @@ __all__ = [
     "write_attrs", "copy_group_attrs", "pattern_key", "WHOLE_RUN", "whole_run",
     "attr", "has_attrs", "set_attrs", "modify_attrs", "WRITTEN", "is_whole_run",
     "mark_pending", "mark_written", "is_pending", "pending", "MODEL_VOCABULARY",
-    "vocabulary_arrays", "read_vocabulary", "MODEL_VOCABULARY_LENGTH", "SAE", "layer_of",
-    "splice_key",
+    "vocabulary_arrays", "read_vocabulary", "MODEL_VOCABULARY_LENGTH",
+    "SPARSE", "SPARSE_ROWS", "SPARSE_COUNTS", "SPARSE_VALUES", "SPARSE_LATENT",
+    "SPARSE_PARTS", "mark_sparse", "sparse_spec", "sparse_groups", "sparse_part",
+    "sparse_entries", "SAE", "layer_of", "splice_key",
 ]  # fmt: skip
 
 # The groups of captured tensors, of each row's facts, and of derived results.
@@ -147,6 +149,57 @@ def folded(ds: h5py.Dataset) -> int:
     return int(ds.attrs.get(FOLDED, 0))
 
 
+# A sparse record (io/sparse.py: SAE latents, ~32 of 16k non-zero per token) is a GROUP at
+# its path P holding P/counts (N, *lead) int32, each row's non-zeros per token, one row per
+# sample; P/values (nnz,) and P/latent (nnz,) int32, the non-zeros and their index along the
+# last axis, in row-major order. No offsets are stored: row i's entries start at
+# sum(counts[:i]), so a file's first `completed` rows hold sum(counts[:completed]) entries and
+# the torchrun join concatenates shards as they are. The group says what it is in its
+# attributes (made before SWMR): SPARSE = SPARSE_ROWS, `shape` (the dense per-sample shape)
+# and `dims` (the dense axes' names, the sample axis first).
+SPARSE, SPARSE_ROWS = "sparse", "rows"
+SPARSE_COUNTS, SPARSE_VALUES, SPARSE_LATENT = "counts", "values", "latent"
+SPARSE_PARTS = (SPARSE_COUNTS, SPARSE_VALUES, SPARSE_LATENT)
+
+
+def mark_sparse(group: h5py.Group, shape: tuple[int, ...], dims: tuple[str, ...]) -> None:
+    """A new group as a sparse record of dense per-sample `shape`, axes `dims` (before SWMR)."""
+    group.attrs.update(
+        {SPARSE: SPARSE_ROWS, "shape": np.asarray(shape, dtype=np.int64), "dims": list(dims)}
+    )
+
+
+def sparse_spec(obj: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """(dense per-sample shape, axis names) of a sparse record's group; None for anything
+    else (a dataset, a plain group)."""
+    if not isinstance(obj, h5py.Group) or obj.attrs.get(SPARSE) != SPARSE_ROWS:
+        return None
+    dims = tuple(str(d.decode() if isinstance(d, bytes) else d) for d in obj.attrs["dims"])
+    return tuple(int(n) for n in obj.attrs["shape"]), dims
+
+
+def sparse_groups(f: h5py.File) -> list[str]:
+    """Every sparse record's group path in `f`."""
+    found: list[str] = []
+    f.visititems(lambda n, o: found.append(n) if sparse_spec(o) is not None else None)
+    return found
+
+
+def sparse_part(ds: h5py.Dataset) -> str | None:
+    """Which part of a sparse record `ds` is (SPARSE_COUNTS, _VALUES, _LATENT); None when
+    it is no part of one."""
+    name = ds.name.rsplit("/", 1)[-1]
+    if name not in SPARSE_PARTS or sparse_spec(ds.parent) is None:
+        return None
+    return name
+
+
+def sparse_entries(group: h5py.Group, completed: int) -> int:
+    """The entries (values, latent) a sparse record's first `completed` rows hold."""
+    counts = group[SPARSE_COUNTS]
+    return int(counts[: min(completed, len(counts))].sum(dtype=np.int64)) if completed else 0
+
+
 # Datasets of a whole run, with no sample axis (a stage's result over every row, e.g. the
 # induction score per head): path → registered.
 WHOLE_RUN: set[str] = set()
@@ -230,9 +283,12 @@ def read_vocabulary(f: h5py.File, ids: Any) -> list[str | None] | None:
 
 def rows_for(ds: h5py.Dataset, completed: int) -> int:
     """The rows `ds` holds once `completed` samples are: one per sample, or one per batch
-    (a whole-run dataset holds the rows it has: it has no sample axis)."""
+    (a whole-run dataset holds the rows it has: it has no sample axis); a sparse record's
+    values and latent hold the entries of its first `completed` rows."""
     if is_whole_run(ds):
         return ds.shape[0]
+    if sparse_part(ds) in (SPARSE_VALUES, SPARSE_LATENT):  # entries, not rows
+        return sparse_entries(ds.parent, completed)
     size = per_batch(ds)
     return -(-completed // size) if size else completed
 

@@ -20,6 +20,7 @@ from hookrun.errors import did_you_mean
 from hookrun.extras import missing_extra
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
+from hookrun.io.sparse_record import SparseRecord
 
 
 class RunResult(Protocol):
@@ -112,7 +113,10 @@ class Results:
 
         Returns:
             An h5py dataset, read lazily by slicing (a bfloat16 one reads as float32, its
-            raw bits as `.raw`), or an h5py group that decodes its datasets the same way.
+            raw bits as `.raw`), an h5py group that decodes its datasets the same way, or,
+            for a sparse record's group, a `SparseRecord` (io/sparse_record.py: its rows
+            read as dense float32 by slicing, `.to_scipy()`, `.nnz`; its parts as stored
+            at `<key>/counts`, `<key>/values`, `<key>/latent`).
 
         Raises:
             KeyError: No such path in the file (the message names the nearest one, or the
@@ -128,6 +132,8 @@ class Results:
                 f"{key!r}: not written yet: the {path.split('/')[0]} stage's whole-run work is "
                 f"not in {self.path} (status {self.status}; resume=true computes it)"
             )
+        if layout.sparse_spec(node) is not None:
+            return SparseRecord(node, self.completed)
         return decoded_node(node)
 
     def __contains__(self, key: str) -> bool:
@@ -141,9 +147,18 @@ class Results:
 
         Returns:
             The datasets' paths; those only naming a dimension, and whole-run results not
-            written yet, left out.
+            written yet, left out; a sparse record once, by its group's path (not its
+            three datasets).
         """
-        return [p for p in layout.dataset_names(self.file) if p in self]
+        groups = layout.sparse_groups(self.file)
+        parts = {f"{g}/{p}": g for g in groups for p in layout.SPARSE_PARTS}
+        keys: dict[str, None] = {}  # in the file's order, a record where its parts are
+        for path in layout.dataset_names(self.file):
+            if path in parts:
+                keys[parts[path]] = None
+            elif path in self:
+                keys[path] = None
+        return list(keys)
 
     def _near(self, path: str) -> str:
         """The hint for a path that is not in the file.

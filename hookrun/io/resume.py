@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from hookrun.errors import HookrunError, first_line
 from hookrun.io.layout import (
     SAMPLES_INDEX,
+    SPARSE_COUNTS,
     Provenance,
     dataset_names,
     is_pending,
@@ -21,6 +22,7 @@ from hookrun.io.layout import (
     read_provenance,
     read_state,
     rows_for,
+    sparse_part,
 )
 from hookrun.io.storage import never_written, open_readonly, unreadable_rows
 
@@ -134,7 +136,10 @@ def _refuse_damage(path: Path, completed: int) -> None:
             for name in dataset_names(f):
                 if is_pending(f[name]):
                     continue  # a whole-run result not written yet: computed again
-                reason = unreadable_rows(f[name], rows_for(f[name], completed))
+                # A killed writer's sparse entries may end in a torn chunk, which io/stored.py
+                # `rewrite_rows` reads past its checksum: no damage to the counted entries.
+                torn = sparse_part(f[name]) not in (None, SPARSE_COUNTS)
+                reason = unreadable_rows(f[name], rows_for(f[name], completed), torn)
                 if reason:
                     raise HookrunError(
                         f"resume refused: {path} is damaged ({reason}); python -m "

@@ -27,6 +27,7 @@ from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import AxisFacts
 from hookrun.io.encoding import host_array
 from hookrun.io.layout import Provenance
+from hookrun.io.sparse import SparseRows, SparseSpec, host_rows
 from hookrun.io.storage import disk_errno
 from hookrun.io.stored import reopen
 from hookrun.io.whole_run import WholeRun
@@ -61,6 +62,8 @@ class SinkOptions:
     finishes: Mapping[str, WholeRun] = field(default_factory=dict)
     # Whole-run datasets known before any work (path → values: the vocabulary's texts).
     constants: Mapping[str, np.ndarray] = field(default_factory=dict)
+    # Sparse records, whose batches are SparseRows: path → (dense shape, dims) (io/appender.py).
+    sparse: Mapping[str, SparseSpec | tuple] = field(default_factory=dict)
 
     @property
     def file_options(self) -> FileOptions:
@@ -77,6 +80,7 @@ class SinkOptions:
             summaries=self.summaries,
             finishes=dict(self.finishes),
             constants=dict(self.constants),
+            sparse=dict(self.sparse),
         )
 
 
@@ -115,7 +119,8 @@ class HDF5Sink:
     """Append batches of records to one captures.h5 from a background thread.
 
     Use as a context manager. `write({path: array, ...})` queues one batch (paths from
-    io/layout.py); every batch must carry the same keys with the same row shape. With
+    io/layout.py); every batch must carry the same keys with the same row shape. A key of
+    `options.sparse` takes io/sparse.py's SparseRows (torch or numpy: `sparsify(tensor)`). With
     `header` the file is created (status `running` → `complete`, or `failed` when the run
     raised); with `resume=True` an interrupted file is continued from `completed` instead.
     """
@@ -225,4 +230,11 @@ class HDF5Sink:
     def _append(self, batch: dict[str, Any]) -> None:
         assert self._file is not None
         stored = self._file.options.dtype_of
-        self._file.append({k: host_array(v, stored(k) == "bfloat16") for k, v in batch.items()})
+        self._file.append(
+            {
+                k: (host_rows if isinstance(v, SparseRows) else host_array)(
+                    v, stored(k) == "bfloat16"
+                )
+                for k, v in batch.items()
+            }
+        )

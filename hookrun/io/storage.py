@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 import h5py
+import numpy as np
 
 from hookrun.errors import first_line
 
@@ -30,6 +31,7 @@ __all__ = [
     "never_written",
     "missing_rows",
     "unreadable_rows",
+    "torn_tail_rows",
     "CHUNK_BYTES",
     "chunk_shape",
     "RESERVE_MARGIN",
@@ -212,9 +214,37 @@ def missing_rows(datasets: list[h5py.Dataset], rows: int, size: int) -> str | No
 _SLAB = 256
 
 
-def unreadable_rows(ds: h5py.Dataset, rows: int) -> str | None:
+def torn_tail_rows(ds: h5py.Dataset, start: int, stop: int) -> np.ndarray | None:
+    """Rows [start, stop) of a 1-D dataset read past the checksum of the chunk that holds
+    them, or None where that cannot be done (compressed, several chunks, none stored).
+
+    Why: a 1-D dataset appended at any length (a sparse record's entries) rewrites its last,
+    partly filled chunk with every append. A SIGKILL can cut that write short, and the chunk
+    then fails its checksum although its first entries, those `completed` counts, were
+    rewritten with the bytes they had: unfiltered but for fletcher32, they are read as they
+    lie (the checksum's 4 bytes follow the data)."""
+    chunk = (ds.chunks or (0,))[0]
+    if ds.ndim != 1 or not chunk or ds.compression or start // chunk != (stop - 1) // chunk:
+        return None
+    first = start // chunk * chunk
+    try:
+        _, raw = ds.id.read_direct_chunk((first,))
+    except (OSError, RuntimeError, ValueError, KeyError):
+        return None
+    data = np.frombuffer(raw, dtype=ds.dtype, count=min(chunk, len(raw) // ds.dtype.itemsize))
+    return data[start - first : stop - first].copy() if len(data) >= stop - first else None
+
+
+def unreadable_rows(ds: h5py.Dataset, rows: int, torn_tail: bool = False) -> str | None:
     """Why the first `rows` rows of `ds` cannot be read back (a chunk failing its fletcher32
-    checksum, a missing shard), or None: every chunk holding one of them is read."""
+    checksum, a missing shard), or None: every chunk holding one of them is read. With
+    `torn_tail` (a killed writer's sparse entries) the last chunk, only partly counted, may
+    be read past its checksum (`torn_tail_rows`)."""
+    if torn_tail and ds.chunks is not None and ds.ndim == 1 and rows % ds.chunks[0]:
+        whole = rows - rows % ds.chunks[0]
+        reason = unreadable_rows(ds, whole)
+        if reason or torn_tail_rows(ds, whole, rows) is not None:
+            return reason
     try:
         if ds.chunks is not None and ds.shape:
             if rows > 0:

@@ -19,6 +19,7 @@ from hookrun.io.appender import CapturesFile, FileOptions, Summaries
 from hookrun.io.dimensions import attach, read_names
 from hookrun.io.encoding import read_floats
 from hookrun.io.layout import (
+    SPARSE_COUNTS,
     FileState,
     Provenance,
     copy_attrs,
@@ -36,9 +37,11 @@ from hookrun.io.layout import (
     read_state,
     rows_for,
     rows_note,
+    sparse_part,
     write_attrs,
     write_header,
 )
+from hookrun.io.storage import torn_tail_rows
 from hookrun.io.whole_run import WholeRun, make_pending, name_whole_run
 
 __all__ = ["stored_record", "record_rows", "read_rows", "reopen", "rewrite_rows", "join_shards"]
@@ -112,8 +115,18 @@ def rewrite_rows(path: Path) -> None:
             if is_pending(ds):  # a whole-run dataset not written yet: a torn write is no data
                 continue
             step = max(1, ds.chunks[0])
+            entries = sparse_part(ds) not in (None, SPARSE_COUNTS)
             for start in range(0, rows, step):
-                out[start : start + step] = ds[start : min(rows, start + step)]
+                stop = min(rows, start + step)
+                try:
+                    out[start:stop] = ds[start:stop]
+                except OSError:
+                    # The last chunk of a sparse record's entries, torn by the kill (its
+                    # counted entries intact: storage.torn_tail_rows); any other: damage.
+                    torn = torn_tail_rows(ds, start, stop) if entries and stop == rows else None
+                    if torn is None:
+                        raise
+                    out[start:stop] = torn
         attach(dst, read_names(src), _checksummed(src))
         copy_group_attrs(src, dst)
     fresh.replace(path)  # atomic: the old file stays whole until the copy is
@@ -158,11 +171,23 @@ def join_shards(
                     continue
                 # Shards hold whole batches in order, so a record stored once per batch
                 # joins in global batch order too.
-                total = rows_for(first, samples)
+                # A sparse record's entries: each shard's, of the rows it holds, in order.
+                entries = sparse_part(first) not in (None, SPARSE_COUNTS)
+                total = (
+                    sum(f[key].shape[0] for f in opened) if entries else rows_for(first, samples)
+                )
+                if entries and not total:  # no entry in any shard: nothing to point at
+                    made = out.create_dataset(
+                        key, shape=(0,), maxshape=(None,), chunks=first.chunks, dtype=first.dtype
+                    )
+                    copy_attrs(first, made)
+                    continue
                 virtual = h5py.VirtualLayout(shape=(total, *first.shape[1:]), dtype=first.dtype)
                 offset = 0
                 for shard, f in zip(shards, opened, strict=True):
                     rows = f[key].shape[0]
+                    if not rows:  # a shard whose rows hold no entry
+                        continue
                     # A bare file name: HDF5 finds the shard next to captures.h5 wherever
                     # the run directory is moved.
                     virtual[offset : offset + rows] = h5py.VirtualSource(

@@ -72,6 +72,8 @@ def _sink(run: Prepared, rows: int) -> HDF5Sink:
         checksum=spec.sink.checksum,
         folds=run.folds,
         dtypes=run.dtypes,
+        # A dictionary's latents: only their non-zeros (io/sparse.py), by path.
+        sparse={path: (o.shape, ("sample", *(o.dims or ()))) for path, o in run.sparse.items()},
         batch_size=spec.batch_size,
         axes=run.axes,
         attrs=run.attrs,

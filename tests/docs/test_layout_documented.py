@@ -21,7 +21,7 @@ import h5py
 import pytest
 
 import hookrun
-from hookrun.io.dimensions import AXES, BATCH, FOLD, LAYOUT_AXES
+from hookrun.io.dimensions import AXES, BATCH, ENTRY, FOLD, LAYOUT_AXES
 from hookrun.io.layout import is_dimension
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def _dimension_names() -> str:
     import hookrun.stages  # noqa: F401  (each stage adds its axes' names)
 
     words = {w for rule in AXES.values() for w in rule.split()}
-    words |= {w for names in LAYOUT_AXES.values() for w in names} | {BATCH, FOLD}
+    words |= {w for names in LAYOUT_AXES.values() for w in names} | {BATCH, FOLD, ENTRY}
     plain = sorted(re.escape(w) for w in words if not w.startswith("{"))
     # dim_<k>: an axis nothing names; `_<size>` (then `_` more): a name taken at another size.
     return rf"(?:{'|'.join(plain)}|dim_\d+)(?:_\d+_*)?"
