@@ -87,10 +87,13 @@ class Stored:
     Attributes:
         shape: The shape of one row (per sample, or per batch where its rows say so).
         attrs: The dataset's attributes.
+        dtype: The float it is stored in (None: sink.dtype); float64 for sums a whole-run
+            result is made of, which sink.dtype's rounding would spoil.
     """
 
     shape: tuple[int, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
 
 
 def describe_stored(stored: Mapping[str, Stored], itemsize: int, title: str) -> str:

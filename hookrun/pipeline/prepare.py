@@ -67,7 +67,14 @@ __all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
 
 log = logging.getLogger("hookrun")
 
-STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The floats a dataset is stored in: sink.dtype's and a capture's args.dtype's, and float64
+# for a stage's sums (Stored.dtype).
+STORE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,7 @@ def prepare(
             started=started,
             facts=_row_facts(spec, data, files),
             folds=folds,
-            dtypes=_capture_dtypes(plan, probed.shapes),
+            dtypes=_capture_dtypes(plan, probed.shapes) | _stage_dtypes(planned),
             axes=_named(axis_facts(captures | shaped, folds, model, sample), outputs),
             sparse={path: o for path, o in outputs.items() if o.sparse},
             attrs=_stage_attrs(planned) | _listed_positions(plan, probed.shapes),
@@ -339,6 +346,11 @@ def _named(facts: AxisFacts, outputs: dict[str, Output]) -> AxisFacts:
 def _capture_dtypes(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, str]:
     """Captures stored in another float than sink.dtype (a hook's args.dtype): path → dtype."""
     return {path: o.dtype for path, o in plan.outputs(shapes).items() if o.dtype}
+
+
+def _stage_dtypes(planned: dict[str, Plan]) -> dict[str, str]:
+    """The stages' datasets stored in another float than sink.dtype: path → dtype."""
+    return {k: v.dtype for p in planned.values() for k, v in p.stored().items() if v.dtype}
 
 
 def _listed_positions(plan: HookPlan, shapes: dict[str, list[CallShapes]]) -> dict[str, dict]:

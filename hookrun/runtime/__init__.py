@@ -5,5 +5,7 @@ the shape probe, targets, device transfer and the per-batch step. It knows no st
 stages (hookrun/stages/) use it from above."""
 
 # Actions in modules of their own register when the runtime is imported.
-from hookrun.runtime import patch  # noqa: E402,F401  (registers patch)
-from hookrun.runtime import splice  # noqa: E402,F401  (registers sae, transcoder)
+from hookrun.runtime import (
+    patch,  # noqa: E402,F401  (registers patch)
+    splice,  # noqa: E402,F401  (registers sae, transcoder)
+)

@@ -9,5 +9,6 @@ from hookrun.stages import induction as induction
 from hookrun.stages import lens as lens
 from hookrun.stages import metrics as metrics
 from hookrun.stages import patching as patching
+from hookrun.stages import sae as sae
 from hookrun.stages import sanity as sanity
 from hookrun.stages import steering as steering

@@ -131,7 +131,8 @@ def test_without_the_error_term_the_site_is_the_reconstruction(tiny, tmp_path):
     plain, _, _ = _hand(tiny, path, BLOCK)
     with hookrun.open(path) as f:
         output = f["model/output"][:]
-        assert not [k for k in f.keys() if k.startswith("sae/")]  # record: [] stores nothing
+        stored = f.keys()
+        assert not [k for k in stored if k.startswith("sae/")]  # record: [] stores nothing
     np.testing.assert_allclose(output, logits.numpy(), atol=2e-4)
     assert np.abs(output - plain.numpy()).max() > 1e-2  # the splice changed the model
 
@@ -288,7 +289,13 @@ def test_dictionaries_with_hook_names_place_themselves(tiny, tmp_path):
     """A folder of two SAEs, one per block output (TransformerLens names), and no select."""
     folder = tmp_path / "saes"
     saes = {
-        layer: write_sae(folder / f"blocks.{layer}", WIDTH, LATENTS, 10 + layer, hook_name=f"blocks.{layer}.hook_resid_post")
+        layer: write_sae(
+            folder / f"blocks.{layer}",
+            WIDTH,
+            LATENTS,
+            10 + layer,
+            hook_name=f"blocks.{layer}.hook_resid_post",
+        )
         for layer in (0, 1)
     }
     hook = {"at": "output", "action": "sae", "args": {"path": folder}}
@@ -338,13 +345,16 @@ def test_refusals_before_any_work(tmp_path):
     assert f"hooks.bad.args.edit.latents: {LATENTS}" in said and f"0..{LATENTS - 1}" in said
     said = _refusal(tmp_path, {"at": "output", "action": "sae", "args": {"path": tmp_path / "sae"}})
     assert "blocks.9.hook_resid_post" in said
-    said = _refusal(tmp_path, {**at_block, "action": "transcoder", "args": {"path": tmp_path / "tc"}})
+    said = _refusal(
+        tmp_path, {**at_block, "action": "transcoder", "args": {"path": tmp_path / "tc"}}
+    )
     assert "hooks.bad" in said and "MLP" in said
     said = _refusal(tmp_path, {**at_block, "action": "sae", "args": {"path": tmp_path / "tc"}})
     assert "hooks.bad.action: sae" in said and "valid: action transcoder" in said
     bad_edit = {"latents": [1], "op": "double"}
     said = _refusal(
-        tmp_path, {**at_block, "action": "sae", "args": {"path": tmp_path / "sae", "edit": bad_edit}}
+        tmp_path,
+        {**at_block, "action": "sae", "args": {"path": tmp_path / "sae", "edit": bad_edit}},
     )
     assert "hooks.bad.args.edit.op: 'double'" in said and "zero, scale, clamp, set" in said
     said = _refusal(
