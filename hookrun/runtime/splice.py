@@ -66,7 +66,7 @@ class SpliceArgs:
 
     path: str | None = None
     """A SAELens folder (cfg.json + sae_weights.safetensors), a folder of them (one per hook),
-    or circuit-tracer's per-layer transcoders (layer_<i>.safetensors)."""
+    or per-layer transcoder files (layer_<i>.safetensors, hookrun/dictionaries/)."""
     error_term: bool = True
     """Add back the dictionary's error: the model's outputs stay what they were; false: the
     site becomes the reconstruction."""
@@ -101,7 +101,7 @@ class Splice(Action):
         if args.path is None:
             raise HookrunError(
                 f"{key}.args.path: null; valid: a SAELens folder (cfg.json + "
-                "sae_weights.safetensors), a folder of them, or circuit-tracer transcoders"
+                "sae_weights.safetensors), a folder of them, or per-layer transcoder files"
             )
         if not Path(str(args.path)).expanduser().exists():
             raise HookrunError(f"{key}.args.path: {args.path!r} does not exist")

@@ -43,7 +43,7 @@ from hookrun.typed import Frozen, parse_typed
 
 __all__ = ["SaeScoresStage", "SaeScoresConfig"]
 
-layout.whole_run(scores_key("captures/*"))  # one row of scores per dictionary for the run
+layout.whole_run(scores_key(layout.capture_key("*", "*")))  # one row per dictionary for the run
 # The attributes a dictionary's scores carry beside `fields`.
 HOOK_ATTR, DICTIONARY_ATTR, DENSE_ATTR = "hook", "dictionary", "dense"
 
@@ -293,9 +293,10 @@ def _scores(f: h5py.File) -> dict[str, dict[str, float]]:
 
     def visit(name: str, obj: Any) -> None:
         if isinstance(obj, h5py.Dataset) and name.endswith("/scores"):
-            if layout.is_pending(obj) or FIELDS_ATTR not in obj.attrs:
+            fields = layout.attr(obj, FIELDS_ATTR)
+            if layout.is_pending(obj) or fields is None:
                 return
-            fields = [str(x) for x in obj.attrs[FIELDS_ATTR]]
+            fields = [str(x) for x in fields]
             values = read_floats(obj)
             out[name.removesuffix("/scores")] = dict(zip(fields, map(float, values), strict=True))
 
