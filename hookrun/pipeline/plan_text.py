@@ -36,6 +36,9 @@ class FileShape:
     # Captures stored in another float than sink.dtype (a hook's args.dtype): path → bytes.
     itemsizes: Mapping[str, int] = field(default_factory=dict)
     counter_target: bool = False  # whether /samples/counterfactual_target is written
+    # Sparse records (a dictionary's latents): path → the non-zeros of one sample, as the
+    # plan's hooks gave them on the probe's sample (what the file holds grows with L0).
+    entries: Mapping[str, float] = field(default_factory=dict)
 
     def size_of(self, key: str) -> int:
         """Bytes of one stored float of the dataset at `key`."""
@@ -79,7 +82,7 @@ def describe_plan(
                         lines.append(f"    {label:<32} {shown}")
                         label = ""
                     for path, output in outputs.items():
-                        size = _output_bytes(output, file.size_of(path))
+                        size = _output_bytes(output, file.size_of(path), file.entries.get(path))
                         lines.append(
                             f"    {label:<32} {str(list(output.shape)):<20} "
                             f"{size:>11}/{per}  /{path}"
@@ -90,25 +93,45 @@ def describe_plan(
             elif not any(c.at(hook.site) for c in shapes[layer]):
                 # Token ids, or a module whose outputs hold no floating-point tensor.
                 lines.append(f"    {layer:<32} (no floating-point tensor here: nothing stored)")
-    lines.append(_size_line(stored, folds, file))
+    sparse = {p: o for p, o in plan.outputs(shapes).items() if o.sparse}
+    lines.append(_size_line(stored, folds, file, sparse))
     return "\n".join(lines)
 
 
-def _output_bytes(output: Output, itemsize: int) -> str:
+def _output_bytes(output: Output, itemsize: int, entries: float | None) -> str:
     """One sample's bytes of a record: dense, its shape's; sparse, each non-zero's value and
     index and each row's count (io/sparse.py), in proportion to L0, not the width."""
     if not output.sparse:
         return format_bytes(math.prod(output.shape) * itemsize)
-    per_nonzero = format_bytes(itemsize + 4)
+    if entries is not None:
+        return f"{format_bytes(sparse_bytes(output, itemsize, entries))} (sparse)"
     rows = math.prod(output.shape[:-1])
-    return f"sparse: {per_nonzero} x L0 x {rows} + {format_bytes(4 * rows)}"
+    return f"sparse: {format_bytes(itemsize + 4)} x L0 x {rows} + {format_bytes(4 * rows)}"
 
 
-def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: FileShape) -> str:
-    """`Stored per sample: …; N sample(s) → estimated file size …`."""
+def sparse_bytes(output: Output, itemsize: int, entries: float) -> float:
+    """One sample's bytes of a sparse record with `entries` non-zeros: a value and an int32
+    index each, and an int32 count per row of the dense shape but its last axis."""
+    return entries * (itemsize + 4) + 4 * math.prod(output.shape[:-1])
+
+
+def _size_line(
+    stored: dict[str, tuple[int, ...]],
+    folds: dict[str, int],
+    file: FileShape,
+    sparse: Mapping[str, Output],
+) -> str:
+    """`Stored per sample: …; N sample(s) → estimated file size …` (a sparse record counted
+    at the probe sample's non-zeros, where known)."""
     n = file.samples
     floats = {**stored, MODEL_OUTPUT: file.output, **file.derived}
     per_sample = sum(math.prod(s) * file.size_of(k) for k, s in floats.items() if folds.get(k) != 0)
+    sparse_sample = sum(
+        sparse_bytes(o, file.size_of(p), file.entries[p])
+        for p, o in sparse.items()
+        if p in file.entries
+    )
+    per_sample += sparse_sample
     # /samples/index, /samples/target, /sample (the `sample` coordinate), /samples/label,
     # /samples/counterfactual_target
     ints = 3 + file.labelled + file.counter_target
@@ -125,7 +148,8 @@ def _size_line(stored: dict[str, tuple[int, ...]], folds: dict[str, int], file: 
         )
         total += ints * allocated_bytes((), 8, rows, batch)
         total += allocated_bytes((), file.path_bytes, rows, batch)
-    datasets = len(floats) + ints + (1 if file.path_bytes else 0)
+        total += int(rows * sparse_sample)
+    datasets = len(floats) + ints + (1 if file.path_bytes else 0) + 3 * len(sparse)
     files = len(file.shards) + 1 if file.shards else 1  # the shards and the file joining them
     total += files * (_FILE_METADATA + datasets * _DATASET_METADATA)
     derived = ", derived results" if file.derived else ""

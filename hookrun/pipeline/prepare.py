@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from hookrun.config.build import RunSpec, check_batch
 from hookrun.data import token_cache
+from hookrun.data.batch import Batch
 from hookrun.data.loader import (
     SourceFiles,
     build_dataset,
@@ -51,6 +52,7 @@ from hookrun.pipeline.measure import measure_vectors
 from hookrun.pipeline.plan_text import FileShape, describe_plan
 from hookrun.pipeline.tokencheck import check_reads_tokens, check_token_model, check_token_run
 from hookrun.runtime.actions import Output
+from hookrun.runtime.hooks import Recorder, attach, prepare_input, run_mode
 from hookrun.runtime.plan import CallShapes, HookPlan, check_reached, compile_plan
 from hookrun.runtime.shape_probe import probe_shapes
 from hookrun.runtime.spatial import axis_facts
@@ -395,6 +397,21 @@ def _row_facts(spec: RunSpec, data: Dataset, files: SourceFiles | None) -> RowFa
     )
 
 
+def _probe_entries(run: Prepared) -> dict[str, float]:
+    """The non-zeros of each sparse record on the probe's sample (row 0), under the plan's
+    hooks: one more forward pass, only for a run with sparse records (the dry run sizes them
+    by the L0 it sees, not by the dictionary's width)."""
+    if not run.sparse:
+        return {}
+    recorder = Recorder(run.spec.seed, run.store_dtype)
+    recorder.sparse = frozenset(run.sparse)
+    sample = run.data[0][0][None].to(run.device)
+    with run_mode(run.model), attach(run.plan, run.model, recorder), torch.inference_mode():
+        recorder.mask = Batch.of((sample, torch.zeros(1), torch.zeros(1)), run.facts.tokens).mask
+        run.model(prepare_input(run.plan, recorder, sample))
+    return {p: float(recorder.records[p].nnz) for p in run.sparse if p in recorder.records}
+
+
 def _plan_text(run: Prepared, probed: _Probed, made: dict[str, tuple[int, ...]]) -> str:
     """The dry-run text: the plan with its shapes, the file's estimated size, and each
     stage's lines."""
@@ -415,6 +432,7 @@ def _plan_text(run: Prepared, probed: _Probed, made: dict[str, tuple[int, ...]])
         shards=shards if world.parallel else (),
         itemsizes={key: STORE_DTYPES[dtype].itemsize for key, dtype in run.dtypes.items()},
         counter_target=spec.target.kind == TargetKind.logit_diff,
+        entries=_probe_entries(run),
     )
     lines = [describe_plan(run.plan, probed.shapes, spec.target.kind.value, file)]
     lines += [text for plan in run.stages.values() if (text := plan.describe(itemsize))]

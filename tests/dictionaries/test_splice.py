@@ -362,3 +362,40 @@ def test_refusals_before_any_work(tmp_path):
         {**at_block, "action": "sae", "args": {"path": tmp_path / "sae", "record": ["latent"]}},
     )
     assert "hooks.bad.args.record" in said and "latents" in said
+
+
+def test_the_dry_run_sizes_the_latents_by_the_probes_l0(tiny, tmp_path):
+    """The dry run's bytes of a sparse record: the non-zeros the SAE gives on sample 0 (a
+    value and an int32 index each) and an int32 count per token, not d_sae floats."""
+    from hookrun.memory import format_bytes
+
+    sae = write_sae(tmp_path / "sae", WIDTH, LATENTS, seed=8)
+    hook = {
+        "select": {"name": BLOCK},
+        "at": "output",
+        "action": "sae",
+        "args": {"path": tmp_path / "sae"},
+    }
+    path = _run(tmp_path / "full", "sae", hook)
+    _, seen, _ = _hand(tiny, path, BLOCK)
+    x = seen["out"][0]  # sample 0, every position of its row (the file stores them all)
+    nonzeros = int((encode(sae, x) != 0).sum())
+    want = format_bytes(nonzeros * (4 + 4) + 4 * x.shape[0])
+    result = hookrun.run(
+        [
+            "model=tiny_lm",
+            "dataset=prompts",
+            f"dataset.path={CHECKPOINTS / 'patching_prompts.jsonl'}",
+            "limit=6",
+            "target.kind=none",
+            "dry_run=true",
+            f"++hooks.sae.select.name={BLOCK}",
+            "++hooks.sae.at=output",
+            "++hooks.sae.action=sae",
+            f"++hooks.sae.args.path={tmp_path / 'sae'}",
+        ],
+        run_dir=tmp_path / "dry",
+    )
+    line = next(x for x in result.plan_text.splitlines() if "/latents" in x)
+    assert f"{want} (sparse)/sample" in line, line
+    assert not (tmp_path / "dry" / "captures.h5").exists()
