@@ -147,7 +147,7 @@ def test_a_hooks_args_dtype_stores_its_captures_in_that_float(tmp_path):
     handle.remove()
     for value, said in (
         ("int8", "valid: float32, float16, bfloat16"),
-        ("float16", "valid: action capture"),
+        ("float16", r"valid: an action that records \(capture, sae, transcoder\)"),
     ):
         bad = [*overrides, "++hooks.z.select.name=transformer.h.0", "++hooks.z.at=output"]
         bad += ["++hooks.z.action=" + ("capture" if value == "int8" else "zero")]
