@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -392,6 +393,12 @@ def test_killed_and_resumed_gives_the_uninterrupted_files_bytes_and_verifies(tmp
     killed_after(args, tmp_path, run_dir, rows=6)
     with open_readonly(run_dir / "captures.h5") as f:  # killed before its end: a resume's work
         assert f.attrs["status"] != "complete" and f.attrs["completed"] < 60
+    # Another dictionary in the same folder: the resume refuses to mix the two in one file.
+    write_sae(tmp_path / "sae", WIDTH, LATENTS, seed=99)
+    done = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode != 0 and "resume refused" in done.stderr, done.stderr[-2000:]
+    assert "sae_weights.safetensors" in done.stderr
+    write_sae(tmp_path / "sae", WIDTH, LATENTS, seed=11)  # the same bytes again
     for _ in range(2):  # the second resume of the complete file changes nothing
         done = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -406,6 +413,30 @@ def test_killed_and_resumed_gives_the_uninterrupted_files_bytes_and_verifies(tmp
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "intact" in verify.stdout, verify.stdout
+
+
+def test_entries_written_past_completed_are_dropped_by_the_resume(tmp_path):
+    """The crash window of an append, made by hand: counts of rows past `completed` and
+    values and latent indices past their entries (a kill after the data, before the marker).
+    The resume rewrites those rows from the entries of the complete rows on."""
+    write_sae(tmp_path / "sae", WIDTH, LATENTS, seed=14)
+    args = [*_text("limit=10", "batch_size=2"), *_hook("sae", _sae_hook(tmp_path / "sae"))]
+    whole = read(run_config(tmp_path / "whole", args).path)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    with h5py.File(cut / "captures.h5", "r+") as f:
+        group = f[LATENTS_KEY]
+        kept = int(group["counts"][:4].sum())
+        for part in ("values", "latent"):  # 7 entries of garbage after row 3's last
+            group[part].resize(kept + 7, axis=0)
+            group[part][kept:] = 3
+        f.attrs["completed"], f.attrs["status"] = 4, "running"
+    done = hookrun_cli([*args, f"hydra.run.dir={cut}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = read(cut / "captures.h5")
+    assert got.keys() == whole.keys()
+    for key in whole:
+        assert got[key].tobytes() == whole[key].tobytes(), key
 
 
 # --- 2. the torchrun join -------------------------------------------------------------------
