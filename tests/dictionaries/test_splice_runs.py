@@ -494,9 +494,7 @@ def _greedy(model, ids: list[int], change=None) -> list[int]:
             for _ in range(STEPS):
                 token = int(out.logits[0, -1].argmax())
                 tokens.append(token)
-                out = model(
-                    torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-                )
+                out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     finally:
         if handle is not None:
             handle.remove()
