@@ -106,3 +106,17 @@ def test_sweeps_resume(tmp_path):
     with _complete(tmp_path / "outputs" / "killed" / "captures.h5") as f:
         assert f.attrs["completed"] == 40
         assert f["samples/index"][:].tolist() == list(range(40))
+
+
+def test_sae(tmp_path):
+    out = _run("sae.py", tmp_path)
+    with _complete(tmp_path / "outputs" / "sae" / "captures.h5") as f:
+        latents = f["sae/transformer.h.1/output/latents"]
+        assert latents.attrs["sparse"] == "rows" and list(latents.attrs["shape"]) == [128, 512]
+        table = f["sae/transformer.h.1/output/scores"]
+        scores = dict(zip(table.attrs["fields"], table[:], strict=True))
+    # A trained SAE: sparse and reconstructing (a random one recovers no CE: < 0).
+    assert 1 < scores["l0"] < 128 and scores["explained_variance"] > 0.3
+    assert scores["ce_loss_score"] > 0.5 and scores["tokens"] == 4096
+    assert "sae_scores: transformer.h.1/output:" in out
+    assert (tmp_path / "outputs" / "sae" / "images" / "sae" / "sae_scores.png").is_file()
