@@ -15,6 +15,12 @@ Definitions, as SAELens's evals give them (and where they went wrong for its use
   distributions, averaged over real tokens.
 - dead: latents that never fired on a real token of the run (the run's recorded latents);
   dense: those that fired on more than `dense` of them.
+
+Each equals SAELens 6.54's `run_evals` on the same tokens to ~1e-7 relative
+(tests/dictionaries/test_scores_vs_saelens.py). Which tokens count differs: SAELens by default
+drops the tokenizer's special tokens (BOS, EOS, PAD) and its CE keeps a position whose input
+token is kept, so on right-padded rows it scores the prediction of the first pad; here a token
+counts when it is real (not padding), a CE term when its input and its next token are.
 """
 
 from __future__ import annotations
