@@ -77,7 +77,7 @@ class RunSpec:
 
     @property
     def needs_backward(self) -> bool:
-        return any(h.at.is_grad for h in self.hooks)
+        return any(h.at.is_grad or h.action.needs_gradient for h in self.hooks)
 
     def stage(self, node: str) -> Any:
         """The parsed config of the stage reading `node`; None when it is off."""
@@ -94,11 +94,11 @@ def parse_hooks(raw: Any, target: TargetConfig, prefix: str = "hooks") -> tuple[
     if target.kind == TargetKind.index and target.index is None:
         raise HookrunError("target.index: null; target.kind=index needs target.index=K")
     if target.kind == TargetKind.none:
-        grad = [h.name for h in hooks if h.at.is_grad]
+        grad = [h.name for h in hooks if h.at.is_grad or h.action.needs_gradient]
         if grad:
             raise HookrunError(
                 f"target.kind: 'none' runs no backward pass, but hooks {grad} act at a gradient "
-                "site; valid: predicted, label, index, sum"
+                "site or record a gradient; valid: predicted, label, index, sum"
             )
     for hook in hooks:
         freeze(hook.select)

@@ -69,6 +69,13 @@ class SiteContext(Protocol):
     def key(self) -> str:
         """The capture path of the tensor it acts on (the same at every decoding step)."""
 
+    def on_gradient(self, tensor: torch.Tensor, fn: Any) -> None:
+        """Call `fn(grad)` when the run's backward pass reaches `tensor`.
+
+        `grad` is the gradient of the run's target with respect to `tensor`, a tensor the
+        action made.
+        """
+
     @property
     def inputs(self) -> torch.Tensor | None:
         """At a module's output: the call's first floating-point input, else None.
@@ -170,6 +177,14 @@ class Action:
     def records(self) -> bool:
         """Whether it records anything (by default: whether it can)."""
         return self.stores
+
+    @property
+    def needs_gradient(self) -> bool:
+        """Whether it records a gradient of its own at a forward site (`ctx.on_gradient`).
+
+        The run then has a backward pass from its target. False by default.
+        """
+        return False
 
     def outputs(self, shape: tuple[int, ...], site: str, key: str) -> dict[str, Output]:
         """What it records at one site, before any work.

@@ -149,6 +149,18 @@ class _Context:
     def generator(self, device: torch.device) -> torch.Generator:
         return self.recorder.generator(self.hook, self.key, device)
 
+    def on_gradient(self, tensor: torch.Tensor, fn: Any) -> None:
+        if not (torch.is_grad_enabled() and tensor.requires_grad):
+            return  # a pass without gradients (a stage's own, a decoding step)
+        recorder = self.recorder
+
+        def seen(grad: torch.Tensor) -> None:
+            if recorder.current_pass in (None, "main"):
+                fn(grad)
+
+        tensor.register_hook(seen)
+        recorder.edges["main"].append(get_gradient_edge(tensor))
+
     @property
     def rows(self) -> torch.Tensor:
         return self.recorder.rows

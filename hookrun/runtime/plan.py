@@ -121,12 +121,14 @@ class HookPlan:
 
     @property
     def needs_backward(self) -> bool:
-        return any(h.site.is_grad for h in self.hooks)
+        return any(h.site.is_grad or h.action.needs_gradient for h in self.hooks)
 
     @property
     def backward_passes(self) -> list[str]:
-        """The backward passes gradient hooks asked for, in file order."""
-        return list(dict.fromkeys(h.backward for h in self.hooks if h.site.is_grad))
+        """The backward passes gradient hooks asked for (and actions that record a gradient
+        of their own: the main pass), in file order."""
+        wanted = (h.backward for h in self.hooks if h.site.is_grad or h.action.needs_gradient)
+        return list(dict.fromkeys(wanted))
 
     @property
     def layers(self) -> list[str]:

@@ -44,7 +44,7 @@ from hookrun.typed import check_choices, parse_typed
 
 __all__ = ["SpliceArgs", "EditArgs", "Splice", "Transcoder", "RECORDS", "OPS"]
 
-RECORDS = ("latents", "reconstruction", "error")
+RECORDS = ("latents", "reconstruction", "error", "attribution")
 OPS = ("zero", "scale", "clamp", "set")
 
 
@@ -71,7 +71,8 @@ class SpliceArgs:
     """Add back the dictionary's error: the model's outputs stay what they were; false: the
     site becomes the reconstruction."""
     record: list[str] = field(default_factory=lambda: ["latents"])
-    """What is stored: any of latents (sparse), reconstruction, error."""
+    """What is stored: any of latents (sparse), reconstruction, error, attribution (each
+    latent times the gradient of the run's target with respect to it, sparse)."""
     edit: Any = None
     """{latents: [j, ...], op: zero | scale | clamp | set, value: x}; null: no edit."""
 
@@ -94,6 +95,11 @@ class Splice(Action):
     def records(self) -> bool:
         """Whether `record` names anything."""
         return bool(self.names)
+
+    @property
+    def needs_gradient(self) -> bool:
+        """Whether it records the latents' attribution (a backward pass from the target)."""
+        return "attribution" in self.names
 
     @classmethod
     def check(cls, args: SpliceArgs, key: str) -> None:
@@ -219,7 +225,7 @@ class Splice(Action):
         out = {}
         for name in self.names:
             path = splice_key(site, name)
-            if name == "latents":
+            if name in ("latents", "attribution"):
                 out[path] = Output(path, (*lead, d.d_sae), (*names, "latent"), self.dtype, True)
             else:
                 out[path] = Output(path, (*lead, d.d_out), (*names, "feature"), self.dtype)
@@ -256,11 +262,22 @@ class Splice(Action):
                 error = tensor.to(rebuilt.dtype) - rebuilt
             out = out + error
         for name in self.names:
+            if name == "attribution":
+                self._attribute(latents, ctx)
+                continue
             value = {"latents": latents, "reconstruction": rebuilt}.get(name)
             if name == "error":
                 value = tensor.to(rebuilt.dtype) - rebuilt
             ctx.record(value.detach(), splice_key(ctx.key, name))
         return out.to(tensor.dtype)
+
+    def _attribute(self, latents: torch.Tensor, ctx: SiteContext) -> None:
+        """Each latent × ∂target/∂latent, recorded when the backward pass reaches the
+        latents: the linear estimate of its part in the target (its negative, attribution
+        patching's estimate of zeroing it); zero wherever the latent is."""
+        path = splice_key(ctx.key, "attribution")
+        value = latents.detach()
+        ctx.on_gradient(latents, lambda grad: ctx.record(value * grad, path))
 
     def _edited(self, latents: torch.Tensor) -> torch.Tensor:
         """The latents after `edit` (the same tensor when there is none)."""

@@ -399,3 +399,51 @@ def test_the_dry_run_sizes_the_latents_by_the_probes_l0(tiny, tmp_path):
     line = next(x for x in result.plan_text.splitlines() if "/latents" in x)
     assert f"{want} (sparse)/sample" in line, line
     assert not (tmp_path / "dry" / "captures.h5").exists()
+
+
+def test_the_latents_attribution_is_the_latent_times_the_targets_gradient(tiny, tmp_path):
+    """record: [attribution]: z ⊙ ∂(top logit at the last token)/∂z through the splice (the
+    error held fixed), by hand with autograd; zero where the latent is."""
+    sae = write_sae(tmp_path / "sae", WIDTH, LATENTS, seed=9)
+    hook = {
+        "select": {"name": BLOCK},
+        "at": "output",
+        "action": "sae",
+        "args": {"path": tmp_path / "sae", "record": ["latents", "attribution"]},
+    }
+    path = _run(tmp_path, "sae", hook, "target.kind=predicted")
+    with hookrun.open(path) as f:
+        stored = f[f"sae/{BLOCK}/output/attribution"][:]
+        latents = f[f"sae/{BLOCK}/output/latents"][:]
+        tokens = torch.as_tensor(f["samples/tokens"][:]).long()
+        targets = torch.as_tensor(f["samples/target"][:]).long()
+        mask = torch.as_tensor(f["samples/mask"][:]).bool() if "samples/mask" in f else None
+    mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+    kept = {}
+
+    def splice(module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        z = encode(sae, first)
+        z.retain_grad()
+        kept["z"] = z
+        rebuilt = decode(sae, z)
+        first = rebuilt + (first - decode(sae, z)).detach()
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+    modules = dict(tiny.named_modules())
+    handles = [
+        modules["transformer.wte"].register_forward_hook(_leaf),
+        modules[BLOCK].register_forward_hook(splice),
+    ]
+    try:
+        logits = tiny(input_ids=tokens, attention_mask=mask.long()).logits
+        last = mask.sum(1) - 1
+        logits[torch.arange(len(tokens)), last, targets].sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    hand = (kept["z"] * kept["z"].grad).detach().numpy()
+    real = mask.numpy()
+    np.testing.assert_allclose(stored[real], hand[real], atol=1e-6)
+    assert np.abs(hand[real]).max() > 1e-4  # the target depends on the latents
+    assert not stored[real][latents[real] == 0].any()  # only active latents have a part
