@@ -6,11 +6,12 @@ and dense latents; they are a whole-run result (the summary, sweep columns, a pi
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_config
+from conftest import hookrun_cli, run_config
 from sae_folders import decode, encode, write_sae
 
 import hookrun
@@ -143,3 +144,40 @@ def test_dense_out_of_range_is_refused(tmp_path):
     overrides = _overrides(tmp_path / "run", tmp_path / "sae", "sae_scores.dense=1.5")
     with pytest.raises(HookrunError, match=r"sae_scores.dense: 1.5; valid: .*0 < dense <= 1"):
         run_config(tmp_path / "run", overrides)
+
+
+def test_a_sweep_over_sae_folders_ranks_them(tmp_path):
+    """A multirun over three SAE folders: sae_ranking.csv lists each job's dictionary by CE
+    loss recovered, largest first, each figure its file's score."""
+    folders = []
+    for seed in (1, 2, 3):
+        write_sae(tmp_path / f"sae{seed}", 128, LATENTS, seed=seed)
+        folders.append(str(tmp_path / f"sae{seed}"))
+    proc = hookrun_cli(
+        [
+            "-m",
+            "experiment=sae",
+            f"hooks.sae.args.path={','.join(folders)}",
+            "limit=4",
+            "render=false",
+            "progress=false",
+            f"hydra.sweep.dir={tmp_path / 's'}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "s" / "sae_ranking.csv") as f:
+        ranked = list(csv.DictReader(f))
+    with open(tmp_path / "s" / "sweep_summary.csv") as f:
+        jobs = {row["job"]: row for row in csv.DictReader(f)}
+    assert [int(r["rank"]) for r in ranked] == [1, 2, 3]
+    values = [float(r["ce_loss_score"]) for r in ranked]
+    assert values == sorted(values, reverse=True)
+    for row in ranked:
+        with hookrun.open(jobs[row["job"]]["file"]) as f:
+            ds = f[f"sae/{BLOCK}/output/scores"]
+            score = dict(zip([str(n) for n in ds.attrs["fields"]], ds[:], strict=True))
+        assert float(row["ce_loss_score"]) == pytest.approx(score["ce_loss_score"], rel=1e-6)
+        assert float(row["l0"]) == pytest.approx(score["l0"], rel=1e-6)
+        assert row["site"] == f"{BLOCK}/output"
+    assert (tmp_path / "s" / "sae_ranking.png").is_file()

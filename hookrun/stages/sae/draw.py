@@ -14,7 +14,7 @@ from hookrun.render.pictures import save_figure
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-__all__ = ["render_scores", "PICTURE"]
+__all__ = ["render_scores", "render_ranking", "PICTURE"]
 
 PICTURE = "sae_scores.png"
 
@@ -42,3 +42,20 @@ def render_scores(scores: dict[str, dict[str, float]], out_dir: Path) -> list[Pa
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return [save_figure(fig, Path(out_dir) / PICTURE)]
+
+
+def render_ranking(rows: list[dict], by: str, target: Path) -> Path:
+    """A sweep's dictionaries: L0 against `by`, a point per job and site, its rank beside."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for row in rows:
+        ax.scatter(row["l0"], row[by], s=30)
+        label = f"{row['rank']}: job {row['job']}"
+        ax.annotate(
+            label, (row["l0"], row[by]), fontsize=7, xytext=(4, 4), textcoords="offset points"
+        )
+    ax.set_xlabel("L0 (latents active per token)")
+    ax.set_ylabel("CE loss recovered" if by == "ce_loss_score" else "explained variance")
+    ax.set_title("a sweep's dictionaries (rank: sae_ranking.csv)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, target)

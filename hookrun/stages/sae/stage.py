@@ -38,6 +38,7 @@ from hookrun.stages.sae.keys import (
     scores_key,
     sums_key,
 )
+from hookrun.stages.sae.ranking import write_sae_ranking
 from hookrun.stages.sae.scores import activation_rows, fired, language_rows, whole_run_scores
 from hookrun.typed import Frozen, parse_typed
 
@@ -247,6 +248,10 @@ class SaeScoresStage(Stage):
         if ce:
             setup.causal_language("sae_scores.ce")
         return SaeScoresPlan(config, scored, ce, setup.tokens is not None)
+
+    @classmethod
+    def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
+        return write_sae_ranking(sweep_dir, jobs)
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
