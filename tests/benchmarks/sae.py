@@ -1,7 +1,7 @@
 """`action: sae` recording its latents (sparse) beside its floor: tokens/s side by side in one
 process, the latents' bytes sparse against dense float32, and peak RSS at 1× and 8× the rows.
 
-    python tests/benchmarks/sae.py [--rows 512] [--reps 3] [--rss-rows 64] [--d-sae 16384]
+    python tests/benchmarks/sae.py [--rows 256] [--reps 3] [--rss-rows 64] [--d-sae 16384]
 
 Not part of the test run. The workload: the shipped tiny_lm (GPT-2, 2 blocks, width 128) on
 its held-out corpus (repeated where more rows are asked for than it packs), rows of 128
@@ -277,7 +277,7 @@ def peak_rss_mib(args: list[str], folder: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=512, help="rows of 128 tokens, timed")
+    parser.add_argument("--rows", type=int, default=256, help="rows of 128 tokens, timed")
     parser.add_argument("--rss-rows", type=int, default=64, help="peak RSS at this and 8×")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--d-sae", type=int, default=16384)
