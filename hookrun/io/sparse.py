@@ -86,12 +86,19 @@ def sparsify(dense: torch.Tensor) -> SparseRows:
     if dense.ndim < 2:
         raise ValueError(f"sparsify: shape {tuple(dense.shape)}; valid: (rows, ..., width)")
     width = dense.shape[-1]
-    mask = dense != 0  # NaN != 0: kept; -0.0 == 0: a zero
-    counts = mask.sum(-1, dtype=torch.int32)
-    # Flat indices are row-major: the entries come out row by row, token by token.
-    flat = mask.reshape(-1).nonzero().squeeze(1)
+    # nonzero of the values themselves (NaN != 0: kept; -0.0 == 0: a zero), not of a mask:
+    # a batch of 32 × 128 tokens at d_sae 16384 is 6.7e7 values, and a mask made, summed
+    # and searched was three more passes over them (0.65 s against 0.42 s a batch on 2
+    # cores, tests/benchmarks/sae.py). Flat indices are row-major: entries row by row.
+    flat = dense.reshape(-1).nonzero().squeeze(1)
     values = dense.reshape(-1).index_select(0, flat)
     latent = (flat % width).to(torch.int32)
+    # Each token's entries end where its first flat index past it would sit: a search over
+    # the few non-zeros, on the device, with no second host synchronisation.
+    tokens = math.prod(dense.shape[:-1])
+    edges = torch.arange(tokens + 1, device=dense.device, dtype=flat.dtype) * width
+    ends = torch.searchsorted(flat, edges)
+    counts = ends.diff().to(torch.int32).reshape(dense.shape[:-1])
     return SparseRows(counts, values, latent)
 
 

@@ -59,6 +59,36 @@ def test_nan_is_kept_and_negative_zero_is_a_zero():
     assert np.isnan(back[0, 1]) and back[0, 2] == 0 and back[0, 3] == 2
 
 
+def _by_mask(dense: torch.Tensor) -> SparseRows:
+    """sparsify as it was first written (a mask, summed for the counts, searched for the
+    entries): what its faster form must give, tensor for tensor."""
+    mask = dense != 0
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    return SparseRows(
+        mask.sum(-1, dtype=torch.int32),
+        dense.reshape(-1).index_select(0, flat),
+        (flat % dense.shape[-1]).to(torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 64), (2, 3, 4, 16), (0, 4, 64), (3, 4, 1)])
+def test_sparsify_gives_the_masks_counts_values_and_latents(dtype, shape):
+    dense = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    dense = dense * (torch.rand(shape, generator=torch.Generator().manual_seed(2)) < 0.2)
+    if dense.numel():
+        flat = dense.view(-1)
+        flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), float("-inf")])
+        dense[-1] = 0  # a last row with no entry: its tokens' counts end the search at nnz
+    dense = dense.to(dtype)
+    got, want = sparsify(dense), _by_mask(dense)
+    assert got.counts.shape == want.counts.shape == shape[:-1]
+    for part in ("counts", "values", "latent"):
+        a, b = getattr(got, part), getattr(want, part)
+        assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), part
+
+
 def test_densify_refuses_parts_that_disagree():
     rows = SparseRows(np.array([[2]], np.int32), np.ones(1, np.float32), np.array([0], np.int32))
     with pytest.raises(ValueError, match="counts sum to 2 entries, values hold 1"):
