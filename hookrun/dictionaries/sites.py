@@ -7,10 +7,13 @@ one place that knows where each family keeps its parts, so a family added there 
 understood here too. Each name's tensor, as TransformerLens defines it:
 
 - `blocks.L.hook_resid_pre` / `hook_resid_post`: block L's input / output;
-- `blocks.L.hook_resid_mid`: the residual after the attention is added, which is what
-  block L's MLP norm takes in (not in a parallel-residual block: there is none);
-- `blocks.L.ln2.hook_normalized`, `blocks.L.hook_mlp_in`, `blocks.L.mlp.hook_in`: the MLP's
-  input (the norm's output);
+- `blocks.L.hook_resid_mid`, `blocks.L.hook_mlp_in`: the residual after the attention is
+  added, which is what block L's MLP norm takes in (not in a parallel-residual block: there
+  is none; TransformerLens's hook_mlp_in is taken before ln2);
+- `blocks.L.mlp.hook_in`: the MLP's input (the norm's output, its weight and bias applied);
+- `blocks.L.ln2.hook_normalized`: the MLP norm's output *before* its weight and bias
+  (TransformerLens applies them after this hook): the MLP's input with the norm's affine
+  undone, (input − bias) / weight (`norm_affine` names the norm);
 - `blocks.L.hook_mlp_out`, `blocks.L.mlp.hook_out`: the MLP's output, added to the residual;
 - `blocks.L.attn.hook_z`: the heads' outputs side by side, the input of the attention's
   output projection (TransformerLens's (T, H, d_head) flattened to (T, H * d_head), as
@@ -27,7 +30,7 @@ from torch import nn
 from hookrun.errors import HookrunError
 from hookrun.models.architectures import Architecture, architecture_of, families
 
-__all__ = ["HOOK_FORMS", "module_site", "is_mlp"]
+__all__ = ["HOOK_FORMS", "module_site", "is_mlp", "norm_affine"]
 
 # Each form: the pattern, and where its tensor is (the module pattern from the table, the
 # site), or None where the table cannot say for the family.
@@ -50,7 +53,7 @@ _FORMS: tuple[tuple[str, _Where], ...] = (
     ("hook_resid_post", lambda a: (f"{a.blocks}.{{}}", "output")),
     ("hook_resid_mid", _resid_mid),
     ("ln2.hook_normalized", lambda a: _mlp(a, "input")),
-    ("hook_mlp_in", lambda a: _mlp(a, "input")),
+    ("hook_mlp_in", _resid_mid),
     ("mlp.hook_in", lambda a: _mlp(a, "input")),
     ("hook_mlp_out", lambda a: _mlp(a, "output")),
     ("mlp.hook_out", lambda a: _mlp(a, "output")),
@@ -110,6 +113,31 @@ def module_site(hook_name: str, model: nn.Module, key: str) -> tuple[str, str]:
             "valid: a model the architecture table describes"
         )
     return name, site
+
+
+# The forms whose tensor is a norm's output before its weight and bias: the module site
+# carries it with them applied.
+_BEFORE_AFFINE = {"ln2.hook_normalized": lambda a: a.mlp_norm}
+
+
+def norm_affine(hook_name: str | None, model: nn.Module) -> str | None:
+    """The norm module whose weight and bias a hook's tensor lacks.
+
+    Its module site carries them applied (`ln2.hook_normalized`: block L's MLP norm).
+
+    Args:
+        hook_name: a TransformerLens hook name (None: none).
+        model: the model `module_site` placed it on.
+
+    Returns:
+        The norm's module name, or None.
+    """
+    match = _NAME.fullmatch(hook_name or "")
+    arch = architecture_of(model)
+    if match is None or arch is None or match.group(2) not in _BEFORE_AFFINE:
+        return None
+    pattern = _BEFORE_AFFINE[match.group(2)](arch)
+    return None if pattern is None else pattern.format(int(match.group(1)))
 
 
 def is_mlp(module_name: str, model: nn.Module) -> bool:

@@ -35,7 +35,7 @@ from torch import nn
 
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.dictionaries.load import load_dictionaries
-from hookrun.dictionaries.sites import is_mlp, module_site
+from hookrun.dictionaries.sites import is_mlp, module_site, norm_affine
 from hookrun.errors import HookrunError
 from hookrun.io.layout import layer_of, splice_key
 from hookrun.runtime.actions import ACTIONS, Action, Output, SiteContext
@@ -89,6 +89,9 @@ class Splice(Action):
         self.names = tuple(args.record)
         self.edit: EditArgs | None = _edit(args.edit, "args.edit") if args.edit else None
         self.by_layer: dict[str, Dictionary] = {}  # module → its dictionary
+        # module → (weight, bias) of the norm whose affine its dictionary's input lacks
+        # (a TransformerLens ln2.hook_normalized reads the norm's output before them).
+        self.affine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.on_device: dict[tuple[str, Any, Any], Dictionary] = {}  # moved once per device
 
     @property
@@ -142,6 +145,7 @@ class Splice(Action):
                     "those modules, or no select (each dictionary at its own hook)"
                 )
             self.by_layer = {layer: placed[layer][1] for layer in layers}
+        self._affines(model, key)
         for layer in layers:
             self._check_module(layer, site, model, key)
 
@@ -157,9 +161,28 @@ class Splice(Action):
                     f"{where}; valid: {where} (a hook per site kind)"
                 )
         self.by_layer = {layer: d for layer, (_, d) in placed.items()}
+        self._affines(model, key)
         for layer in self.by_layer:
             self._check_module(layer, site, model, key)
         return tuple(self.by_layer)
+
+    def _affines(self, model: nn.Module, key: str) -> None:
+        """The norm weight and bias each dictionary's input lacks (by its hook name)."""
+        modules = dict(model.named_modules())
+        for layer, d in self.by_layer.items():
+            norm = norm_affine(d.hook_name, model)
+            if norm is None:
+                continue
+            weight = getattr(modules[norm], "weight", None)
+            bias = getattr(modules[norm], "bias", None)
+            if weight is None or not bool((weight != 0).all()):
+                raise HookrunError(
+                    f"{key}.args.path: {d.name} reads {d.hook_name} (the norm's output before "
+                    f"its weight and bias), but {norm} has no weight or a zero in it to undo; "
+                    "valid: a dictionary of the MLP's input (blocks.<L>.mlp.hook_in)"
+                )
+            zero = torch.zeros_like(weight)
+            self.affine[layer] = (weight.detach(), zero if bias is None else bias.detach())
 
     def _placed(
         self, loaded: list[Dictionary], model: nn.Module, key: str
@@ -251,15 +274,21 @@ class Splice(Action):
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         """decode(edit(encode(x))) + the error held fixed (or the reconstruction alone)."""
         d = self._on(ctx.key, tensor)
-        read = self._reads(tensor, ctx)
-        x = read.to(d.tensors["W_enc"].dtype)
+        affine = self.affine.get(layer_of(ctx.key))
+        x = self._reads(tensor, ctx).to(d.tensors["W_enc"].dtype)
+        if affine is not None:  # ln2.hook_normalized: the norm's output before its affine
+            weight, bias = (t.to(x.device, x.dtype) for t in affine)
+            x = (x - bias) / weight
         latents = d.encode(x)
         rebuilt = d.decode(latents, x)
         edited = self._edited(latents)
         out = rebuilt if edited is latents else d.decode(edited, x)
+        # What the output stands in for, in the dictionary's space: the MLP's output for a
+        # transcoder, else the tensor it read.
+        target = tensor.to(rebuilt.dtype) if self.transcoder else x
         if self.args.error_term:
             with torch.no_grad():
-                error = tensor.to(rebuilt.dtype) - rebuilt
+                error = target - rebuilt
             out = out + error
         for name in self.names:
             if name == "attribution":
@@ -267,8 +296,10 @@ class Splice(Action):
                 continue
             value = {"latents": latents, "reconstruction": rebuilt}.get(name)
             if name == "error":
-                value = tensor.to(rebuilt.dtype) - rebuilt
+                value = target - rebuilt
             ctx.record(value.detach(), splice_key(ctx.key, name))
+        if affine is not None and not self.transcoder:
+            out = out * weight + bias  # back into the site's space
         return out.to(tensor.dtype)
 
     def _attribute(self, latents: torch.Tensor, ctx: SiteContext) -> None:

@@ -55,7 +55,12 @@ EXPECTED = {
         ("model.layers.0.mlp", "input"),
         16,
     ),
-    "blocks.0.hook_mlp_in": (("transformer.h.0.mlp", "input"), ("model.layers.0.mlp", "input"), 16),
+    # TransformerLens's hook_mlp_in is resid_mid, before ln2 (its transformer_block.py).
+    "blocks.0.hook_mlp_in": (
+        ("transformer.h.0.ln_2", "input"),
+        ("model.layers.0.post_attention_layernorm", "input"),
+        16,
+    ),
     "blocks.0.mlp.hook_in": (("transformer.h.0.mlp", "input"), ("model.layers.0.mlp", "input"), 16),
     "blocks.1.hook_mlp_out": (
         ("transformer.h.1.mlp", "output"),
@@ -154,6 +159,7 @@ def test_a_parallel_residual_has_no_resid_mid():
         max_position_embeddings=16,
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(HookrunError, match=r"does not place it for GPT-NeoX; valid there: "):
-        module_site("blocks.0.hook_resid_mid", model, "k")
-    assert module_site("blocks.0.hook_mlp_in", model, "k") == ("gpt_neox.layers.0.mlp", "input")
+    for name in ("blocks.0.hook_resid_mid", "blocks.0.hook_mlp_in"):
+        with pytest.raises(HookrunError, match=r"does not place it for GPT-NeoX; valid there: "):
+            module_site(name, model, "k")
+    assert module_site("blocks.0.mlp.hook_in", model, "k") == ("gpt_neox.layers.0.mlp", "input")
