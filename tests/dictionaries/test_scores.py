@@ -38,6 +38,7 @@ def _overrides(run_dir: Path, sae: Path, *extra: str) -> list[str]:
         "batch_size=3",
         "target.kind=none",
         "sae_scores=default",
+        "sae_scores.special=keep",  # every real token: the definitions below
         f"++hooks.sae.select.name={BLOCK}",
         "++hooks.sae.at=output",
         "++hooks.sae.action=sae",

@@ -117,6 +117,7 @@ def test_sae(tmp_path):
         scores = dict(zip(table.attrs["fields"], table[:], strict=True))
     # A trained SAE: sparse and reconstructing (a random one recovers no CE: < 0).
     assert 1 < scores["l0"] < 128 and scores["explained_variance"] > 0.3
-    assert scores["ce_loss_score"] > 0.5 and scores["tokens"] == 4096
+    # 32 packed rows of 128 tokens, the end-of-text separators (special) left out
+    assert scores["ce_loss_score"] > 0.5 and 3500 < scores["tokens"] < 4096
     assert "sae_scores: transformer.h.1/output:" in out
     assert (tmp_path / "outputs" / "sae" / "images" / "sae" / "sae_scores.png").is_file()

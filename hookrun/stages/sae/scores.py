@@ -68,13 +68,16 @@ def language_rows(
     zeroed: torch.Tensor,
     tokens: torch.Tensor,
     mask: torch.Tensor,
+    special: str = "keep",
 ) -> dict[str, torch.Tensor]:
     """Each row's CE and KL sums from three passes' logits (N, T, vocab).
 
-    CE over positions whose next token is real; KL over every real position.
+    KL over every counted position (`mask`). CE: with `special` keep, over counted positions
+    whose next token is counted too; with exclude, as SAELens's evals mask it (`mask[:, :-1]`:
+    every counted position but the row's last, whatever follows).
     """
-    mask = mask.bool()
-    predicted = mask[:, :-1] & mask[:, 1:]
+    mask = mask.bool().to(clean.device)
+    predicted = mask[:, :-1] if special == "exclude" else mask[:, :-1] & mask[:, 1:]
     following = tokens[:, 1:].long()[..., None]
     out = {"predicted": predicted.double().sum(1)}
     clean_logp = torch.log_softmax(clean.double(), dim=-1)

@@ -46,7 +46,8 @@ __all__ = ["SaeScoresStage", "SaeScoresConfig"]
 
 layout.whole_run(scores_key(layout.capture_key("*", "*")))  # one row per dictionary for the run
 # The attributes a dictionary's scores carry beside `fields`.
-HOOK_ATTR, DICTIONARY_ATTR, DENSE_ATTR = "hook", "dictionary", "dense"
+HOOK_ATTR, DICTIONARY_ATTR, DENSE_ATTR, SPECIAL_ATTR = "hook", "dictionary", "dense", "special"
+SPECIAL = ("exclude", "keep")
 
 
 @dataclass
@@ -58,6 +59,10 @@ class SaeScoresConfig(Frozen):
     language model; null: on for one, off otherwise."""
     dense: float = 0.1
     """A latent firing on more than this fraction of the run's tokens counts as dense."""
+    special: str = "exclude"
+    """exclude: the tokenizer's special tokens (BOS, EOS, PAD, SEP) are left out of every score
+    and the reconstruction is not spliced at them, as SAELens's evals do by default
+    (exclude_special_tokens); keep: every real (not padded) token counts."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,10 @@ class _Scored:
 
 
 class SaeScoresPlan(Plan):
-    def __init__(self, config: SaeScoresConfig, scored: list[_Scored], ce: bool, tokens: bool):
-        self.config, self.scored, self.ce, self.tokens = config, scored, ce, tokens
+    def __init__(
+        self, config: SaeScoresConfig, scored: list[_Scored], ce: bool, special: list[int]
+    ):
+        self.config, self.scored, self.ce, self.special = config, scored, ce, special
         self.moved: dict[tuple[str, Any, Any], Any] = {}
 
     def stored(self) -> dict[str, Stored]:
@@ -97,6 +104,7 @@ class SaeScoresPlan(Plan):
                     HOOK_ATTR: s.hook,
                     DICTIONARY_ATTR: s.action.by_layer[s.layer].name,
                     DENSE_ATTR: float(self.config.dense),
+                    SPECIAL_ATTR: list(self.special),
                 },
             )
             for s in self.scored
@@ -105,6 +113,10 @@ class SaeScoresPlan(Plan):
     def finish(self, f: h5py.File) -> dict[str, np.ndarray]:
         rows = layout.read_state(f).completed
         mask = f[layout.SAMPLES_MASK][:rows].astype(bool) if layout.SAMPLES_MASK in f else None
+        if self.special and layout.SAMPLES_TOKENS in f:
+            tokens = f[layout.SAMPLES_TOKENS][:rows]
+            kept = ~np.isin(tokens, self.special)
+            mask = kept if mask is None else mask & kept
         out = {}
         for s in self.scored:
             d = s.action.by_layer[s.layer]
@@ -123,7 +135,6 @@ class SaeScoresPlan(Plan):
         batch = work.on_device
         model = work.model
         modules = dict(model.named_modules())
-        mask = batch.mask if batch.mask is not None else None
         seen: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
         def keep(s: _Scored):
@@ -144,21 +155,47 @@ class SaeScoresPlan(Plan):
             for s in self.scored:
                 x, given = seen[s.site]
                 d = self._on(s, x)
-                read = given if s.action.transcoder else x
-                latents = d.encode(read.to(d.tensors["W_enc"].dtype))
-                rebuilt = d.decode(latents, read.to(latents.dtype)).to(x.dtype)
-                token_mask = mask if (mask is not None and x.dim() == 3) else _all(x)
-                rows, sums = activation_rows(x, latents, rebuilt, token_mask)
+                dtype = d.tensors["W_enc"].dtype
+                read = (given if s.action.transcoder else x).to(dtype)
+                affine = s.action.affine.get(s.layer)  # ln2.hook_normalized: before the affine
+                if affine is not None:
+                    weight, bias = (t.to(read.device, dtype) for t in affine)
+                    read = (read - bias) / weight
+                latents = d.encode(read)
+                rebuilt = d.decode(latents, read)
+                # What the dictionary stands in for, in its own space.
+                target = x.to(dtype) if s.action.transcoder else read
+                kept = self._kept(batch, x)
+                rows, sums = activation_rows(target, latents, rebuilt, kept)
                 if self.ce:
-                    spliced = self._logits(work, self._replace(s, modules, rebuilt))
+                    placed = rebuilt
+                    if affine is not None and not s.action.transcoder:
+                        placed = rebuilt * weight + bias
+                    placed = placed.to(x.dtype)
+                    if self.special and x.dim() == 3:  # SAELens splices at kept tokens only
+                        placed = torch.where(kept.to(x.device)[..., None], placed, x)
+                    spliced = self._logits(work, self._replace(s, modules, placed))
                     zeroed = self._logits(work, self._replace(s, modules, torch.zeros_like(x)))
-                    rows |= language_rows(clean, spliced, zeroed, batch.tokens, token_mask)
+                    rows |= language_rows(
+                        clean, spliced, zeroed, batch.tokens, kept, self.config.special
+                    )
                 table = torch.stack(
                     [rows.get(name, torch.zeros_like(rows["tokens"])) for name in ROW_FIELDS], 1
                 )
                 out[rows_key(s.site)] = table.cpu()
                 out[sums_key(s.site)] = sums.cpu()
         return out
+
+    def _kept(self, batch: Any, x: torch.Tensor) -> torch.Tensor:
+        """The tokens every score counts: real (not padded), and not special where the
+        config leaves special tokens out; (N, 1) for a site of one vector per row."""
+        if x.dim() != 3:
+            return _all(x)
+        kept = batch.mask.bool() if batch.mask is not None else _all(x).to(x.device)
+        if self.special and batch.tokens is not None:
+            special = torch.tensor(self.special, device=batch.tokens.device)
+            kept = kept & ~torch.isin(batch.tokens, special)
+        return kept
 
     def _on(self, s: _Scored, x: torch.Tensor) -> Any:
         dtype = getattr(torch, s.action.dtype) if s.action.dtype else x.dtype
@@ -215,6 +252,10 @@ class SaeScoresStage(Stage):
         if not raw:
             return None
         config = parse_typed(raw, SaeScoresConfig, "sae_scores")
+        if config.special not in SPECIAL:
+            raise HookrunError(
+                f"sae_scores.special: {config.special!r}; valid: {', '.join(SPECIAL)}"
+            )
         if not 0 < config.dense <= 1:
             raise HookrunError(
                 f"sae_scores.dense: {config.dense}; valid: a fraction of the tokens, 0 < dense <= 1"
@@ -247,7 +288,7 @@ class SaeScoresStage(Stage):
         ce = causal if config.ce is None else config.ce
         if ce:
             setup.causal_language("sae_scores.ce")
-        return SaeScoresPlan(config, scored, ce, setup.tokens is not None)
+        return SaeScoresPlan(config, scored, ce, _special_ids(config, setup))
 
     @classmethod
     def rank(cls, sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
@@ -279,6 +320,17 @@ class SaeScoresStage(Stage):
         from hookrun.stages.sae.draw import render_scores  # matplotlib: when drawing
 
         return render_scores(_scores(f), out_dir)
+
+
+def _special_ids(config: SaeScoresConfig, setup: Setup) -> list[int]:
+    """The token ids left out (special: exclude): the tokenizer's BOS, EOS, PAD, SEP and
+    decoder-start ids, as SAELens's get_special_token_ids takes them."""
+    tokenizer = adapt(setup.model).tokenizer
+    if config.special != "exclude" or setup.tokens is None or tokenizer is None:
+        return []
+    names = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id")
+    found = {getattr(tokenizer, n, None) for n in (*names, "decoder_start_token_id")}
+    return sorted(int(i) for i in found if i is not None)
 
 
 def _splice_sites(setup: Setup):
