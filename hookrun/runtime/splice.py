@@ -304,8 +304,8 @@ class Splice(Action):
 
     def _attribute(self, latents: torch.Tensor, ctx: SiteContext) -> None:
         """Each latent × ∂target/∂latent, recorded when the backward pass reaches the
-        latents: the linear estimate of its part in the target (its negative, attribution
-        patching's estimate of zeroing it); zero wherever the latent is."""
+        latents: the linear estimate of its part in the target (its negative, the
+        first-order estimate of zeroing it); zero wherever the latent is."""
         path = splice_key(ctx.key, "attribution")
         value = latents.detach()
         ctx.on_gradient(latents, lambda grad: ctx.record(value * grad, path))

@@ -32,6 +32,9 @@ REFUSED = {
     ("resnet18", "induction"): "matches no module",
     ("vit", "induction"): "matches no module",
     ("resnet18", "generate"): "valid: a causal language model",
+    # Its dictionary is the user's to give (hooks.sae.args.path), refused before any work.
+    ("resnet18", "sae"): "hooks.sae.args.path: null",
+    ("vit", "sae"): "hooks.sae.args.path: null",
     ("vit", "generate"): "valid: a causal language model",
     ("resnet18", "steering"): "matches no module",
     ("resnet18", "circuit"): "target.kind: answer",

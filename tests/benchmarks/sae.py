@@ -8,7 +8,7 @@ its held-out corpus (repeated where more rows are asked for than it packs), rows
 tokens in batches of 32, a standard SAE of `--d-sae` latents at transformer.h.1's output,
 written here in SAELens's on-disk format (cfg.json + sae_weights.safetensors) with random
 weights whose encoder bias is set from the model's own activations so that about `--l0`
-latents fire per token (tests/dictionaries/sae_folders.py's bias fires a third of them).
+latents fire per token (tests/sae_folders.py's bias fires a third of them).
 
 - hookrun: `hookrun.run([model=tiny_lm, dataset=text, ..., ++hooks.sae.action=sae,
   ++hooks.sae.args.record=[latents], render=false])` in this process, timed whole: config,

@@ -57,6 +57,10 @@ def test_every_dataset_kind_and_experiment_has_a_preset_that_composes():
             with pytest.raises(HookrunError, match=r"hooks.ablate.args.file: .*does not exist"):
                 build_spec(compose_config(["experiment=patch", "hooks.ablate.args.file=no.h5"]))
             continue
+        if experiment.stem == "sae":  # needs a dictionary: the missing path is named
+            with pytest.raises(HookrunError, match=r"^hooks.sae.args.path: null; valid: a SAELens"):
+                build_spec(compose_config(["experiment=sae"]))
+            continue
         spec = build_spec(compose_config([f"experiment={experiment.stem}"]), experiment.stem)
         # lm_patching's work is its patching grid (the `patching:` node), generate's its
         # generation, circuit's its edges: a stage's node, not hooks.

@@ -1,5 +1,5 @@
 """`action: sae` and `action: transcoder` on the shipped tiny_lm (GPT-2, width 128), each run
-compared with a hand splice: the SAE's formulas (tests/dictionaries/sae_folders.py) in a
+compared with a hand splice: the SAE's formulas (tests/sae_folders.py) in a
 forward hook of plain transformers code on the tokens the run stored.
 
 - with the error term and no edit the model's outputs are the unspliced model's (to float

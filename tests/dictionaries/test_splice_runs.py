@@ -2,7 +2,7 @@
 killed and resumed, two torchrun ranks joined, the dry run, generation with an edit at every
 decoding step, metrics=lm, the storage floats, reading the latents back, refusals before any
 work, and a caller's model left as it came. Each number is compared with the SAE's formulas
-(tests/dictionaries/sae_folders.py) in a forward hook of plain transformers code."""
+(tests/sae_folders.py) in a forward hook of plain transformers code."""
 
 from __future__ import annotations
 
@@ -137,7 +137,9 @@ def test_the_dry_run_prints_the_splices_records_and_writes_nothing(tmp_path):
         assert f"/sae/{BLOCK}/output/{name}" in line
         assert f", {width}]" in line, line  # (tokens, width) per sample
     latents = next(x for x in said.splitlines() if x.rstrip().endswith("/output/latents"))
-    assert "sparse:" in latents and "L0" in latents
+    # sized by the probe sample's non-zeros (test_splice.py checks the figure), not d_sae
+    assert "(sparse)/sample" in latents, latents
+    assert "Stored per sample" in said and "estimated file size" in said
     assert not list(tmp_path.rglob("captures.h5"))
 
 
@@ -354,19 +356,24 @@ def test_a_callers_model_leaves_a_splice_run_as_it_came_also_when_it_fails(tmp_p
         p.requires_grad_(False)
     calls = []
     model.transformer.h[1].register_forward_hook(lambda m, a, o: calls.append(1))
+    counted = []  # the final norm's calls in a whole run: the probes' passes, then a batch's
+    counting = model.transformer.ln_f.register_forward_hook(lambda m, a, o: counted.append(1))
     edit = {"latents": [3], "op": "set", "value": 4.0}
     hook = _sae_hook(tmp_path / "sae", record=["latents", "error"], edit=edit)
     overrides = [*_prompts(), *_hook("sae", hook)][1:]  # the caller's model, not model=
     before = _state(model)
-    hookrun.run(overrides, model=model, tokenizer=tok, run_dir=tmp_path / "ok")
+    ok = hookrun.run(overrides, model=model, tokenizer=tok, run_dir=tmp_path / "ok")
     assert calls  # the caller's own hook ran and is still there
     _same(before, _state(model))
+    counting.remove()
+    batches = -(-ok.rows // 4)  # batches of 4 rows (_prompts)
+    probes = len(counted) - batches  # passes before the first batch (the probes')
 
     failing = []
 
     def fail(module, args, output):
         failing.append(1)
-        if len(failing) == 4:  # past the probe passes and the first batch: mid-run
+        if len(failing) == probes + 2:  # past the probes and the first batch: mid-run
             raise RuntimeError("the caller's hook fails mid-run")
 
     model.transformer.ln_f.register_forward_hook(fail)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+from sae_folders import write_sae
 
 import hookrun
 from hookrun.io.dimensions import AXES, BATCH, ENTRY, FOLD, LAYOUT_AXES
@@ -39,6 +40,13 @@ RUNS = {
     ],
     "lm_cache": ["experiment=lm_cache", *LANGUAGE],
     "circuit": ["experiment=circuit", *LANGUAGE],
+    # A spliced SAE recording everything it can (its folder written by the fixture).
+    "sae": [
+        "experiment=sae",
+        "hooks.sae.args.record=[latents,reconstruction,error,attribution]",
+        "target.kind=predicted",
+        *LANGUAGE,
+    ],
 }
 
 
@@ -163,7 +171,9 @@ def undocumented(path: Path, section: str) -> list[str]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("layout")
-    return {name: hookrun.run(o, run_dir=out / name).path for name, o in RUNS.items()}
+    write_sae(out / "sae_folder", 128, 64)  # tiny_lm's width
+    runs = {**RUNS, "sae": [*RUNS["sae"], f"hooks.sae.args.path={out / 'sae_folder'}"]}
+    return {name: hookrun.run(o, run_dir=out / name).path for name, o in runs.items()}
 
 
 @pytest.mark.slow

@@ -106,6 +106,7 @@ def test_every_experiment_file_is_tested():
                 "occlusion",
                 "patch",
                 "rise",
+                "sae",  # tests/dictionaries/test_scores.py, docs/tutorials/sae.py
                 "saliency",
                 "sanity_check",
                 "score_cam",
@@ -307,6 +308,7 @@ LANGUAGE = (
     "lm_cache",
     "lm_patching",
     "logit_lens",
+    "sae",
     "steering",
 )
 
