@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import TESTS, hookrun_cli, read, run_config
+from sae_folders import write_sae
 
 import hookrun
 from hookrun.io.layout import open_readonly
@@ -106,6 +107,18 @@ def test_killed_inside_the_circuits_faithfulness_then_resumed_to_the_whole_file(
     assert_same(path, clean)
     with h5py.File(path) as f:
         assert list(f["circuit/faithfulness"].attrs["k"]) == [0, 3]
+
+
+@pytest.mark.parametrize("fault", ["kill-before", "kill-computed", "kill-marking"])
+def test_killed_inside_the_sae_scores_then_resumed_to_the_whole_file(tmp_path, fault):
+    """A dictionary's scores are whole-run work: killed while they are computed or marked,
+    the file is not complete, verify names them, and a resume writes the same bytes."""
+    write_sae(tmp_path / "sae", 128, 64)
+    args = ["experiment=sae", f"hooks.sae.args.path={tmp_path / 'sae'}", "limit=4", "batch_size=2"]
+    clean = read(run_config(tmp_path / "clean", [*args, *QUIET], "sae").path)
+    missing = "sae/transformer.h.1/output/scores"
+    path = killed_then_resumed(tmp_path, fault, args, "sae", missing)
+    assert_same(path, clean)
 
 
 @pytest.mark.parametrize(

@@ -235,7 +235,8 @@ def _all(x: torch.Tensor) -> torch.Tensor:
 
 @register_stage
 class SaeScoresStage(Stage):
-    name = node = "sae_scores"
+    # Named by its group, /sae, as verify and a resume name a stage by its datasets' group.
+    name, node = "sae", "sae_scores"
     order = 57  # after metrics
     axes = {
         f"{layout.SAE}/*/score_rows": "sample score_field",
