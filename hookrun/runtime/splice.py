@@ -42,7 +42,7 @@ from hookrun.runtime.actions import ACTIONS, Action, Output, SiteContext
 from hookrun.runtime.sites import Site
 from hookrun.typed import check_choices, parse_typed
 
-__all__ = ["SpliceArgs", "EditArgs", "Splice", "Transcoder", "RECORDS", "OPS"]
+__all__ = ["SpliceArgs", "EditArgs", "Splice", "Transcoder", "Reading", "RECORDS", "OPS"]
 
 RECORDS = ("latents", "reconstruction", "error", "attribution")
 OPS = ("zero", "scale", "clamp", "set")
@@ -75,6 +75,25 @@ class SpliceArgs:
     latent times the gradient of the run's target with respect to it, sparse)."""
     edit: Any = None
     """{latents: [j, ...], op: zero | scale | clamp | set, value: x}; null: no edit."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A dictionary on one site's tensor, in its own space (Splice.read)."""
+
+    dictionary: Dictionary  # on the tensor's device, in the compute float
+    x: torch.Tensor  # what it reads
+    latents: torch.Tensor
+    rebuilt: torch.Tensor  # decode(encode(x))
+    target: torch.Tensor  # what `rebuilt` stands in for
+    affine: tuple[torch.Tensor, torch.Tensor] | None  # (weight, bias) back to the site's space
+    dtype: torch.dtype  # the site's
+
+    def to_site(self, value: torch.Tensor) -> torch.Tensor:
+        """A value of the dictionary's output space in the site's space and float."""
+        if self.affine is not None:
+            value = value * self.affine[0] + self.affine[1]
+        return value.to(self.dtype)
 
 
 class Splice(Action):
@@ -268,39 +287,52 @@ class Splice(Action):
             self.on_device[slot] = self._dictionary(site).to(tensor.device, dtype)
         return self.on_device[slot]
 
-    def _reads(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
-        return tensor
+    def read(self, site: str, tensor: torch.Tensor, inputs: torch.Tensor | None) -> Reading:
+        """The site's dictionary on `tensor` (a transcoder: on the module's `inputs`).
+
+        Args:
+            site: The site's capture path.
+            tensor: The site's tensor.
+            inputs: The module call's input (what a transcoder reads), or None.
+
+        Returns:
+            Its input in its own space (a norm's affine undone for ln2.hook_normalized), its
+            latents and reconstruction, and what the reconstruction stands in for.
+        """
+        d = self._on(site, tensor)
+        if self.transcoder and inputs is None:
+            raise RuntimeError(f"transcoder: /{site} was given no module input")
+        x = (inputs if self.transcoder else tensor).to(d.tensors["W_enc"].dtype)
+        affine = self.affine.get(layer_of(site))
+        if affine is not None:  # ln2.hook_normalized: the norm's output before its affine
+            affine = tuple(t.to(x.device, x.dtype) for t in affine)
+            x = (x - affine[1]) / affine[0]
+        latents = d.encode(x)
+        rebuilt = d.decode(latents, x)
+        # What the reconstruction stands in for, in the dictionary's space: the MLP's output
+        # for a transcoder, else the tensor it read.
+        target = tensor.to(rebuilt.dtype) if self.transcoder else x
+        back = None if self.transcoder else affine
+        return Reading(d, x, latents, rebuilt, target, back, tensor.dtype)
 
     def apply(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
         """decode(edit(encode(x))) + the error held fixed (or the reconstruction alone)."""
-        d = self._on(ctx.key, tensor)
-        affine = self.affine.get(layer_of(ctx.key))
-        x = self._reads(tensor, ctx).to(d.tensors["W_enc"].dtype)
-        if affine is not None:  # ln2.hook_normalized: the norm's output before its affine
-            weight, bias = (t.to(x.device, x.dtype) for t in affine)
-            x = (x - bias) / weight
-        latents = d.encode(x)
-        rebuilt = d.decode(latents, x)
-        edited = self._edited(latents)
-        out = rebuilt if edited is latents else d.decode(edited, x)
-        # What the output stands in for, in the dictionary's space: the MLP's output for a
-        # transcoder, else the tensor it read.
-        target = tensor.to(rebuilt.dtype) if self.transcoder else x
+        r = self.read(ctx.key, tensor, ctx.inputs)
+        edited = self._edited(r.latents)
+        out = r.rebuilt if edited is r.latents else r.dictionary.decode(edited, r.x)
         if self.args.error_term:
             with torch.no_grad():
-                error = target - rebuilt
+                error = r.target - r.rebuilt
             out = out + error
         for name in self.names:
             if name == "attribution":
-                self._attribute(latents, ctx)
+                self._attribute(r.latents, ctx)
                 continue
-            value = {"latents": latents, "reconstruction": rebuilt}.get(name)
+            value = {"latents": r.latents, "reconstruction": r.rebuilt}.get(name)
             if name == "error":
-                value = target - rebuilt
+                value = r.target - r.rebuilt
             ctx.record(value.detach(), splice_key(ctx.key, name))
-        if affine is not None and not self.transcoder:
-            out = out * weight + bias  # back into the site's space
-        return out.to(tensor.dtype)
+        return r.to_site(out)
 
     def _attribute(self, latents: torch.Tensor, ctx: SiteContext) -> None:
         """Each latent × ∂target/∂latent, recorded when the backward pass reaches the
@@ -362,12 +394,6 @@ class Transcoder(Splice):
                 f"{key}: a transcoder at {layer}/{site.value}; valid: the output of a block's "
                 "MLP (it reads the MLP's input and writes in place of its output)"
             )
-
-    def _reads(self, tensor: torch.Tensor, ctx: SiteContext) -> torch.Tensor:
-        inputs = ctx.inputs
-        if inputs is None:
-            raise RuntimeError(f"transcoder: /{ctx.key} was given no module input")
-        return inputs
 
 
 def _edit(raw: Any, key: str) -> EditArgs:

@@ -31,7 +31,11 @@ HOOK = "blocks.1.hook_resid_post"
 DENSE = 0.1  # hookrun's sae_scores.dense default
 
 
-def hooked_gpt2(model_dir: Path) -> tuple[HookedTransformer, GPT2LMHeadModel]:
+def hooked_gpt2(
+    model_dir: Path, cls: type = HookedTransformer
+) -> tuple[HookedTransformer, GPT2LMHeadModel]:
+    """The tiny GPT-2 as a TransformerLens `cls` (HookedSAETransformer for the splice
+    script), its config written out from HF's, and HF's model."""
     hf = GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="eager").eval()
     c = hf.config
     cfg = HookedTransformerConfig(
@@ -51,7 +55,7 @@ def hooked_gpt2(model_dir: Path) -> tuple[HookedTransformer, GPT2LMHeadModel]:
         dtype=torch.float32,
         device="cpu",
     )
-    model = HookedTransformer(cfg)
+    model = cls(cfg)
     # Every weight processing off: folding LN and centring the writing weights change the
     # residual stream itself (blocks.1.hook_resid_post), which is what the SAE reads, so
     # TransformerLens's activations would no longer be HF's.

@@ -33,10 +33,9 @@ import sae_lens
 import torch
 from sae_lens import HookedSAETransformer
 from sae_lens.saes.sae import SAEMetadata
+from saelens_evals_script import hooked_gpt2 as evals_model  # this folder: on sys.path
 from safetensors.torch import save_file
-from transformer_lens import HookedTransformerConfig
-from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoTokenizer
 
 D_MODEL, D_SAE, D_MLP_OUT = 128, 256, 128
 RESID = "blocks.1.hook_resid_post"
@@ -57,36 +56,8 @@ CASES = {
 
 
 def hooked_gpt2(model_dir: Path) -> HookedSAETransformer:
-    """The tiny GPT-2 as a HookedSAETransformer, every weight processing off (they would
-    change the activations the SAEs read): the config of saelens_evals_script.py."""
-    hf = GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="eager").eval()
-    c = hf.config
-    cfg = HookedTransformerConfig(
-        d_model=c.n_embd,
-        d_head=c.n_embd // c.n_head,
-        n_heads=c.n_head,
-        d_mlp=c.n_inner or 4 * c.n_embd,
-        n_layers=c.n_layer,
-        n_ctx=c.n_positions,
-        d_vocab=c.vocab_size,
-        act_fn=c.activation_function,
-        eps=c.layer_norm_epsilon,
-        normalization_type="LN",
-        positional_embedding_type="standard",
-        original_architecture="GPT2LMHeadModel",
-        default_prepend_bos=False,
-        dtype=torch.float32,
-        device="cpu",
-    )
-    model = HookedSAETransformer(cfg)
-    model.load_and_process_state_dict(
-        convert_gpt2_weights(hf, cfg),
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-    )
-    return model.eval()
+    """The tiny GPT-2 as a HookedSAETransformer: saelens_evals_script.py's model."""
+    return evals_model(model_dir, HookedSAETransformer)[0]
 
 
 def calibration(model_dir: Path, model: HookedSAETransformer) -> dict[str, torch.Tensor]:

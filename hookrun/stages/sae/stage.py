@@ -83,7 +83,6 @@ class SaeScoresPlan(Plan):
         self, config: SaeScoresConfig, scored: list[_Scored], ce: bool, special: list[int]
     ):
         self.config, self.scored, self.ce, self.special = config, scored, ce, special
-        self.moved: dict[tuple[str, Any, Any], Any] = {}
 
     def stored(self) -> dict[str, Stored]:
         out = {}
@@ -154,24 +153,11 @@ class SaeScoresPlan(Plan):
             out: dict[str, Any] = {}
             for s in self.scored:
                 x, given = seen[s.site]
-                d = self._on(s, x)
-                dtype = d.tensors["W_enc"].dtype
-                read = (given if s.action.transcoder else x).to(dtype)
-                affine = s.action.affine.get(s.layer)  # ln2.hook_normalized: before the affine
-                if affine is not None:
-                    weight, bias = (t.to(read.device, dtype) for t in affine)
-                    read = (read - bias) / weight
-                latents = d.encode(read)
-                rebuilt = d.decode(latents, read)
-                # What the dictionary stands in for, in its own space.
-                target = x.to(dtype) if s.action.transcoder else read
+                r = s.action.read(s.site, x, given)
                 kept = self._kept(batch, x)
-                rows, sums = activation_rows(target, latents, rebuilt, kept)
+                rows, sums = activation_rows(r.target, r.latents, r.rebuilt, kept)
                 if self.ce:
-                    placed = rebuilt
-                    if affine is not None and not s.action.transcoder:
-                        placed = rebuilt * weight + bias
-                    placed = placed.to(x.dtype)
+                    placed = r.to_site(r.rebuilt)
                     if self.special and x.dim() == 3:  # SAELens splices at kept tokens only
                         placed = torch.where(kept.to(x.device)[..., None], placed, x)
                     spliced = self._logits(work, self._replace(s, modules, placed))
@@ -196,13 +182,6 @@ class SaeScoresPlan(Plan):
             special = torch.tensor(self.special, device=batch.tokens.device)
             kept = kept & ~torch.isin(batch.tokens, special)
         return kept
-
-    def _on(self, s: _Scored, x: torch.Tensor) -> Any:
-        dtype = getattr(torch, s.action.dtype) if s.action.dtype else x.dtype
-        slot = (s.layer, x.device, dtype)
-        if slot not in self.moved:
-            self.moved[slot] = s.action.by_layer[s.layer].to(x.device, dtype)
-        return self.moved[slot]
 
     def _replace(self, s: _Scored, modules: Mapping[str, Any], value: torch.Tensor) -> ModuleHook:
         """The site's tensor replaced by `value` (the batch's reconstruction, or zeros)."""
