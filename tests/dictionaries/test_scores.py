@@ -110,7 +110,8 @@ def _hand_scores(model, sae, tokens, mask) -> dict[str, float]:
 
 def test_the_scores_are_the_definitions(tiny, tmp_path):
     sae = write_sae(tmp_path / "sae", 128, LATENTS, seed=7)
-    result = run_config(tmp_path / "run", _overrides(tmp_path / "run", tmp_path / "sae"))
+    overrides = _overrides(tmp_path / "run", tmp_path / "sae", "sink.dtype=float16")
+    result = run_config(tmp_path / "run", overrides)
     path = tmp_path / "run" / "captures.h5"
     with hookrun.open(path) as f:
         tokens = torch.as_tensor(f["samples/tokens"][:]).long()
@@ -118,6 +119,9 @@ def test_the_scores_are_the_definitions(tiny, tmp_path):
         ds = f[f"sae/{BLOCK}/output/scores"]
         stored = dict(zip([str(n) for n in ds.attrs["fields"]], ds[:], strict=True))
         assert f.status == "complete"
+        # The sums the scores are made of keep float64 whatever sink.dtype (Stored.dtype).
+        assert f[f"sae/{BLOCK}/output/score_rows"].dtype == "float64"
+        assert f[f"sae/{BLOCK}/output/activation_sums"].dtype == "float64"
     want = _hand_scores(tiny, sae, tokens, mask)
     for name, value in want.items():
         assert stored[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
