@@ -64,10 +64,12 @@ def assert_same(path: Path, clean: dict[str, np.ndarray]) -> None:
         assert got[key].tobytes() == value.tobytes(), key
 
 
-def killed_then_resumed(tmp_path: Path, fault: str, args: list[str], stage: str, missing: str):
+def killed_then_resumed(
+    tmp_path: Path, fault: str, args: list[str], stage: str, missing: str, group: str = ""
+):
     """The run killed (or signalled) by `fault` inside its whole-run work: not complete,
-    verify names `missing`; then resume=true from the CLI: complete, only the whole-run work
-    computed again. The file's path."""
+    verify names `missing` (and its group, `stage` unless `group` says); then resume=true
+    from the CLI: complete, only the whole-run work computed again. The file's path."""
     run_dir = tmp_path / "killed"
     path = run_dir / "captures.h5"
     done = faulted(fault, [*args, *QUIET, f"hydra.run.dir={run_dir}"], tmp_path)
@@ -81,7 +83,7 @@ def killed_then_resumed(tmp_path: Path, fault: str, args: list[str], stage: str,
     rows = state(path)[1]
     checked = verified(path)
     assert checked.returncode == 1
-    said = f"{missing}: not written: the {stage} stage's whole-run work is not in the file"
+    said = f"{missing}: not written: the {group or stage} stage's whole-run work is not in the file"
     assert said in checked.stdout, checked.stdout
     with hookrun.open(path) as res:  # its fill value is never read as a result
         listed = res.keys()
@@ -117,7 +119,7 @@ def test_killed_inside_the_sae_scores_then_resumed_to_the_whole_file(tmp_path, f
     args = ["experiment=sae", f"hooks.sae.args.path={tmp_path / 'sae'}", "limit=4", "batch_size=2"]
     clean = read(run_config(tmp_path / "clean", [*args, *QUIET], "sae").path)
     missing = "sae/transformer.h.1/output/scores"
-    path = killed_then_resumed(tmp_path, fault, args, "sae", missing)
+    path = killed_then_resumed(tmp_path, fault, args, "sae_scores", missing, "sae")
     assert_same(path, clean)
 
 

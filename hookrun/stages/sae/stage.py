@@ -214,8 +214,7 @@ def _all(x: torch.Tensor) -> torch.Tensor:
 
 @register_stage
 class SaeScoresStage(Stage):
-    # Named by its group, /sae, as verify and a resume name a stage by its datasets' group.
-    name, node = "sae", "sae_scores"
+    name = node = "sae_scores"
     order = 57  # after metrics
     axes = {
         f"{layout.SAE}/*/score_rows": "sample score_field",
