@@ -68,6 +68,8 @@ __all__ = [
     "Setup",
     "Work",
     "Plan",
+    "JobContext",
+    "JobResult",
     "Stage",
     "STAGES",
     "register_stage",
@@ -359,6 +361,37 @@ class Plan:
         return {}
 
 
+@dataclass(frozen=True)
+class JobContext:
+    """What the pipeline lends a stage that runs a job of its own (`Stage.job`).
+
+    `load(spec)` builds the model (on `device`) and the rows as a run of `spec` would:
+    (model, rows, weights file); `execute(spec, run_dir)` runs another spec through the
+    rows' pipeline and returns its Result; `header(spec, weights_file)` is the provenance a
+    run's file starts with.
+    """
+
+    run_dir: Path
+    device: torch.device
+    caller_model: nn.Module | None
+    load: Any
+    execute: Any
+    header: Any
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a stage's job made.
+
+    Its file, the rows it holds (0: none), its summary lines, its pictures' folder.
+    """
+
+    path: Path | None
+    summary: str
+    images: Path | None = None
+    rows: int = 0
+
+
 class Stage:
     """Base class of a registered stage; the module docstring tells its life in a run.
 
@@ -447,6 +480,27 @@ class Stage:
 
         Returns:
             The key in full (`derive.methods`), or None: nothing does.
+        """
+        return None
+
+    @classmethod
+    def job(cls, config: Any, spec: Any, ctx: JobContext) -> JobResult | None:
+        """The whole job instead of the rows' pipeline.
+
+        For a stage whose work is no batch of rows (training a dictionary: steps over a
+        stream of tokens).
+
+        Args:
+            config: What `parse` returned.
+            spec: The run's RunSpec.
+            ctx: What the pipeline lends a job: the run folder, the model and data as a run
+                builds them, and runs of other specs (what the job scores with).
+
+        Returns:
+            What the job made, or None (the default): the run is the rows' pipeline.
+
+        Raises:
+            HookrunError: Bad input, before any work; Interrupted: a signal stopped it.
         """
         return None
 

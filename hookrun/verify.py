@@ -20,9 +20,11 @@ import h5py
 from hookrun.errors import first_line
 from hookrun.io.dimensions import check_dimensions
 from hookrun.io.layout import (
+    JOB_ATTR,
     MODEL_OUTPUT,
     SAMPLES_INDEX,
     SPARSE_COUNTS,
+    attr,
     dataset_names,
     open_readonly,
     pending,
@@ -49,8 +51,12 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
     damage: list[str] = []
     if state.config is None:
         damage.append("no config attribute: not a file hookrun wrote")
+    # A stage's job of its own (a training job: layout attribute `job`) writes no rows.
+    required = () if attr(f, JOB_ATTR) else _REQUIRED
     damage += [
-        f"/{name}: missing (every hookrun file has it)" for name in _REQUIRED if name not in names
+        f"/{name}: missing (every hookrun file of rows has it)"
+        for name in required
+        if name not in names
     ]
     for stage in stages():  # what a stage says of its part (a sanity check's verdicts)
         damage += stage.damage(f, state.status == "complete")

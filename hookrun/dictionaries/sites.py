@@ -30,7 +30,7 @@ from torch import nn
 from hookrun.errors import HookrunError
 from hookrun.models.architectures import Architecture, architecture_of, families
 
-__all__ = ["HOOK_FORMS", "module_site", "is_mlp", "norm_affine"]
+__all__ = ["HOOK_FORMS", "module_site", "hook_name_of", "is_mlp", "norm_affine"]
 
 # Each form: the pattern, and where its tensor is (the module pattern from the table, the
 # site), or None where the table cannot say for the family.
@@ -61,6 +61,9 @@ _FORMS: tuple[tuple[str, _Where], ...] = (
 )
 HOOK_FORMS = tuple(f"blocks.<L>.{suffix}" for suffix, _ in _FORMS)
 _NAME = re.compile(r"blocks\.(\d+)\.(.+)")
+# hookrun's own site names (`transformer.h.1:output`): what a trained dictionary's cfg.json
+# says where no TransformerLens name carries its tensor.
+_NATIVE = re.compile(r"(?P<module>[^:\s]+):(?P<at>input|output)")
 
 
 def module_site(hook_name: str, model: nn.Module, key: str) -> tuple[str, str]:
@@ -80,6 +83,14 @@ def module_site(hook_name: str, model: nn.Module, key: str) -> tuple[str, str]:
         HookrunError: the name is not one of HOOK_FORMS, the model's family is not in the
             table or the table cannot place the name for it, or the model has no layer L.
     """
+    native = _NATIVE.fullmatch(hook_name)
+    if native is not None:  # hookrun's own name of a site, as a training job saves it
+        if native["module"] not in dict(model.named_modules()):
+            raise HookrunError(
+                f"{key}: {hook_name!r}: the model has no module {native['module']!r}; valid: a "
+                "module of model.named_modules()"
+            )
+        return native["module"], native["at"]
     arch = architecture_of(model)
     if arch is None:
         raise HookrunError(
@@ -118,6 +129,34 @@ def module_site(hook_name: str, model: nn.Module, key: str) -> tuple[str, str]:
 # The forms whose tensor is a norm's output before its weight and bias: the module site
 # carries it with them applied.
 _BEFORE_AFFINE = {"ln2.hook_normalized": lambda a: a.mlp_norm}
+
+
+def hook_name_of(module: str, site: str, model: nn.Module) -> str:
+    """The name a dictionary trained at `module`'s `site` is saved under.
+
+    cfg.json's metadata.hook_name: the TransformerLens hook name carrying the same tensor
+    (the residual stream's first), else hookrun's own `module:site`.
+
+    Args:
+        module: a name from `model.named_modules()`.
+        site: "input" or "output".
+        model: the model the module is in.
+
+    Returns:
+        e.g. `blocks.1.hook_resid_post` for GPT-2's `transformer.h.1` output;
+        `transformer.h.0.attn.c_attn:output` where no hook name carries it.
+    """
+    arch = architecture_of(model)
+    blocks = dict(model.named_modules()).get(arch.blocks) if arch else None
+    if arch is not None and isinstance(blocks, nn.ModuleList):
+        for layer in range(len(blocks)):
+            for form, where in _FORMS:
+                if form in _BEFORE_AFFINE:
+                    continue  # its tensor lacks the norm's affine: not the module's
+                pattern, at = where(arch)
+                if pattern is not None and (pattern.format(layer), at) == (module, site):
+                    return f"blocks.{layer}.{form}"
+    return f"{module}:{site}"
 
 
 def norm_affine(hook_name: str | None, model: nn.Module) -> str | None:

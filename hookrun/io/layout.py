@@ -97,6 +97,10 @@ def capture_key(
 
 
 PATTERN = "pattern"
+# The root attribute of a file a stage's job of its own wrote instead of rows (Stage.job:
+# `train_sae`); such a file has no /samples or /model/output.
+JOB_ATTR = "job"
+
 # A dictionary spliced into a site (runtime/splice.py) records beside it, under its own group.
 SAE = "sae"
 

@@ -26,7 +26,14 @@ from hookrun.io.layout import (
 )
 from hookrun.io.storage import never_written, open_readonly, unreadable_rows
 
-__all__ = ["RESUME_IGNORES", "Resumed", "resume_point", "check_sources", "check_paths"]
+__all__ = [
+    "RESUME_IGNORES",
+    "config_changes",
+    "Resumed",
+    "resume_point",
+    "check_sources",
+    "check_paths",
+]
 
 log = logging.getLogger("hookrun")
 
@@ -74,6 +81,18 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
     return config
 
 
+def config_changes(before_yaml: str, now_yaml: str) -> list[str]:
+    """The top-level keys whose values differ between two resolved configs, leaving out
+    those that change no number (RESUME_IGNORES); [] when a resume may continue."""
+    before = _without(OmegaConf.to_container(OmegaConf.create(before_yaml)), RESUME_IGNORES)
+    now = _without(OmegaConf.to_container(OmegaConf.create(now_yaml)), RESUME_IGNORES)
+    if before == now and list(before.get("hooks") or {}) != list(now.get("hooks") or {}):
+        # Hooks at one site act in the order they are written: the same hooks reordered
+        # compute other numbers.
+        return ["hooks (their order)"]
+    return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+
+
 @dataclass(frozen=True)
 class Resumed:
     """Where a resumed run starts: the rows already complete in its file, and whether the
@@ -106,16 +125,7 @@ def resume_point(path: Path, config_yaml: str) -> Resumed:
         ) from None
     if state.config is None or state.status is None:
         raise HookrunError(f"resume: {path} was not written by hookrun (no config/status)")
-    before = _without(OmegaConf.to_container(OmegaConf.create(state.config)), RESUME_IGNORES)
-    now = _without(OmegaConf.to_container(OmegaConf.create(config_yaml)), RESUME_IGNORES)
-    if before == now and list(before.get("hooks") or {}) != list(now.get("hooks") or {}):
-        # Hooks at one site act in the order they are written: the same hooks reordered
-        # compute other numbers.
-        changed = ["hooks (their order)"]
-    elif before != now:
-        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    else:
-        changed = []
+    changed = config_changes(state.config, config_yaml)
     if changed:
         raise HookrunError(
             f"resume: the config differs from the one {path} was written with in "

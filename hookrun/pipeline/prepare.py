@@ -65,7 +65,7 @@ from hookrun.signals import interruptible
 from hookrun.stage import Plan, Setup, WholeRun, stages
 from hookrun.timing import StageTimer
 
-__all__ = ["CallerObjects", "Prepared", "prepare", "STORE_DTYPES"]
+__all__ = ["CallerObjects", "Prepared", "prepare", "model_and_data", "STORE_DTYPES"]
 
 log = logging.getLogger("hookrun")
 
@@ -227,6 +227,21 @@ def prepare(
         )
         run.plan_text = _plan_text(run, probed, setup.made)
         return run
+
+
+def model_and_data(
+    spec: RunSpec, caller: CallerObjects, device: torch.device, run_dir: Path
+) -> tuple[nn.Module, Dataset, Path | None]:
+    """The model on `device`, the run's rows and the weights file, as a run builds them (a
+    stage's job of its own starts here: Stage.job); token ids checked against the vocabulary."""
+    with interruptible():
+        data = _data(spec, caller, run_dir)
+        model, weights_file = _model(spec, caller, device)
+        tokens = token_rows(data)
+        check_reads_tokens(model, tokens)
+        if tokens is not None:
+            check_vocab(tokens, int(model.config.vocab_size))
+    return model, data, weights_file
 
 
 def _data(spec: RunSpec, caller: CallerObjects, run_dir: Path) -> Dataset:

@@ -5,6 +5,7 @@ rank 0 joins them."""
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -13,19 +14,19 @@ import torch
 
 from hookrun.config.build import RunSpec
 from hookrun.errors import Interrupted
-from hookrun.io.layout import read_state
+from hookrun.io.layout import Provenance, read_state
 from hookrun.models.adapter import adapt
 from hookrun.pipeline.claim import Claim, claim_file
 from hookrun.pipeline.device import devices_kept, resolve_device
 from hookrun.pipeline.finish import Result, already_complete, dry_result, finish
-from hookrun.pipeline.prepare import CallerObjects, prepare
+from hookrun.pipeline.prepare import CallerObjects, model_and_data, prepare
 from hookrun.pipeline.stream import stream
 from hookrun.runtime.hooks import hooks_kept, weights_kept
 from hookrun.scale import distributed
 from hookrun.scale.distributed import World, world_from_env
-from hookrun.scale.provenance import reproducible
+from hookrun.scale.provenance import provenance, reproducible
 from hookrun.signals import signals_caught, stop_if_signalled
-from hookrun.stage import stages
+from hookrun.stage import JobContext, stages
 
 __all__ = ["execute"]
 
@@ -64,6 +65,42 @@ def execute(spec: RunSpec, run_dir: Path, caller: CallerObjects | None = None) -
     return result
 
 
+def _job(
+    spec: RunSpec, run_dir: Path, caller: CallerObjects, world: World, device: torch.device
+) -> Result | None:
+    """The job of a stage that runs one of its own instead of the rows' pipeline (Stage.job),
+    as a Result; None when no stage does."""
+    started = time.perf_counter()
+
+    def load(other: RunSpec) -> tuple:
+        return model_and_data(other, caller, device, run_dir)
+
+    def run_other(other: RunSpec, other_dir: Path) -> Result:
+        return _execute(other, other_dir, CallerObjects(caller.model), world, device)
+
+    def header(other: RunSpec, weights_file: Path | None) -> Provenance:
+        return provenance(other, weights_file, device, world.size)
+
+    ctx = JobContext(run_dir, device, caller.model, load, run_other, header)
+    for stage in stages():
+        config = spec.stage(stage.node) if stage.node else None
+        if config is None:
+            continue
+        done = stage.job(config, spec, ctx)
+        if done is not None:
+            log.info("\n%s", done.summary)
+            return Result(
+                path=done.path,
+                run_dir=run_dir,
+                rows=done.rows,
+                plan_text="",
+                seconds=time.perf_counter() - started,
+                summary=done.summary,
+                images=done.images,
+            )
+    return None
+
+
 def _execute(
     spec: RunSpec, run_dir: Path, caller: CallerObjects, world: World, device: torch.device
 ) -> Result:
@@ -82,6 +119,9 @@ def _execute(
         weights_kept(caller.model) if randomised else nullcontext(),
         signals_caught(),
     ):
+        job = _job(spec, run_dir, caller, world, device)
+        if job is not None:
+            return job
         claim = claim_file(spec, run_dir, world)
         try:
             if claim.resumed.complete:  # a requeued job that had finished

@@ -12,3 +12,4 @@ from hookrun.stages import patching as patching
 from hookrun.stages import sae as sae
 from hookrun.stages import sanity as sanity
 from hookrun.stages import steering as steering
+from hookrun.stages import train as train

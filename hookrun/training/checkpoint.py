@@ -1,0 +1,78 @@
+"""A training job's checkpoint: one file, <run dir>/checkpoints/train_state.pt, replaced whole.
+
+It holds every trainer's state (weights, optimiser, schedule, counters), the data's
+position, the normalisation factors and the curves so far: all a resumed job needs to
+repeat the steps after it exactly. It is written to a temporary name beside it, flushed to
+the disk and renamed over the old one, so a kill at any moment leaves the old checkpoint or
+the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookrun.errors import HookrunError
+
+__all__ = ["path_of", "save", "load", "remove"]
+
+FOLDER = "checkpoints"
+NAME = "train_state.pt"
+
+
+def path_of(run_dir: Path) -> Path:
+    return run_dir / FOLDER / NAME
+
+
+def save(run_dir: Path, state: dict[str, Any]) -> None:
+    """`state` as the run's checkpoint, replacing the one before only once it is on disk."""
+    final = path_of(run_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=final.parent, prefix=f".{NAME}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    _sync_folder(final.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """The rename itself on disk (a power cut after it keeps the new name)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(run_dir: Path) -> dict[str, Any] | None:
+    """The run's checkpoint, or None where it has none.
+
+    Raises:
+        HookrunError: a checkpoint that cannot be read (named, with what to do).
+    """
+    path = path_of(run_dir)
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a damaged file: torch raises many kinds
+        raise HookrunError(
+            f"resume: {path} cannot be read ({type(err).__name__}: {err}); valid: remove it to "
+            "train again from the start, or a new run dir"
+        ) from None
+
+
+def remove(run_dir: Path) -> None:
+    """The checkpoints of a finished (or overwritten) job, and any partial one."""
+    shutil.rmtree(run_dir / FOLDER, ignore_errors=True)

@@ -1,0 +1,185 @@
+"""experiment=train_sae as a user runs it: the saved folder, the run's file, resume after
+kill -9 and SIGTERM to the same weights bit for bit, training from an earlier run's file,
+and bad input refused in one line before any work."""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hookrun
+from hookrun.errors import HookrunError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import hookrun_cli, spawn  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# 48 steps of 256 tokens, a checkpoint every 4: small enough for seconds, long enough to kill.
+SMALL = [
+    "experiment=train_sae",
+    "sae.tokens=12288",
+    "sae.batch=256",
+    "sae.buffer=1024",
+    "sae.width=256",
+    "sae.k=8",
+    "sae.checkpoint_tokens=1024",
+    "sae.log_steps=2",
+    "sae.heldout.rows=4",
+    "render=false",
+    "progress=false",
+]
+NAME = "transformer.h.1.output.topk.w256.k8"
+
+
+def _weights(run_dir: Path, name: str = NAME) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "sae" / name / "sae_weights.safetensors"))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("whole")
+    done = hookrun_cli([*SMALL, f"hydra.run.dir={run_dir}"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_a_job_saves_a_folder_the_splice_loads_and_a_complete_file(uninterrupted: Path):
+    folder = uninterrupted / "sae" / NAME
+    assert (folder / "cfg.json").is_file() and (folder / "sae_weights.safetensors").is_file()
+    with h5py.File(uninterrupted / "captures.h5") as f:
+        assert f.attrs["status"] == "complete" and f.attrs["job"] == "train_sae"
+        assert f.attrs["step"] == f.attrs["steps"] == 12288 // 256
+        curves = f[f"train/{NAME}/curves"]
+        fields = list(curves.attrs["fields"])
+        assert curves.shape == (48 // 2, len(fields))
+        assert list(curves[:, fields.index("step")]) == list(range(2, 49, 2))
+        assert f"train/{NAME}/scores" in f  # scored on the held-out rows
+    assert not (uninterrupted / "checkpoints").exists()  # a finished job keeps none
+    # The saved folder splices in by its own hook name (no select), as any SAELens folder.
+    spliced = hookrun.run(
+        [
+            "experiment=sae",
+            f"hooks.sae.args.path={folder}",
+            "~hooks.sae.select",
+            "limit=4",
+            "render=false",
+            "progress=false",
+        ],
+        run_dir=uninterrupted / "splice",
+    )
+    with spliced.open() as res:
+        assert "sae/transformer.h.1/output/latents" in res
+
+
+def test_resume_after_kill_9_ends_at_the_same_weights(uninterrupted: Path, tmp_path: Path):
+    run_dir = tmp_path / "killed"
+    proc = spawn([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
+    state = run_dir / "checkpoints" / "train_state.pt"
+    deadline = time.monotonic() + 300
+    while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0, 0.5))  # anywhere after the first checkpoint
+    proc.kill()
+    proc.wait()
+    assert not (run_dir / "sae" / NAME / "sae_weights.safetensors").exists() or proc.returncode == 0
+    done = hookrun_cli([*SMALL, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same(_weights(uninterrupted), _weights(run_dir))
+    with h5py.File(run_dir / "captures.h5") as f, h5py.File(uninterrupted / "captures.h5") as g:
+        assert f[f"train/{NAME}/curves"][()].tobytes() == g[f"train/{NAME}/curves"][()].tobytes()
+
+
+def test_sigterm_checkpoints_and_exits_then_resumes_to_the_same_weights(
+    uninterrupted: Path, tmp_path: Path
+):
+    run_dir = tmp_path / "stopped"
+    proc = spawn([*SMALL, f"hydra.run.dir={run_dir}"], tmp_path)
+    state = run_dir / "checkpoints" / "train_state.pt"
+    while not state.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    proc.wait(timeout=30)
+    assert time.monotonic() - sent < 30
+    if proc.returncode == 0:
+        pytest.skip("the job ended before the signal")  # a fast machine: nothing to stop
+    assert proc.returncode == 143, proc.stderr.read()[-2000:]
+    with h5py.File(run_dir / "captures.h5") as f:
+        assert f.attrs["status"] == "interrupted"
+        assert 0 < f.attrs["step"] < f.attrs["steps"]
+    done = hookrun_cli([*SMALL, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same(_weights(uninterrupted), _weights(run_dir))
+
+
+def test_training_from_an_earlier_runs_file(tmp_path: Path):
+    cache = hookrun.run(
+        [
+            "experiment=lm_cache",
+            "sink.dtype=float32",
+            "dataset.context=64",
+            "render=false",
+            "progress=false",
+        ],
+        run_dir=tmp_path / "cache",
+    )
+    run = hookrun.run(
+        [*SMALL, f"sae.from={cache.path}", "sae.tokens=4096"], run_dir=tmp_path / "train"
+    )
+    assert (tmp_path / "train" / "sae" / NAME / "sae_weights.safetensors").is_file()
+    assert "complete" in run.summary
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["sae.k=256"], "k: 256 with width 256; valid: 1 <= k < width"),
+        (["sae.width=null", "sae.expansion=0.5", "sae.k=64"], "k: 64 with width 64"),
+        (["sae.width=0"], "sae.width: 0; valid: an integer >= 1"),
+        (["sae.sites=[transformer.h.9:output]"], "the model has no module 'transformer.h.9'"),
+        (["sae.tokens=100"], "sae.tokens: 100 is fewer than one batch"),
+        (["sae.architecture=topkk"], "did you mean 'topk'"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(tmp_path: Path, overrides: list[str], said: str):
+    with pytest.raises(HookrunError, match=None) as err:
+        hookrun.run([*SMALL, *overrides], run_dir=tmp_path)
+    assert said in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "captures.h5").exists() and not (tmp_path / "sae").exists()
+
+
+def test_a_cache_key_that_is_not_one_row_per_token_is_refused(tmp_path: Path):
+    cache = hookrun.run(
+        [
+            "experiment=lm_cache",
+            "+hooks.resid.args.positions=last",
+            "limit=8",
+            "render=false",
+            "progress=false",
+        ],
+        run_dir=tmp_path / "cache",
+    )
+    with h5py.File(cache.path) as f:
+        shape = f["captures/transformer.h.1/output"].shape
+    assert len(shape) == 2  # (N, D): one token per row is still a token per row
+    with h5py.File(cache.path, "a") as f:
+        f["captures/transformer.h.1/output"].attrs["per_batch"] = 1
+    with pytest.raises(HookrunError) as err:
+        hookrun.run([*SMALL, f"sae.from={cache.path}"], run_dir=tmp_path / "train")
+    assert "not one vector per token" in str(err.value)
