@@ -161,6 +161,7 @@ class _Job:
         )
         self.state = _State()
         self.device = ctx.device
+        self.writer: Any = None  # logger=tensorboard: the curves there too
 
     # ------------------------------------------------------------------ before any work
     def claim(self) -> WriterLock:
@@ -317,11 +318,10 @@ class _Job:
         return done * config.batch / seconds if seconds > 0 and done else 0.0
 
     def _tensorboard(self, name: str, step: int, metrics: dict[str, float]) -> None:
-        writer = getattr(self, "writer", None)
-        if writer is None:
+        if self.writer is None:
             return
         for key, value in metrics.items():
-            writer.add_scalar(f"{name}/{key}", value, step)
+            self.writer.add_scalar(f"{name}/{key}", value, step)
 
     def checkpoint(self, trainers: list[Trainer], status: str, error: str = "") -> None:
         state = {
@@ -426,6 +426,11 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
         else:
             run._first_scales()
         trainers = run._trainers(saved)
+        if spec.logger == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra
+
+            # purge_step: a resumed job's events after its checkpoint are written again.
+            run.writer = SummaryWriter(run.run_dir / "tensorboard", purge_step=run.state.step)
         with run_mode(run.model):
             try:
                 run.write_file("running")
@@ -434,6 +439,8 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
                 with deferred():
                     run.checkpoint(trainers, "interrupted", str(err))
                 raise
+        if run.writer is not None:
+            run.writer.close()
         trained = Trained(run.path, steps=run.state.step, tokens_per_second=speed)
         with deferred():
             trained.folders = run.save(trainers)
