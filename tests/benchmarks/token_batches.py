@@ -6,9 +6,14 @@ One `experiment=lm_cache` run of the shipped tiny_lm makes the file (two blocks'
 float16, padded rows); every reader is timed on it while the page cache holds it, so the
 figures are of reading and decoding, not of the disk.
 
-    python tests/benchmarks/token_batches.py [--rows 4000] [--context 128]
+    python tests/benchmarks/token_batches.py [--rows 4000] [--context 128] [--repeats 5]
+        [--file captures.h5] [--no-per-token]
 
-Peak memory of TokenBatches over the epoch is printed against its buffer's size. Not part of
+h5py and TokenBatches (shuffled, in order, resumed half-way) are timed `--repeats` times,
+interleaved, so that their ratios are of the same minutes; the figures are the medians.
+`--file` times an existing file of the same key (one made by an earlier run, whose path is
+printed) instead of making one; `--no-per-token` leaves out the per-token reader's slow
+minute. Peak memory of TokenBatches over the epoch is printed against its buffer's size. Not part of
 the test run.
 """
 
@@ -42,38 +47,62 @@ def _corpus(path: Path, rows: int) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _timed(name: str, tokens_of, limit: float = 60.0) -> float:
-    """Tokens per second of iterating `tokens_of()` (yields token counts) for up to `limit` s."""
+def _rate(tokens_of, limit: float = 60.0) -> tuple[float, int, float]:
+    """Tokens per second of iterating `tokens_of()` (yields token counts) for up to `limit` s,
+    the tokens and the seconds."""
     start, count = time.perf_counter(), 0
     for n in tokens_of():
         count += n
         if time.perf_counter() - start > limit:
             break
     seconds = time.perf_counter() - start
-    rate = count / seconds
+    return count / seconds, count, seconds
+
+
+def _timed(name: str, tokens_of, limit: float = 60.0) -> float:
+    rate, count, seconds = _rate(tokens_of, limit)
     print(f"  {name:58s} {rate:12,.0f} tokens/s  ({count:,} tokens in {seconds:.1f} s)")
     return rate
+
+
+def _medians(named: dict, repeats: int) -> dict[str, float]:
+    """Each reader's median tokens per second over `repeats` rounds, the readers interleaved
+    in each round (a machine's slower minute slows them all, not one)."""
+    rates = {name: [] for name in named}
+    for _ in range(repeats):
+        for name, tokens_of in named.items():
+            rates[name].append(_rate(tokens_of)[0])
+    for name, each in rates.items():
+        spread = f"{min(each):,.0f}–{max(each):,.0f}"
+        print(f"  {name:58s} {np.median(each):12,.0f} tokens/s  (median of {repeats}: {spread})")
+    return {name: float(np.median(each)) for name, each in rates.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--file", type=Path, default=None)
+    parser.add_argument("--no-per-token", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    work = Path(tempfile.mkdtemp(prefix="token_batches_"))
-    _corpus(work / "corpus.txt", args.rows)
-    path = hookrun.run(
-        [
-            "experiment=lm_cache",
-            f"dataset.path={work / 'corpus.txt'}",
-            "dataset.pack=false",
-            f"dataset.context={args.context}",
-            "render=false",
-            "progress=false",
-        ],
-        run_dir=work / "run",
-    ).path
+    path = args.file
+    if path is None:
+        work = Path(tempfile.mkdtemp(prefix="token_batches_"))
+        _corpus(work / "corpus.txt", args.rows)
+        path = hookrun.run(
+            [
+                "experiment=lm_cache",
+                f"dataset.path={work / 'corpus.txt'}",
+                "dataset.pack=false",
+                f"dataset.context={args.context}",
+                "render=false",
+                "progress=false",
+            ],
+            run_dir=work / "run",
+        ).path
+    print(f"file: {path}")
     with h5py.File(path) as f:
         ds = f[KEY]
         real = int(f["samples/mask"][()].sum())
@@ -90,9 +119,11 @@ def main() -> None:
                 block = ds[at : at + chunks[0]]
                 yield block.shape[0] * block.shape[1]
 
-    def batches(**kw):
+    def batches(start: int = 0, **kw):
         def run():
-            for batch in TokenBatches(path, KEY, **kw):
+            reader = TokenBatches(path, KEY, **kw)
+            resumed = getattr(reader, "batches", None)  # readers before resumption: none
+            for batch in resumed(start) if resumed else reader:
                 yield len(batch)
 
         return run
@@ -106,22 +137,40 @@ def main() -> None:
         return run
 
     _timed("warm-up: h5py, in order (page cache filled)", h5py_in_order)
-    ceiling = _timed("h5py, the same bytes in order (stored tokens)", h5py_in_order)
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    ours = _timed("TokenBatches, shuffled, batch 4096, buffer 2^18", batches(batch_size=4096))
+    _rate(batches(batch_size=4096))  # one shuffled epoch alone: its peak memory
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    in_order = _timed("TokenBatches, in order", batches(batch_size=4096, shuffle=False))
-    old = _timed("Activations + DataLoader(batch 4096, shuffle)", per_token(True), limit=30)
-    old_seq = _timed("Activations + DataLoader(batch 4096), in order", per_token(False), limit=30)
-    buffer_mib = 2**18 * shape[2] * 4 / 2**20
+    half = len(TokenBatches(path, KEY, batch_size=4096)) // 2
+    rates = _medians(
+        {
+            "h5py, the same bytes in order (stored tokens)": h5py_in_order,
+            "TokenBatches, shuffled, batch 4096, buffer 2^18": batches(batch_size=4096),
+            "TokenBatches, in order": batches(batch_size=4096, shuffle=False),
+            f"TokenBatches, shuffled, from batch {half} of {2 * half}": batches(
+                half, batch_size=4096
+            ),
+        },
+        args.repeats,
+    )
+    ceiling, ours, in_order, resumed = rates.values()
     print(
         f"  TokenBatches / h5py in order: {ours / ceiling:.2f}x (goal >= 0.5x; in order "
-        f"{in_order / ceiling:.2f}x); / Activations shuffled: {ours / old:.0f}x (goal >= 20x), "
-        f"/ Activations in order: {ours / old_seq:.1f}x"
+        f"{in_order / ceiling:.2f}x); the second half of the epoch, resumed: "
+        f"{ours / 2 / resumed:.2f} of the whole epoch's time"
     )
+    if not args.no_per_token:
+        old = _timed("Activations + DataLoader(batch 4096, shuffle)", per_token(True), limit=30)
+        old_seq = _timed(
+            "Activations + DataLoader(batch 4096), in order", per_token(False), limit=30
+        )
+        print(
+            f"  / Activations shuffled: {ours / old:.0f}x (goal >= 20x), in order: "
+            f"{ours / old_seq:.1f}x"
+        )
+    buffer_mib = 2**18 * shape[2] * 2 / 2**20
     print(
         f"  peak resident memory before TokenBatches {start_rss:.0f} MiB, after its epoch "
-        f"{peak:.0f} MiB (buffer: {buffer_mib:.0f} MiB of float32)"
+        f"{peak:.0f} MiB (buffer: {buffer_mib:.0f} MiB of float16)"
     )
 
 
