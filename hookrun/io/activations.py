@@ -5,8 +5,9 @@ stored mask), rows the file counts as complete only (a running or killed run's f
 
 - `TokenBatches(path, keys, batch_size=4096, buffer=...)`: an IterableDataset of shuffled
   batches, one (B, D) tensor per key (several keys: the same tokens, e.g. a layer's input
-  and output), whole blocks read in order and shuffled inside a buffer of `buffer` tokens;
-  its memory is the buffer, whatever the corpus.
+  and output), whole blocks read in an order drawn at random into a buffer of `buffer`
+  positions and shuffled there; its memory is the buffer, whatever the corpus. An epoch
+  resumes at any batch (`batches(start)`) without reading the blocks before it.
 - `Activations(path, key)`: a map-style Dataset whose item i is the feature vector (D,) of
   the i-th real token; one Python call per token (a probe over a few thousand tokens).
 
@@ -34,7 +35,6 @@ from hookrun.io.layout import (
     LISTED_POSITIONS,
     SAMPLES_MASK,
     SPARSE_COUNTS,
-    SPARSE_VALUES,
     open_readonly,
     read_state,
     sparse_spec,
@@ -204,16 +204,26 @@ class TokenBatches(IterableDataset):
     One key, or several of the same rows and positions: their vectors stay together, token
     by token.
 
-    Each iteration reads the file's blocks of `block` rows (default: the first key's HDF5
-    chunk rows) whole and in order, keeps their real tokens in a buffer of `buffer` tokens in
-    the file's own dtype, and yields `batch_size` tokens drawn from the buffer at random
-    (seeded by `seed` and the epoch, `set_epoch`) as one `dtype` tensor (B, D) — a tuple of
-    them for several keys — then refills the drawn slots from the blocks that follow. Every
-    real token of the rows complete when the iteration starts comes out once per epoch; the
-    last batch is short unless `drop_last`. With `shuffle=False` the tokens come in file
-    order. In DataLoader workers (`batch_size=None`: the batches are made here) each worker
-    reads its share of the blocks into a buffer of its own: memory is workers × buffer × the
-    keys' D × the stored element size; the loader interleaves the workers' batches (not file
+    An iteration reads the file's blocks of `block` rows (default: the first key's HDF5
+    chunk rows) whole, in an order drawn at random, a window of them at a time into a
+    buffer of `buffer` stored positions (whole blocks, at least two) in the file's own
+    dtype; it permutes the window's real tokens at random and yields them `batch_size` at a
+    time as one `dtype` tensor (B, D) — a tuple of them for several keys —, a batch that
+    the window does not fill taking the next window's first tokens. Blocks far apart in the
+    file share a window, so their tokens meet in one batch; the shuffle is seeded by `seed`
+    and the epoch (`set_epoch`). Every real token of the rows complete when the epoch began
+    (its constructor or `set_epoch`) comes out once per epoch; the last batch is short
+    unless `drop_last`. With `shuffle=False` the tokens come in file order.
+
+    `batches(start)` begins at the epoch's batch `start`: the batches an uninterrupted
+    iteration yields from there, bit for bit, for a trainer resumed after a kill; the
+    windows before it are not read (their mask is, to count their tokens), nor are the
+    skipped batches of its own window gathered. `set_epoch(epoch, start)` does the same for
+    DataLoader workers.
+
+    In DataLoader workers (`batch_size=None`: the batches are made here) each worker reads
+    its share of the blocks into a buffer of its own: memory is workers × buffer × the keys'
+    D × the stored element size; the loader interleaves the workers' batches (not file
     order with `shuffle=False`), and each worker's last batch may be short. With
     `persistent_workers=True` the workers keep the epoch they started with: call
     `set_epoch` on a reader whose workers are made anew each epoch.
@@ -238,7 +248,8 @@ class TokenBatches(IterableDataset):
             keys: One capture's path (`captures/blocks.0/output`), or several of the same
                 rows and positions.
             batch_size: Tokens per batch.
-            buffer: Tokens kept to shuffle among (at least two batches).
+            buffer: Stored positions (real tokens and padding) kept to shuffle among,
+                rounded down to whole blocks, at least two blocks.
             seed: The shuffle's seed, with the epoch.
             shuffle: False: the tokens in file order.
             drop_last: Whether to leave out the last, short batch.
@@ -258,20 +269,16 @@ class TokenBatches(IterableDataset):
         for name, value in (("batch_size", batch_size), ("buffer", buffer), ("block", block)):
             if name == "block" and value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: {value!r}; valid: an integer >= 1")
+            _check_count(name, value, 1)
         if not self.keys or len(set(self.keys)) != len(self.keys):
             raise ValueError(f"keys: {self.keys}; valid: one or more captures, each once")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise ValueError(f"dtype: {dtype}; valid: torch.float32, float16, bfloat16, float64")
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.drop_last, self.dtype = drop_last, dtype
-        # A buffer holds at least two batches: one drawn while the rest stay to mix.
-        self.buffer = max(buffer, 2 * batch_size)
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
         with open_readonly(self.path) as f:
             layouts = [_tokens(f, key) for key in self.keys]
-            stored = {_stored_dtype(f[key]) for key in self.keys}
         first = layouts[0]
         for key, layout in zip(self.keys[1:], layouts[1:], strict=True):
             if (layout.rows, layout.per_row, layout.masked) != (
@@ -286,20 +293,41 @@ class TokenBatches(IterableDataset):
                 )
         self.widths = [layout.features for layout in layouts]
         self.block = block or first.chunk_rows
+        # Blocks are read whole into the buffer, padding and all (one copy, as h5py's own);
+        # two at least, so that a window mixes blocks from far apart in the file.
+        self.window = max(2, buffer // (self.block * first.per_row))
+        self.buffer = self.window * self.block * first.per_row
         # The rows an epoch reads, counted here (and at set_epoch) in the parent process:
         # DataLoader workers, each counting when it starts, could see a growing file differ.
         self.rows = first.rows
-        self.stored = stored.pop() if len(stored) == 1 else torch.float32  # the buffer's
+        # The buffers of the last iteration, for the next: a fresh one's pages cost the
+        # kernel's zeroing at first touch, again each epoch. Taken while an iteration runs
+        # (another one at the same time makes its own); left out of a DataLoader worker's
+        # copy.
+        self._kept: list[np.ndarray] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
+    def __getstate__(self) -> dict:
+        """What a DataLoader worker gets: all but the kept buffer."""
+        return {**self.__dict__, "_kept": None}
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Another shuffle for another epoch, as DistributedSampler.set_epoch.
 
-        The epoch reads the rows complete now (a file a run is still writing has grown).
+        The epoch reads the rows complete now (a file a run is still writing has grown): a
+        resumed epoch is the same as the one it resumes if the rows are.
 
         Args:
             epoch: The epoch, seeding the shuffle with `seed`.
+            start: The epoch's first batch to yield, for a resumed trainer: in DataLoader
+                workers, the loader's batch (the workers' shares are counted from the mask,
+                and the workers' roles turned so that the loader's next batch is
+                `start`'s); in one process, as `batches(start)`.
+
+        Raises:
+            ValueError: `start` is not an integer >= 0.
         """
-        self.epoch = epoch
+        _check_count("start", start, 0)
+        self.epoch, self.start = epoch, start
         with open_readonly(self.path) as f:
             self.rows = _tokens(f, self.keys[0]).rows
 
@@ -316,147 +344,262 @@ class TokenBatches(IterableDataset):
         return whole + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[torch.Tensor | tuple[torch.Tensor, ...]]:
-        """The epoch's batches: this DataLoader worker's share of the blocks, else all.
+        """The epoch's batches from `start` on (`set_epoch`): a DataLoader worker's share.
+
+        In one process, every block's; in a DataLoader worker, its share of the blocks.
 
         Yields:
             One `dtype` tensor (B, D) per batch; for several keys, a tuple of them, one per
                 key.
         """
         worker = get_worker_info()
-        share, shares = (worker.id, worker.num_workers) if worker else (0, 1)
+        if worker is None:
+            return self._batches(0, 1, self.start)
+        share, skip = self._share(worker.id, worker.num_workers)
+        return self._batches(share, worker.num_workers, skip)
+
+    def batches(self, start: int = 0) -> Iterator[torch.Tensor | tuple[torch.Tensor, ...]]:
+        """The epoch's batches in this process from its batch `start` on.
+
+        Bit for bit the batches `iter(self)` yields from its batch `start` on, without
+        reading the windows of blocks before it or gathering its skipped batches.
+
+        Args:
+            start: The first batch to yield, 0 <= start (past the epoch's end: none).
+
+        Returns:
+            An iterator of one `dtype` tensor (B, D) per batch; for several keys, a tuple of
+            them, one per key.
+
+        Raises:
+            ValueError: `start` is not an integer >= 0.
+        """
+        _check_count("start", start, 0)
+        return self._batches(0, 1, start)
+
+    def _share(self, worker: int, workers: int) -> tuple[int, int]:
+        """The share of the blocks a DataLoader worker reads, and its batches to skip.
+
+        The loader asks its workers in turn, worker 0 first, leaving out those that have
+        ended: the loader's first `start` batches are counted out that way from each share's
+        batches, and worker i plays the share i places after the one whose turn is next.
+        """
+        if not self.start:
+            return worker, 0
+        with open_readonly(self.path) as f:
+            layout = replace(_tokens(f, self.keys[0]), rows=self.rows)
+            starts = list(range(0, self.rows, self.block))
+            tokens = _real_per_block(f, layout, starts, self.block)
+        whole = [sum(tokens[share::workers]) for share in range(workers)]
+        size = self.batch_size
+        left = [n // size if self.drop_last else -(-n // size) for n in whole]
+        done, turn = [0] * workers, 0
+        for _ in range(min(self.start, sum(left))):
+            while done[turn] == left[turn]:
+                turn = (turn + 1) % workers
+            done[turn], turn = done[turn] + 1, (turn + 1) % workers
+        share = (turn + worker) % workers
+        return share, done[share]
+
+    def _batches(
+        self, share: int, shares: int, skip: int
+    ) -> Iterator[torch.Tensor | tuple[torch.Tensor, ...]]:
+        """A share of the blocks' batches, from its batch `skip` on."""
         seeded = np.random.SeedSequence([self.seed, self.epoch, share]).generate_state(1)[0]
         generator = torch.Generator().manual_seed(int(seeded))
+        starts = list(range(0, self.rows, self.block))[share::shares]
+        if self.shuffle:
+            drawn = torch.randperm(len(starts), generator=generator).tolist()
+            starts = [starts[i] for i in drawn]
+        windows = [starts[at : at + self.window] for at in range(0, len(starts), self.window)]
+        # A seed per window, drawn up front: a resumed iteration skips windows without
+        # drawing their permutations to reach the same generator state.
+        seeds = torch.randint(2**62, (len(windows),), generator=generator).tolist()
+        first = skip * self.batch_size  # the first token to yield, of this share's epoch
         with open_readonly(self.path) as f:
             layouts = [replace(_tokens(f, key), rows=self.rows) for key in self.keys]
-            starts = list(range(0, self.rows, self.block))[share::shares]
-            stream = self._blocks(f, layouts, starts)
-            if self.shuffle:
-                yield from self._shuffled(stream, generator)
-            else:
-                yield from self._in_order(stream)
-
-    def _blocks(
-        self, f: h5py.File, layouts: list[_Tokens], starts: list[int]
-    ) -> Iterator[torch.Tensor]:
-        """Each block's real tokens, (M, the keys' D summed), in the buffer's dtype."""
-        rows = layouts[0].rows
-        mask = f[SAMPLES_MASK] if layouts[0].masked else None
-        readers = [_reader(f, key) for key in self.keys]  # looked up once
-        for start in starts:
-            stop = min(start + self.block, rows)
-            real = None
-            if mask is not None:  # flat indices of the real tokens: faster than a bool mask
-                real = torch.from_numpy(np.flatnonzero(mask[start:stop]))
-            parts = []
-            for read, layout in zip(readers, layouts, strict=True):
-                values, bits = read(start, stop)
-                block = (
-                    torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
-                    if bits
-                    else torch.from_numpy(values)
-                )
-                block = block.to(self.stored).reshape(-1, layout.features)
-                parts.append(block if real is None else block.index_select(0, real))
-            yield parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-    def _in_order(self, stream: Iterator[torch.Tensor]):
-        pending = torch.empty((0, sum(self.widths)), dtype=self.stored)
-        for block in stream:
-            pending = torch.cat([pending, block]) if len(pending) else block
-            whole = len(pending) // self.batch_size * self.batch_size
-            yield from self._emit(pending[:whole])
-            pending = pending[whole:]
-        yield from self._last(pending)
-
-    def _shuffled(self, stream: Iterator[torch.Tensor], generator: torch.Generator):
-        # Fill the buffer, then: draw half of it at random, yield that in batches, refill
-        # the drawn slots from the stream. A token stays a random number of draws, so
-        # tokens of blocks far apart in the file meet in one batch.
-        empty = torch.empty((0, sum(self.widths)), dtype=self.stored)
-        store, carry = _take(stream, empty, self.buffer)
-        draw = self.buffer // 2 // self.batch_size * self.batch_size
-        while len(store) == self.buffer:
-            slots = torch.randperm(self.buffer, generator=generator)[:draw]
-            yield from self._gathered(store, slots)
-            filled, carry = _fill(store, slots, stream, carry)
-            if filled < draw:  # the stream ended: the drawn slots left empty go
-                keep = torch.ones(self.buffer, dtype=torch.bool)
-                keep[slots[filled:]] = False
-                left = keep.nonzero()[:, 0]
-                order = left[torch.randperm(len(left), generator=generator)]
-                whole = len(order) // self.batch_size * self.batch_size
-                yield from self._gathered(store, order[:whole])
-                if not self.drop_last and whole < len(order):
-                    yield self._split(store.index_select(0, order[whole:]))
-                return
-        order = torch.randperm(len(store), generator=generator)  # the stream was short
-        whole = len(order) // self.batch_size * self.batch_size
-        yield from self._gathered(store, order[:whole])
-        if not self.drop_last and whole < len(order):
-            yield self._split(store.index_select(0, order[whole:]))
-
-    def _gathered(self, store: torch.Tensor, slots: torch.Tensor):
-        """The rows `slots` of the buffer, `batch_size` at a time, each a tensor of its own."""
-        for at in range(0, len(slots), self.batch_size):
-            yield self._split(store.index_select(0, slots[at : at + self.batch_size]))
-
-    def _emit(self, vectors: torch.Tensor):
-        for at in range(0, len(vectors), self.batch_size):
-            yield self._split(vectors[at : at + self.batch_size].clone())
-
-    def _last(self, vectors: torch.Tensor):
-        if len(vectors) and not self.drop_last:
-            yield self._split(vectors.clone())
-
-    def _split(self, batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """A batch (a tensor no one else holds) in `dtype`, split by key."""
-        batch = batch.to(self.dtype)
-        if len(self.widths) == 1:
-            return batch
-        return tuple(part.contiguous() for part in batch.split(self.widths, dim=1))
+            kept, self._kept = self._kept, None
+            buffer = _Buffer(f, self.keys, layouts, self.block, self.window, kept)
+            batch = _Batch(self.widths, self.batch_size, self.dtype)
+            at = 0  # tokens of this share's epoch before the window
+            for blocks, window_seed in zip(windows, seeds, strict=True):
+                real = buffer.real(blocks)
+                if at + len(real) <= first:  # every token of it in a skipped batch
+                    at += len(real)
+                    continue
+                buffer.read(blocks)
+                if self.shuffle:
+                    drawn = torch.Generator().manual_seed(window_seed)
+                    real = real[torch.randperm(len(real), generator=drawn)]
+                yield from batch.add(buffer.tokens, real[max(0, first - at) :])
+                at += len(real)
+            if not self.drop_last:
+                yield from batch.rest()
+            self._kept = buffer.values
 
 
-def _stored_dtype(ds: h5py.Dataset | h5py.Group) -> torch.dtype:
-    """The torch dtype a capture's values are kept in: its own float (bfloat16's bits).
+def _check_count(name: str, value: object, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name}: {value!r}; valid: an integer >= {least}")
 
-    A sparse record's: that of its values.
+
+def _real_per_block(f: h5py.File, layout: _Tokens, starts: list[int], block: int) -> list[int]:
+    """Real tokens of each block of `block` rows from `starts`, the mask read a block at a time."""
+    if not layout.masked:
+        return [(min(at + block, layout.rows) - at) * layout.per_row for at in starts]
+    mask = f[SAMPLES_MASK]
+    return [int(np.count_nonzero(mask[at : min(at + block, layout.rows)])) for at in starts]
+
+
+class _Buffer:
+    """A window of whole blocks per key, read in place in the file's dtype.
+
+    A dense capture of float16, bfloat16 (its bits), float32 or float64 is read by HDF5
+    straight into the buffer (read_direct: one copy, as h5py's own read), padding and all;
+    the real tokens are picked out by their flat index when gathered into a batch, not
+    copied out first. A sparse record's rows are densified into a float32 buffer.
     """
-    if sparse_spec(ds) is not None:
-        ds = ds[SPARSE_VALUES]
-    if is_bfloat16(ds):
-        return torch.bfloat16
-    return {np.float16: torch.float16, np.float64: torch.float64}.get(ds.dtype.type, torch.float32)
+
+    def __init__(
+        self,
+        f: h5py.File,
+        keys: list[str],
+        layouts: list[_Tokens],
+        block: int,
+        blocks: int,
+        kept: list[np.ndarray] | None,
+    ) -> None:
+        """A buffer of `blocks` blocks per key; `kept`: an earlier one's arrays to reuse."""
+        self.block, self.rows = block, layouts[0].rows
+        self.per_row = layouts[0].per_row
+        self.mask: _RowsInto | None = None
+        if layouts[0].masked:
+            mask = f[SAMPLES_MASK]
+            self.mask = _RowsInto(mask, np.empty((block, *mask.shape[1:]), mask.dtype))
+        self._reads: list[Callable[[int, int, int], None]] = []
+        self.tokens: list[torch.Tensor] = []  # each key's buffer, (positions, D)
+        self.values: list[np.ndarray] = []  # the same, as numpy arrays HDF5 reads into
+        for i, (key, layout) in enumerate(zip(keys, layouts, strict=True)):
+            read, values, bits = _reading(f[key], blocks * block, kept[i] if kept else None)
+            self._reads.append(read)
+            self.values.append(values)
+            flat = torch.from_numpy(values.view(np.int16) if bits else values)
+            flat = flat.view(torch.bfloat16) if bits else flat
+            self.tokens.append(flat.view(-1, layout.features))
+
+    def real(self, starts: list[int]) -> torch.Tensor:
+        """The buffer's flat positions of the real tokens of the blocks from `starts`.
+
+        The blocks as `read` puts them, in that order; each block's tokens in file order.
+        """
+        found = []
+        for slot, at in enumerate(starts):
+            stop, base = min(at + self.block, self.rows), slot * self.block * self.per_row
+            if self.mask is None:
+                found.append(np.arange(base, base + (stop - at) * self.per_row))
+            else:  # flat indices: one gather of the real tokens, no bool mask's copy
+                self.mask(at, stop, 0)
+                found.append(np.flatnonzero(self.mask.values[: stop - at]) + base)
+        return torch.from_numpy(np.concatenate(found))
+
+    def read(self, starts: list[int]) -> None:
+        """Read the blocks from `starts` into the buffer's slots, in that order."""
+        for slot, at in enumerate(starts):
+            stop = min(at + self.block, self.rows)
+            for read in self._reads:
+                read(at, stop, slot * self.block)
 
 
-def _fill(
-    store: torch.Tensor, slots: torch.Tensor, stream: Iterator[torch.Tensor], carry: torch.Tensor
-) -> tuple[int, torch.Tensor]:
-    """Copy the next vectors of `carry` then `stream` into the rows `slots` of `store`.
+def _reading(
+    node: h5py.Dataset | h5py.Group, rows: int, kept: np.ndarray | None
+) -> tuple[Callable[[int, int, int], None], np.ndarray, bool]:
+    """What reads a key's rows [start, stop) into its buffer at a row, the buffer.
 
-    In order, until every slot is filled or the stream ends: how many were, and what is left.
+    The buffer holds `rows` rows (`kept` if it is of their shape and dtype); the bool:
+    whether it holds bfloat16's bits.
     """
-    filled, block = 0, carry
-    while filled < len(slots):
-        if not len(block):
-            block = next(stream, None)
-            if block is None:
-                return filled, carry[:0]
-        n = min(len(block), len(slots) - filled)
-        store.index_copy_(0, slots[filled : filled + n], block[:n])
-        filled, block = filled + n, block[n:]
-    return filled, block
+
+    def buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if kept is not None and kept.shape == shape and kept.dtype == dtype:
+            return kept
+        return np.empty(shape, dtype)
+
+    if sparse_spec(node) is not None:
+        record = SparseRecord(node)  # its offsets computed once
+        values = buffer((rows, *sparse_spec(node)[0]), np.dtype(np.float32))
+
+        def densify(start: int, stop: int, at: int) -> None:
+            values[at : at + stop - start] = record[start:stop]
+
+        return densify, values, False
+    bits = is_bfloat16(node)
+    if bits or node.dtype in (np.float16, np.float32, np.float64):
+        values = buffer((rows, *node.shape[1:]), node.dtype)
+        return _RowsInto(node, values), values, bits
+    values = buffer((rows, *node.shape[1:]), np.dtype(np.float32))  # another float
+
+    def converted(start: int, stop: int, at: int) -> None:
+        values[at : at + stop - start] = node[start:stop]
+
+    return converted, values, False
 
 
-def _take(
-    stream: Iterator[torch.Tensor], carry: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next n vectors of `carry` then `stream` (fewer at its end), and what is left."""
-    parts, count = [carry], len(carry)
-    while count < n:
-        block = next(stream, None)
-        if block is None:
-            break
-        parts.append(block)
-        count += len(block)
-    joined = torch.cat(parts) if len(parts) > 1 else carry
-    return joined[:n], joined[n:]
+class _RowsInto:
+    """Reads a dataset's rows [start, stop) into an array of its dtype, at a row.
+
+    HDF5 copies straight into the array (as h5py's read_direct), through two selections
+    made once and moved for each read: h5py's per-read Python costs as much as a tenth of
+    the copy of a block from the page cache.
+    """
+
+    def __init__(self, node: h5py.Dataset, values: np.ndarray) -> None:
+        self.node, self.values = node, values
+        self._file = node.id.get_space()
+        self._memory = h5py.h5s.create_simple(values.shape)
+        self._rest = values.shape[1:]
+
+    def __call__(self, start: int, stop: int, at: int) -> None:
+        count, zeros = (stop - start, *self._rest), (0,) * len(self._rest)
+        self._file.select_hyperslab((start, *zeros), count)
+        self._memory.select_hyperslab((at, *zeros), count)
+        self.node.id.read(self._memory, self._file, self.values)
+
+
+class _Batch:
+    """The batch being made: tokens gathered from the buffer into `dtype`, once each.
+
+    A batch drawn whole from one window is one gather (and conversion) per key; one that
+    spans two windows is filled in place, part by part.
+    """
+
+    def __init__(self, widths: list[int], size: int, dtype: torch.dtype) -> None:
+        self.widths, self.size, self.dtype = widths, size, dtype
+        self._parts: list[torch.Tensor] | None = None
+        self._filled = 0
+
+    def add(self, tokens: list[torch.Tensor], order: torch.Tensor):
+        """Yield the batches the buffer's rows `order` (of each key's `tokens`) complete."""
+        at = 0
+        while at < len(order):
+            take = min(self.size - self._filled, len(order) - at)
+            index = order[at : at + take]
+            at += take
+            if not self._filled and take == self.size:
+                yield self._out([t.index_select(0, index).to(self.dtype) for t in tokens])
+                continue
+            if self._parts is None:
+                self._parts = [torch.empty((self.size, w), dtype=self.dtype) for w in self.widths]
+            for part, values in zip(self._parts, tokens, strict=True):
+                part[self._filled : self._filled + take] = values.index_select(0, index)
+            self._filled += take
+            if self._filled == self.size:
+                yield from self.rest()
+
+    def rest(self):
+        """Yield the batch made so far, if any (the last, short one)."""
+        if self._filled:
+            yield self._out([part[: self._filled] for part in self._parts])
+        self._parts, self._filled = None, 0
+
+    def _out(self, parts: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        return parts[0] if len(parts) == 1 else tuple(parts)

@@ -150,3 +150,63 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path, kwargs, said):
     with pytest.raises((ValueError, KeyError)) as err:
         TokenBatches(path, **kwargs)
     assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _same(got, want) -> None:
+    """Two lists of batches equal bit for bit, batch by batch (tensors or tuples)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(*((t,) if torch.is_tensor(t) else t for t in (a, b)), strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"keys": H1, "batch_size": 10, "buffer": 64, "block": 2},
+        {"keys": [H0, H1], "batch_size": 7, "buffer": 40, "block": 3, "drop_last": True},
+        {"keys": H1, "batch_size": 10, "shuffle": False, "block": 2},
+        {"keys": H1, "batch_size": 64, "buffer": 96, "block": 1, "dtype": torch.float16},
+    ],
+)
+def test_a_resumed_epoch_is_the_uninterrupted_one_from_its_batch_on(tmp_path, kwargs):
+    """Batches spanning windows (a window's tokens not a multiple of the batch), resumed
+    at the first, inside a window, at the last and past the end."""
+    path = _run(tmp_path)
+    reader = TokenBatches(path, **kwargs)
+    reader.set_epoch(2)
+    full = list(reader)
+    assert len(full) == len(reader) > 4
+    for start in (0, 1, 3, len(full) // 2, len(full) - 1, len(full), len(full) + 5):
+        _same(list(reader.batches(start)), full[start:])
+        again = TokenBatches(path, **kwargs)  # a trainer's new process
+        again.set_epoch(2, start=start)
+        _same(list(again), full[start:])
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_resumed_epoch_in_dataloader_workers_is_the_loaders_from_its_batch_on(tmp_path, workers):
+    """The workers' shares differ in batches (one ends first): the loader's order, workers
+    in turn, those that ended left out, is the same resumed at any batch."""
+    path = _run(tmp_path)
+    reader = TokenBatches(path, H1, batch_size=9, buffer=64, block=2)
+    full = list(DataLoader(reader, batch_size=None, num_workers=workers))
+    for start in (1, workers + 1, len(full) - 2):
+        reader.set_epoch(0, start=start)
+        _same(list(DataLoader(reader, batch_size=None, num_workers=workers)), full[start:])
+
+
+def test_tokens_of_blocks_far_apart_in_the_file_meet_in_one_batch(tmp_path):
+    """A buffer of two blocks: a batch still holds tokens of blocks further apart than
+    two (the blocks are read in an order drawn at random), every token once."""
+    path = _run(tmp_path)
+    with h5py.File(path) as f:
+        rows = np.nonzero(f["samples/mask"][()])[0]  # each real token's row, file order
+    want = _stored(path, H1)
+    row_of = {vector.tobytes(): row for vector, row in zip(want, rows, strict=True)}
+    reader = TokenBatches(path, H1, batch_size=16, buffer=1, block=2)  # two blocks
+    assert reader.buffer == 2 * 2 * 16
+    batches = list(reader)
+    np.testing.assert_array_equal(_sorted(_all(batches)), _sorted(want))
+    spans = [np.ptp([row_of[v.tobytes()] // 2 for v in b.numpy()]) for b in batches]
+    assert max(spans) > 2, spans
