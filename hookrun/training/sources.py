@@ -219,9 +219,8 @@ class FileActivations:
         epoch, skip = divmod(step, self.per_epoch)
         while True:
             self.reader.set_epoch(epoch)
-            for i, got in enumerate(self.reader):
-                if i >= skip:  # a resume reads the epoch's first batches again, unused
-                    yield list(got) if isinstance(got, tuple) else [got]
+            for got in self.reader.batches(skip):  # a resume: the epoch's from `skip`
+                yield list(got) if isinstance(got, tuple) else [got]
             epoch, skip = epoch + 1, 0
 
 
