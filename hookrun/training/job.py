@@ -392,7 +392,6 @@ class _Job:
                 self.hook_names[d.name],
                 {
                     "hookrun_site": d.site.label,
-                    "hookrun_run": str(self.path),
                     "model_name": self.model_label,
                 },
             )
@@ -416,7 +415,8 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
         if saved is not None and saved.get("complete"):
             return Trained(run.path, steps=job.config.steps)
         run.prepare()
-        run.model_label = str(spec.model.path or spec.model.name or "")
+        # The model's folder name (a path would tie the folder to this machine).
+        run.model_label = Path(str(spec.model.path)).name if spec.model.path else ""
         # What SAELens's cfg.json names as the dictionary's input: a TransformerLens hook
         # name where one carries the tensor, else hookrun's own (module:site), which
         # `action: sae` places as it places the other.
