@@ -118,21 +118,29 @@ class TrainConfig(Frozen):
     width: int | None = None
     """Latents (d_sae); null: expansion × the site's width."""
     expansion: float = 8.0
+    """Latents per feature of the site when `width` is null."""
     k: int | None = 32
     """Latents kept per token (topk) or on average per token (batchtopk, matryoshka)."""
     l1_coefficient: float = 5.0
     """relu: the L1 penalty on latents × their decoder rows' norms."""
     l1_warmup_steps: int = 0
+    """relu: steps over which the L1 coefficient rises linearly from 0."""
     l0_coefficient: float = 1.0
     """jumprelu: the L0 penalty."""
     jumprelu_bandwidth: float = 0.05
+    """jumprelu: the straight-through estimator's rectangle kernel width."""
     jumprelu_init_threshold: float = 0.01
+    """jumprelu: every latent's threshold at the start."""
     matryoshka_widths: list[int] = field(default_factory=list)
     """matryoshka_batchtopk: the nested prefixes' widths, increasing; the last is the width
     (added when missing)."""
     aux_k_coefficient: float = 1 / 32
+    """topk, batchtopk, matryoshka: the AuxK loss's weight (dead latents' reconstruction of
+    the residual)."""
     lr: float = 3e-4
+    """Adam's learning rate."""
     lr_warmup_steps: int = 0
+    """Steps over which the learning rate rises linearly to `lr`."""
     lr_decay_steps: int = 0
     """The last steps, over which the learning rate falls linearly to 0."""
     tokens: int = 1_000_000

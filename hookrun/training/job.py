@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,6 +166,12 @@ class _Job:
 
     # ------------------------------------------------------------------ before any work
     def claim(self) -> WriterLock:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # each rank would train its own copy on the same tokens
+            raise HookrunError(
+                f"sae.sites under torchrun ({world} processes): data-parallel training is "
+                "not built yet; valid: one process (python -m hookrun experiment=train_sae)"
+            )
         lock = WriterLock(self.path)
         try:
             if not self.spec.resume:
