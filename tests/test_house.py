@@ -105,9 +105,8 @@ def test_the_runtime_and_the_pipeline_name_no_stage():
     """A new capability is a stage in its own folder: the hook runtime and the run's
     orchestration import no stage and spell no stage's name (derive, evaluate, sanity,
     patching, induction, logit_lens)."""
-    from hookrun.stage import stages
-
     from hookrun.runtime.actions import ACTIONS
+    from hookrun.stage import stages
 
     names = {stage.name for stage in stages()} | {s.node for s in stages() if s.node}
     assert names >= {"derive", "evaluate", "sanity", "patching", "induction", "logit_lens"}
