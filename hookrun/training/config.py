@@ -121,7 +121,7 @@ class TrainConfig(Frozen):
     """Latents per feature of the site when `width` is null."""
     k: int | None = 32
     """Latents kept per token (topk) or on average per token (batchtopk, matryoshka)."""
-    l1_coefficient: float = 5.0
+    l1_coefficient: float = 1.0
     """relu: the L1 penalty on latents × their decoder rows' norms."""
     l1_warmup_steps: int = 0
     """relu: steps over which the L1 coefficient rises linearly from 0."""
@@ -134,7 +134,7 @@ class TrainConfig(Frozen):
     matryoshka_widths: list[int] = field(default_factory=list)
     """matryoshka_batchtopk: the nested prefixes' widths, increasing; the last is the width
     (added when missing)."""
-    aux_k_coefficient: float = 1 / 32
+    aux_k_coefficient: float = 1.0
     """topk, batchtopk, matryoshka: the AuxK loss's weight (dead latents' reconstruction of
     the residual)."""
     lr: float = 3e-4

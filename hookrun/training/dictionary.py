@@ -1,78 +1,110 @@
-"""One sparse dictionary's training math and optimiser, as SAELens 6.54's trainer does it.
+"""The math of training one sparse dictionary, step for step as SAELens 6.54's SAETrainer.
 
-Per architecture (x the input, y the target: x for an SAE, the output site for a
-transcoder; pre = (x − b_dec) W_enc + b_enc, b_dec subtracted for an SAE only):
+`Trainer` owns one dictionary's parameters, its Adam state, the schedules and the firing
+counters, and `Trainer.step` is one SAELens training step on one batch: what SAELens's
+`SAETrainer._train_step` does around its training SAE's `training_forward_pass`.
 
-- relu (SAELens's "standard"): z = relu(pre); loss = MSE + λ · mean_t Σ_i z_i ‖W_dec,i‖,
-  λ warmed up linearly over `l1_warmup_steps`;
-- topk: z = the k largest of pre, relu'd; loss = MSE + `aux_k_coefficient` · AuxK, where
-  AuxK reconstructs the residual y − ŷ (held fixed) from the k_aux = d_in / 2 largest
-  pre-activations of the dead latents (scaled by min(dead / k_aux, 1));
-- batchtopk: z = the k · B largest relu'd pre-activations of the whole batch; the threshold
-  saved (as jumprelu) is the running mean of each batch's smallest kept activation
-  (SAELens's topk_threshold, rate 0.01);
-- jumprelu: z = pre · [pre > θ], θ = exp(log θ) learned through the straight-through
-  estimator with a rectangle kernel of `jumprelu_bandwidth`; loss = MSE +
-  `l0_coefficient` · mean_t Σ_i [pre_i > θ_i];
-- matryoshka_batchtopk: batchtopk's latents; the loss is the mean of the MSEs of the
-  reconstructions from each nested prefix of latents (`matryoshka_widths`) plus AuxK.
+What SAELens 6.54 does, and so what is done here:
 
-MSE is the squared error summed over features, averaged over tokens. Initialisation:
-W_dec rows of norm `decoder_init_norm` in random directions, W_enc = W_dec transposed, biases
-zero. Adam (β 0.9, 0.999), the gradient's norm clipped to 1, the learning rate warmed up
-linearly over `lr_warmup_steps` and decayed linearly to 0 over the last `lr_decay_steps`.
-A latent is dead when it has not fired for `dead_steps` steps.
+- init: W_dec [d_sae, d_out] kaiming-uniform, each row scaled to norm `decoder_init_norm`
+  (0.1), W_enc = W_dec^T, b_enc = b_dec = 0 (`TrainingSAE.initialize_weights`); JumpReLU's
+  threshold starts at `jumprelu_init_threshold`, kept in float32. SAELens trains no
+  transcoders: here a transcoder's W_enc is drawn on its own (its input is another space),
+  as SAELens's inference `Transcoder` initialises it, then scaled like the decoder.
+- input: x times `scale` (expected_average_only_in's factor), b_dec subtracted where
+  `apply_b_dec_to_input` (every SAE; never a transcoder).
+- relu ("standard"): loss = mse + l1 * mean over tokens of sum_i z_i ||W_dec_i||, the l1
+  coefficient warmed up linearly from 0 over `l1_warmup_steps`.
+- topk: pre-activations times each decoder row's norm (`rescale_acts_by_decoder_norm`,
+  True in training), the k largest relu'd, decoded divided by that norm; AuxK: when latents
+  are dead, the top min(d/2, n_dead) dead pre-activations reconstruct the detached residual
+  through W_dec (no bias), weighted by `aux_k_coefficient` * min(n_dead / (d/2), 1).
+- batchtopk: the k * B largest relu'd pre-activations of the whole batch; a threshold, the
+  running average (rate 0.01, float64) of each batch's smallest positive activation, saved
+  as a JumpReLU's threshold.
+- matryoshka_batchtopk: batchtopk plus each inner prefix's own reconstruction loss.
+- jumprelu: z = pre * (pre > threshold), the threshold clamped at 0 before each step; the
+  "step" L0 loss (DeepMind's: l0 * mean count of pre > threshold), both through the
+  rectangle straight-through estimator of width `jumprelu_bandwidth` into the threshold
+  only (`jumprelu_ste_to_input` False).
+- the step: loss backward, gradients clipped to total norm 1.0, Adam (torch's, eps 1e-8),
+  then the schedules advance; lr: linear warm-up (step t at (t+1)/warmup of lr), constant,
+  linear decay to 0 over the last `lr_decay_steps` (SAELens's "constant" scheduler).
+- firing: a latent fires on a token where its activation is non-zero; one not fired for
+  more than `dead_tokens` tokens is dead (SAELens counts steps: dead_feature_window * batch
+  tokens); the density window restarts every `feature_sampling_window` steps, and
+  sparsity.safetensors holds log10(density + 1e-10) over the current window.
+- saving (`save_inference_model`): expected_average_only_in's factor folded into the weights,
+  a topk-like's decoder norms folded into the encoder, batchtopk's threshold as JumpReLU's.
 
-Everything draws from the generator given at construction and nothing else, so the same
-inputs give the same weights bit for bit on the CPU, and `state_dict()` holds all a resumed
-job needs to go on as if never stopped.
+Where hookrun computes the same quantity another way, for speed (the sums round
+differently, the math is equal): b_dec's product with W_enc is subtracted after the big
+matmul instead of from every token (no gradient through the tokens), topk's norms are
+folded into the encoder and decoder matrices rather than into every activation, topk
+decodes from its k (index, value) pairs (`embedding_bag`), relu's L1 is the latents'
+column sums times the norms, and a matryoshka's full reconstruction is its last prefix.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import os
 import shutil
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import Tensor
 
-__all__ = ["Hyper", "Trainer"]
+from hookrun.dictionaries.dictionary import Dictionary
 
-# SAELens's names of what it saves, per architecture trained (an SAE, a transcoder).
-_SAVED = {
-    "relu": ("standard", "transcoder"),
-    "topk": ("topk", "transcoder"),
-    "batchtopk": ("jumprelu", "jumprelu_transcoder"),
-    "jumprelu": ("jumprelu", "jumprelu_transcoder"),
-    "matryoshka_batchtopk": ("jumprelu", "jumprelu_transcoder"),
+__all__ = ["ARCHITECTURES", "SAELENS_VERSION", "Hyper", "Trainer"]
+
+ARCHITECTURES = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka_batchtopk")
+SAELENS_VERSION = "6.54.0"  # the version whose training this repeats and whose format it writes
+_TOPKS = ("topk", "batchtopk", "matryoshka_batchtopk")
+_BATCH_TOPKS = ("batchtopk", "matryoshka_batchtopk")
+# SAELens's names: the training class's, and the inference class a saved folder loads as.
+_TRAINING_NAMES = {"relu": "standard"}
+_SAE_NAMES = {
+    "relu": "standard",
+    "topk": "topk",
+    "batchtopk": "jumprelu",
+    "jumprelu": "jumprelu",
+    "matryoshka_batchtopk": "jumprelu",
 }
-_THRESHOLD_RATE = 0.01  # SAELens's topk_threshold_lr
+_EPS_SPARSITY = 1e-10  # SAELens's _log_feature_sparsity
 
 
 @dataclass(frozen=True)
 class Hyper:
-    """One dictionary's hyperparameters (checked by the job's config)."""
+    """One dictionary's hyperparameters (validated by the config that builds it).
 
-    architecture: str
+    Defaults are SAELens 6.54's. `dead_tokens` is SAELens's dead_feature_window (steps)
+    times the batch; `feature_sampling_window` stays in steps, as SAELens counts it.
+    """
+
+    architecture: str  # one of ARCHITECTURES
     d_in: int
-    d_out: int
-    width: int
-    k: int | None = None
-    l1_coefficient: float = 5.0
+    d_out: int  # d_in for an SAE; a transcoder's target width
+    width: int  # d_sae
+    k: int | float | None = None  # topk (int), batchtopk / matryoshka (mean per token)
+    l1_coefficient: float = 1.0  # StandardTrainingSAEConfig's default
     l1_warmup_steps: int = 0
     l0_coefficient: float = 1.0
     jumprelu_bandwidth: float = 0.05
     jumprelu_init_threshold: float = 0.01
-    aux_k_coefficient: float = 1 / 32
-    dead_steps: int = 1000  # SAELens's dead_feature_window
+    aux_k_coefficient: float = 1.0  # TopKTrainingSAEConfig.aux_loss_coefficient
+    dead_tokens: int = 10_000_000
+    feature_sampling_window: int = 2000  # steps
     matryoshka_widths: tuple[int, ...] = ()
+    topk_threshold_lr: float = 0.01
+    rescale_acts_by_decoder_norm: bool = True  # topk-likes (SAELens's training default)
     lr: float = 3e-4
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 0
@@ -81,47 +113,112 @@ class Hyper:
     decoder_init_norm: float = 0.1
     skip: bool = False
     transcoder: bool = False
-    scale: float = 1.0  # expected_average_only_in: x and y times this; folded out on saving
+    apply_b_dec_to_input: bool | None = None  # None: SAELens's (True; False a transcoder)
+    scale: float = 1.0
+
+    @property
+    def b_dec_in(self) -> bool:
+        """Whether b_dec is subtracted from the input (SAELens's default where None)."""
+        if self.apply_b_dec_to_input is None:
+            return not self.transcoder
+        return self.apply_b_dec_to_input
+
+
+def _check(h: Hyper) -> None:
+    """What the math below relies on; the config refuses these first, with its key names."""
+    if h.architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {h.architecture!r}; valid: {', '.join(ARCHITECTURES)}")
+    if h.architecture in _TOPKS and not (h.k and 0 < h.k <= h.width):
+        raise ValueError(f"{h.architecture}: k is {h.k!r}; valid: 0 < k <= width ({h.width})")
+    if h.transcoder and h.b_dec_in:
+        raise ValueError("a transcoder subtracts no b_dec from its input (b_dec is d_out wide)")
+    if not h.transcoder and (h.skip or h.d_out != h.d_in):
+        raise ValueError("an SAE has d_out == d_in and no skip connection")
+    if h.transcoder and h.architecture == "topk":
+        raise ValueError("SAELens 6.54 has no topk transcoder to save as; valid: relu, jumprelu")
+    if h.architecture == "matryoshka_batchtopk":
+        w = h.matryoshka_widths
+        if not w or w[-1] != h.width or any(b <= a for a, b in zip(w, w[1:], strict=False)):
+            raise ValueError(f"matryoshka_widths {w}; valid: increasing, the last == {h.width}")
+    if h.lr_warmup_steps + h.lr_decay_steps > h.total_steps:
+        raise ValueError("lr_warmup_steps + lr_decay_steps exceed total_steps")
+
+
+def lr_factor(h: Hyper, step: int) -> float:
+    """The lr multiplier of step `step` (0-based), as SAELens's "constant" scheduler gives it.
+
+    SAELens chains torch's LinearLR(1/W -> 1 over W - 1 steps), a constant, and
+    LinearLR(1 -> 0 over D steps) from step T - D; the optimizer steps before the scheduler.
+    """
+    if h.lr_warmup_steps > 0 and step < h.lr_warmup_steps:
+        return (step + 1) / h.lr_warmup_steps
+    start = h.total_steps - h.lr_decay_steps
+    if h.lr_decay_steps > 0 and step >= start:
+        return max(0.0, 1.0 - (step - start) / h.lr_decay_steps)
+    return 1.0
+
+
+def warmup_coefficient(value: float, warmup: int, step: int) -> float:
+    """SAELens's CoefficientScheduler: `value` * min(step / warmup, 1) at step `step`."""
+    return value if warmup <= 0 else value * min(step / warmup, 1.0)
 
 
 class _JumpReLU(torch.autograd.Function):
-    """pre · [pre > θ]; θ's gradient through a rectangle kernel (straight-through)."""
+    """pre * (pre > threshold); the threshold's gradient through the rectangle STE."""
 
     @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):  # noqa: ANN001, ANN205
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         ctx.save_for_backward(pre, threshold)
         ctx.bandwidth = bandwidth
         return pre * (pre > threshold)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         pre, threshold = ctx.saved_tensors
         bw = ctx.bandwidth
-        near = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
-        grad_pre = (pre > threshold).to(pre.dtype) * grad
-        grad_threshold = (-(threshold / bw) * near * grad).sum(0)
-        return grad_pre, grad_threshold, None
+        window = ((pre - threshold) / bw).abs() < 0.5  # SAELens's rectangle: -0.5 < u < 0.5
+        ste = (threshold / bw) * window * grad
+        return (pre > threshold) * grad, -ste.sum(0), None
 
 
 class _Step(torch.autograd.Function):
-    """[pre > θ]; θ's gradient through a rectangle kernel (the L0 penalty's)."""
+    """(pre > threshold); no gradient to pre, the threshold's through the rectangle STE."""
 
     @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):  # noqa: ANN001, ANN205
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         ctx.save_for_backward(pre, threshold)
         ctx.bandwidth = bandwidth
         return (pre > threshold).to(pre.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
         pre, threshold = ctx.saved_tensors
         bw = ctx.bandwidth
-        near = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
-        return None, (-(1.0 / bw) * near * grad).sum(0), None
+        window = ((pre - threshold) / bw).abs() < 0.5
+        return None, -((1.0 / bw) * window * grad).sum(0), None
+
+
+@dataclass
+class _Forward:
+    """One training forward pass: what the loss, the counters and the metrics need."""
+
+    out: Tensor  # the reconstruction (B, d_out)
+    loss: Tensor
+    losses: dict[str, Tensor]
+    fired: Tensor  # per latent, how many tokens it fired on this batch (S,), int64
+    l0: Tensor  # mean active latents per token (a 0-d tensor)
 
 
 class Trainer:
-    """One dictionary being trained: its parameters, optimiser, schedule and counters."""
+    """One sparse dictionary in training: its parameters, Adam, schedules and counters.
+
+    Args:
+        hyper: its hyperparameters.
+        generator: the only randomness: the initial weights are drawn from it (on the CPU,
+            then moved), so the same generator state gives the same dictionary anywhere.
+        device: where it trains.
+        dtype: its parameters' dtype (JumpReLU's threshold stays float32, as SAELens's).
+    """
 
     def __init__(
         self,
@@ -130,269 +227,426 @@ class Trainer:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.hyper, self.device = hyper, torch.device(device)
-        h = hyper
-        direction = torch.randn(h.width, h.d_out, generator=generator, dtype=torch.float32)
-        w_dec = direction / direction.norm(dim=1, keepdim=True) * h.decoder_init_norm
-        if h.transcoder and h.d_in != h.d_out:
-            w_enc = torch.randn(h.d_in, h.width, generator=generator)
-            w_enc = w_enc / w_enc.norm(dim=0, keepdim=True) * h.decoder_init_norm
-        else:
-            w_enc = w_dec.T.clone()
-        params = {
-            "W_enc": w_enc,
-            "b_enc": torch.zeros(h.width),
-            "W_dec": w_dec,
-            "b_dec": torch.zeros(h.d_out),
-        }
-        if h.architecture == "jumprelu":
-            params["log_threshold"] = torch.full((h.width,), math.log(h.jumprelu_init_threshold))
-        if h.skip:
-            params["W_skip"] = torch.zeros(h.d_in, h.d_out)
-        self.params = {
-            k: v.to(self.device, dtype).contiguous().requires_grad_(True) for k, v in params.items()
-        }
-        self.optimizer = torch.optim.Adam(self.params.values(), lr=h.lr, betas=h.adam_betas)
-        self.steps = 0
-        self.since_fired = torch.zeros(h.width, dtype=torch.long, device=self.device)
-        self.fired = torch.zeros(h.width, dtype=torch.float64, device=self.device)  # tokens
-        self.tokens = 0
-        self.threshold = torch.zeros((), dtype=torch.float64, device=self.device)
+        _check(hyper)
+        self.hyper = h = hyper
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.params = {n: torch.nn.Parameter(t) for n, t in self._init(generator).items()}
+        # SAELens's parameter order (b_dec, W_dec, W_enc, b_enc, threshold): the clipped
+        # total norm sums them in this order.
+        # torch's fused Adam: the same update as SAELens's (the default, one tensor at a
+        # time, several passes per tensor on the CPU) in one pass, many times faster there.
+        self.optimizer = torch.optim.Adam(
+            list(self.params.values()), lr=h.lr, betas=tuple(h.adam_betas), fused=True
+        )
+        self.n_steps = 0
+        self.n_tokens = 0
+        s = h.width
+        self.tokens_since_fired = torch.zeros(s, dtype=torch.int64, device=self.device)
+        self.fired_counts = torch.zeros(s, dtype=torch.int64, device=self.device)
+        self.window_tokens = 0  # tokens in the current density window
+        # batchtopk's running threshold; float64 as SAELens keeps it
+        self.topk_threshold = torch.zeros((), dtype=torch.float64, device=self.device)
 
-    # ------------------------------------------------------------------ the math
-    def _pre(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        shifted = x if self.hyper.transcoder else x - p["b_dec"]
-        return shifted @ p["W_enc"] + p["b_enc"]
+    # -- parameters ---------------------------------------------------------------------
 
-    def _latents(self, pre: torch.Tensor, training: bool) -> torch.Tensor:
-        h, arch = self.hyper, self.hyper.architecture
-        if arch == "relu":
-            return torch.relu(pre)
-        if arch == "topk":
-            top = pre.topk(h.k, dim=-1)
-            return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
-        if arch == "jumprelu":
-            threshold = self.params["log_threshold"].exp()
-            return _JumpReLU.apply(pre, threshold, h.jumprelu_bandwidth)
-        # batchtopk and matryoshka: the batch's k · B largest while training, the learned
-        # threshold afterwards (what the saved jumprelu computes).
-        if not training:
-            return pre * (pre > self.threshold.to(pre.dtype))
-        acts = torch.relu(pre)
-        flat = acts.flatten()
-        keep = min(h.k * acts.shape[0], flat.numel())
-        top = flat.topk(keep)
-        return torch.zeros_like(flat).scatter(0, top.indices, top.values).view_as(acts)
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """The latents as the saved dictionary computes them (x in the input's own units)."""
-        with torch.no_grad():
-            return self._latents(self._pre(x.to(self.device) * self.hyper.scale), False)
-
-    def decode(self, z: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
-        """The reconstruction of latents `z` in the target's own units (x: a skip
-        transcoder's input)."""
-        with torch.no_grad():
-            out = z @ self.params["W_dec"] + self.params["b_dec"]
-            if self.hyper.skip and x is not None:
-                out = out + (x * self.hyper.scale) @ self.params["W_skip"]
-            return out / self.hyper.scale
-
-    def _rate(self) -> float:
-        h, step = self.hyper, self.steps
-        factor = 1.0
-        if h.lr_warmup_steps and step < h.lr_warmup_steps:
-            factor = (step + 1) / h.lr_warmup_steps
-        left = h.total_steps - step
-        if h.lr_decay_steps and left <= h.lr_decay_steps:
-            factor = min(factor, left / h.lr_decay_steps)
-        return h.lr * factor
-
-    def _l1(self) -> float:
+    def _init(self, g: torch.Generator) -> dict[str, Tensor]:
         h = self.hyper
-        if h.l1_warmup_steps and self.steps < h.l1_warmup_steps:
-            return h.l1_coefficient * (self.steps + 1) / h.l1_warmup_steps
-        return h.l1_coefficient
 
-    def _aux_k(self, pre: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """AuxK: the residual from the dead latents' largest pre-activations."""
-        h = self.hyper
-        dead = self.since_fired > h.dead_steps
-        count = int(dead.sum())
-        if count == 0:
-            return pre.new_zeros(())
-        k_aux = h.d_in // 2
-        scale = min(count / k_aux, 1.0)
-        k_aux = min(k_aux, count)
-        masked = torch.where(dead, pre, torch.full_like(pre, -math.inf))
-        top = masked.topk(k_aux, dim=-1)
-        acts = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
-        recon = acts @ self.params["W_dec"]
-        return scale * (recon - residual).pow(2).sum(-1).mean()
+        def rows(n: int, d: int) -> Tensor:
+            # nn.init.kaiming_uniform_ on [n, d] (fan_in d, gain sqrt(2)), then each row to
+            # decoder_init_norm: the same draws as SAELens's from the same generator state.
+            bound = math.sqrt(2.0) * math.sqrt(3.0 / d)
+            w = torch.empty(n, d).uniform_(-bound, bound, generator=g)
+            return w / w.norm(dim=-1, keepdim=True) * h.decoder_init_norm
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        h, p, arch = self.hyper, self.params, self.hyper.architecture
-        pre = self._pre(x)
-        z = self._latents(pre, True)
-        skip = x @ p["W_skip"] if h.skip else 0.0
-        out = z @ p["W_dec"] + p["b_dec"] + skip
-        mse = (out - y).pow(2).sum(-1).mean()
-        parts: dict[str, torch.Tensor] = {"mse": mse}
-        loss = mse
-        if arch == "relu":
-            l1 = (z * p["W_dec"].norm(dim=1)).sum(-1).mean()
-            parts["l1"] = l1
-            loss = loss + self._l1() * l1
-        elif arch == "jumprelu":
-            threshold = p["log_threshold"].exp()
-            l0 = _Step.apply(pre, threshold, h.jumprelu_bandwidth).sum(-1).mean()
-            parts["l0_loss"] = l0
-            loss = loss + h.l0_coefficient * l0
-        else:
-            if arch == "matryoshka_batchtopk":
-                inner = []
-                for width in h.matryoshka_widths:
-                    part = z[:, :width] @ p["W_dec"][:width] + p["b_dec"] + skip
-                    inner.append((part - y).pow(2).sum(-1).mean())
-                loss = torch.stack(inner).mean()
-            aux = self._aux_k(pre, (y - out).detach())
-            parts["aux"] = aux
-            loss = loss + h.aux_k_coefficient * aux
-        return loss, parts, z
-
-    # ------------------------------------------------------------------ one step
-    def step(self, x: torch.Tensor, target: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimiser step on a batch x (B, d_in) (target (B, d_out) for a transcoder);
-        that step's loss, MSE, explained variance, L0, dead fraction and learning rate."""
-        h = self.hyper
-        x = x.to(self.device, torch.float32) * h.scale
-        y = x if target is None else target.to(self.device, torch.float32) * h.scale
-        rate = self._rate()
-        for group in self.optimizer.param_groups:
-            group["lr"] = rate
-        with torch.enable_grad():
-            loss, parts, z = self._loss(x, y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(self.params.values()), 1.0)
-        self.optimizer.step()
-        with torch.no_grad():
-            active = z.detach() > 0
-            fired = active.any(0)
-            self.since_fired = torch.where(fired, 0, self.since_fired + 1)
-            self.fired += active.sum(0).double()
-            self.tokens += x.shape[0]
-            if h.architecture in ("batchtopk", "matryoshka_batchtopk"):
-                kept = z.detach()[active]
-                if kept.numel():
-                    smallest = kept.min().double()
-                    first = self.steps == 0
-                    self.threshold = (
-                        smallest
-                        if first
-                        else (1 - _THRESHOLD_RATE) * self.threshold + _THRESHOLD_RATE * smallest
-                    )
-            total = (y - y.mean(0)).pow(2).sum()
-            mse = parts["mse"].detach()
-            ev = 1 - mse * y.shape[0] / total if total > 0 else torch.tensor(math.nan)
-        self.steps += 1
-        metrics = {
-            "loss": float(loss.detach()),
-            "mse": float(mse) / h.scale**2,
-            "explained_variance": float(ev),
-            "l0": float(active.sum(-1).double().mean()),
-            "dead": float((self.since_fired > h.dead_steps).double().mean()),
-            "lr": rate,
-        }
-        metrics.update({k: float(v.detach()) for k, v in parts.items() if k != "mse"})
-        return metrics
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed job goes on from (tensors and numbers only)."""
-        return {
-            "params": {k: v.detach().clone() for k, v in self.params.items()},
-            # A copy: the optimiser's own state_dict holds its live moment tensors.
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "steps": self.steps,
-            "since_fired": self.since_fired.clone(),
-            "fired": self.fired.clone(),
-            "tokens": self.tokens,
-            "threshold": self.threshold.clone(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for k, v in state["params"].items():
-                self.params[k].copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps, self.tokens = int(state["steps"]), int(state["tokens"])
-        self.since_fired = state["since_fired"].to(self.device)
-        self.fired = state["fired"].to(self.device)
-        self.threshold = state["threshold"].to(self.device)
-
-    # ------------------------------------------------------------------ saving
-    def saved_tensors(self) -> dict[str, torch.Tensor]:
-        """The weights as SAELens's inference class reads them, in the input's own units
-        (expected_average_only_in folded in as SAELens folds it when training ends)."""
-        h, p = self.hyper, {k: v.detach().float().cpu() for k, v in self.params.items()}
-        s = h.scale
+        w_dec = rows(h.width, h.d_out)
+        w_enc = rows(h.width, h.d_in).T if h.transcoder else w_dec.T
         out = {
-            "W_enc": p["W_enc"] * s,
-            "b_enc": p["b_enc"],
-            "W_dec": p["W_dec"] / s,
-            "b_dec": p["b_dec"] / s,
+            "b_dec": torch.zeros(h.d_out),
+            "W_dec": w_dec,
+            "W_enc": w_enc.contiguous(),
+            "b_enc": torch.zeros(h.width),
         }
+        out = {n: t.to(self.device, self.dtype) for n, t in out.items()}
         if h.architecture == "jumprelu":
-            out["threshold"] = p["log_threshold"].exp()
-        elif h.architecture in ("batchtopk", "matryoshka_batchtopk"):
-            out["threshold"] = torch.full((h.width,), float(self.threshold))
+            out["threshold"] = torch.full(
+                (h.width,), h.jumprelu_init_threshold, dtype=torch.float32, device=self.device
+            )
         if h.skip:
-            out["W_skip"] = p["W_skip"]
-        return {k: v.contiguous() for k, v in out.items()}
+            out["W_skip"] = torch.zeros(h.d_out, h.d_in, dtype=self.dtype, device=self.device)
+        return out
 
-    def save(self, folder: Path, hook_name: str, extra_metadata: dict[str, Any]) -> None:
-        """SAELens 6.54's folder: cfg.json, sae_weights.safetensors, sparsity.safetensors
-        (log10 of each latent's firing frequency), written under a temporary name and
-        renamed into place: never a half folder under the final name."""
+    # -- one step -----------------------------------------------------------------------
+
+    def step(
+        self, x: Tensor, target: Tensor | None = None, metrics: bool = True
+    ) -> dict[str, float]:
+        """One optimizer step on the batch `x` (B, d_in); `target` (B, d_out) a transcoder's.
+
+        Args:
+            x: the batch, raw (scaled by `hyper.scale` here).
+            target: a transcoder's target; None for an SAE (x is its target).
+            metrics: compute the step's metrics (False: {} and no host sync beyond AuxK's
+                count of dead latents).
+
+        Returns:
+            The step's metrics as floats: loss, mse (sum over dims, mean over tokens, as
+            SAELens's mse_loss), the architecture's losses (l1, aux, l0_loss, inner_mse_<w>),
+            l0, explained_variance (1 - mean l2 / mean variance) and its legacy per-token
+            mean, lr, the coefficient in use (l1_coefficient, l0_coefficient), dead (the
+            fraction of dead latents), topk_threshold (batchtopk-likes).
+        """
         h = self.hyper
-        saelens = _SAVED[h.architecture][1 if h.transcoder else 0]
-        if h.transcoder and h.skip:
-            saelens = saelens.replace("transcoder", "skip_transcoder")
+        if (self.n_steps + 1) % h.feature_sampling_window == 0:
+            # SAELens resets the density window at the top of every window's last step
+            self.fired_counts.zero_()
+            self.window_tokens = 0
+        x = self._scaled(x, h.d_in)
+        y = x if not h.transcoder else self._scaled(target, h.d_out)
+        dead = self.tokens_since_fired > h.dead_tokens
+        if h.architecture == "jumprelu":
+            with torch.no_grad():
+                self.params["threshold"].clamp_(min=0.0)
+        fwd = self._forward(x, y, dead)
+        with torch.no_grad():
+            fired = fwd.fired
+            self.tokens_since_fired += x.shape[0]
+            self.tokens_since_fired.masked_fill_(fired > 0, 0)
+            self.fired_counts += fired
+            self.window_tokens += x.shape[0]
+            self.n_tokens += x.shape[0]
+        fwd.loss.backward()
+        params = list(self.params.values())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        lr = h.lr * lr_factor(h, self.n_steps)
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.n_steps += 1
+        if not metrics:
+            return {}
+        return self._metrics(fwd, x, y, lr)
+
+    def _scaled(self, t: Tensor | None, width: int) -> Tensor:
+        if t is None:
+            raise ValueError("a transcoder's step needs its target")
+        if t.ndim != 2 or t.shape[1] != width:
+            raise ValueError(f"a batch of shape {tuple(t.shape)}; valid: (B, {width})")
+        t = t.to(self.device, self.dtype)
+        return t * self.hyper.scale if self.hyper.scale != 1.0 else t
+
+    def _pre(self, x: Tensor, w_enc: Tensor, b_enc: Tensor) -> Tensor:
+        """(x - b_dec) W_enc + b_enc, the b_dec product taken once, not per token."""
+        if self.hyper.b_dec_in:
+            b_enc = b_enc - self.params["b_dec"] @ w_enc
+        return torch.addmm(b_enc, x, w_enc)
+
+    def _skip(self, out: Tensor, x: Tensor) -> Tensor:
+        return out + x @ self.params["W_skip"].T if self.hyper.skip else out
+
+    def _forward(self, x: Tensor, y: Tensor, dead: Tensor) -> _Forward:
+        h, p = self.hyper, self.params
+        b = x.shape[0]
+        losses: dict[str, Tensor] = {}
+        if h.architecture in ("relu", "jumprelu"):
+            pre = self._pre(x, p["W_enc"], p["b_enc"])
+            if h.architecture == "relu":
+                z = torch.relu(pre)
+            else:
+                z = _JumpReLU.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+            out = self._skip(torch.addmm(p["b_dec"], z, p["W_dec"]), x)
+            mse = (out - y).pow(2).sum(-1).mean()
+            if h.architecture == "relu":
+                coeff = warmup_coefficient(h.l1_coefficient, h.l1_warmup_steps, self.n_steps)
+                # mean over tokens of sum_i z_i ||W_dec_i|| (z >= 0: SAELens's L1 norm)
+                losses["l1"] = coeff * (z.sum(0) @ p["W_dec"].norm(dim=1)) / b
+            else:
+                coeff = warmup_coefficient(h.l0_coefficient, 0, self.n_steps)
+                gate = _Step.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+                losses["l0_loss"] = (coeff * gate.sum(-1)).mean()
+            active = z != 0
+            fired = active.sum(0)
+            l0 = fired.sum() / b
+        else:
+            out, mse, fired, l0 = self._topk_forward(x, y, dead, losses)
+        loss = mse
+        for value in losses.values():
+            loss = loss + value
+        return _Forward(out, loss, {"mse": mse, **losses}, fired, l0)
+
+    def _topk_forward(
+        self, x: Tensor, y: Tensor, dead: Tensor, losses: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        h, p = self.hyper, self.params
+        b, s = x.shape[0], h.width
+        w_enc, b_enc, w_dec = p["W_enc"], p["b_enc"], p["W_dec"]
+        if h.rescale_acts_by_decoder_norm:
+            # pre * ||W_dec_i|| and z / ||W_dec_i||, folded into the matrices (S x d work,
+            # not B x S); the gradient reaches W_dec's norms through both, as SAELens's.
+            norm = w_dec.norm(dim=-1)
+            w_enc, b_enc, w_dec = w_enc * norm, b_enc * norm, w_dec * (1 / norm)[:, None]
+        hp = self._pre(x, w_enc, b_enc)
+        if h.architecture == "topk":
+            values, idx = hp.topk(int(h.k), dim=-1, sorted=False)
+            z = values.relu()
+            # sum_j z_bj W_dec[idx_bj]: B k d work instead of B S d, both ways
+            out = F.embedding_bag(idx, w_dec, per_sample_weights=z, mode="sum") + p["b_dec"]
+            live = z != 0
+            fired = torch.zeros(s, dtype=torch.int64, device=x.device)
+            fired.index_add_(0, idx.flatten(), live.flatten().to(torch.int64))
+            l0 = live.sum() / b
+        else:
+            flat = hp.relu().flatten()
+            values, idx = flat.topk(int(h.k * b), dim=-1)
+            z = torch.zeros_like(flat).scatter(-1, idx, values).view(b, s)
+            active = z != 0
+            fired = active.sum(0)
+            l0 = fired.sum() / b
+            with torch.no_grad():
+                positive = values[values > 0]
+                if positive.numel() > 0:
+                    lr = h.topk_threshold_lr
+                    self.topk_threshold = (1 - lr) * self.topk_threshold + lr * positive.min().to(
+                        torch.float64
+                    )
+            if h.architecture == "batchtopk":
+                out = torch.addmm(p["b_dec"], z, w_dec)
+            else:
+                # each prefix's reconstruction adds its block to the one before; the last
+                # is the full one (SAELens decodes that once more, whole)
+                decoded, start = p["b_dec"], 0
+                for width in h.matryoshka_widths:
+                    decoded = torch.addmm(decoded, z[:, start:width], w_dec[start:width])
+                    if width != h.width:
+                        losses[f"inner_mse_{width}"] = (decoded - y).pow(2).sum(-1).mean()
+                    start = width
+                out = decoded
+        out = self._skip(out, x)
+        mse = (out - y).pow(2).sum(-1).mean()
+        losses["aux"] = self._aux_k(y, out, hp, w_dec, dead)
+        return out, mse, fired, l0
+
+    def _aux_k(self, y: Tensor, out: Tensor, hp: Tensor, w_dec: Tensor, dead: Tensor) -> Tensor:
+        """SAELens's AuxK loss (TopKTrainingSAE.calculate_topk_aux_loss)."""
+        n_dead = int(dead.sum())  # a host sync, as SAELens's: k_aux depends on it
+        if n_dead == 0:
+            return out.new_zeros(())
+        k_aux = y.shape[-1] // 2
+        scale = min(n_dead / k_aux, 1.0)
+        k_aux = min(k_aux, n_dead)
+        residual = (y - out).detach()
+        values, idx = torch.where(dead[None], hp, -torch.inf).topk(k_aux, sorted=False)
+        recons = F.embedding_bag(idx, w_dec, per_sample_weights=values, mode="sum")
+        return self.hyper.aux_k_coefficient * scale * (recons - residual).pow(2).sum(-1).mean()
+
+    @torch.no_grad()
+    def _metrics(self, fwd: _Forward, x: Tensor, y: Tensor, lr: float) -> dict[str, float]:
+        h = self.hyper
+        y = y.to(torch.promote_types(y.dtype, torch.float32))
+        l2 = (fwd.out.detach() - y).pow(2).sum(-1)
+        var = (y - y.mean(0)).pow(2).sum(-1)
+        names = ["loss", *fwd.losses, "l0", "explained_variance", "explained_variance_legacy"]
+        values = [fwd.loss.detach(), *(v.detach() for v in fwd.losses.values()), fwd.l0]
+        values += [1 - l2.mean() / var.mean(), (1 - l2 / var).mean()]
+        names.append("dead")
+        values.append((self.tokens_since_fired > h.dead_tokens).float().mean())
+        if h.architecture in _BATCH_TOPKS:
+            names.append("topk_threshold")
+            values.append(self.topk_threshold)
+        # one transfer for all of them
+        floats = torch.stack([v.to(torch.float64) for v in values]).tolist()
+        result = dict(zip(names, floats, strict=True))
+        result["lr"] = lr
+        if h.architecture == "relu":
+            result["l1_coefficient"] = warmup_coefficient(
+                h.l1_coefficient, h.l1_warmup_steps, self.n_steps - 1
+            )
+        if h.architecture == "jumprelu":
+            result["l0_coefficient"] = h.l0_coefficient
+        return result
+
+    # -- the saved dictionary -----------------------------------------------------------
+
+    @torch.no_grad()
+    def inference_tensors(self) -> dict[str, Tensor]:
+        """The tensors SAELens's save_inference_model writes after `fit` (copies, on CPU).
+
+        The scale folded in (W_enc * s, W_dec / s, b_dec / s), then for topk-likes the
+        decoder norms (b_enc and W_enc times them, W_dec rows to norm 1), batchtopk's
+        threshold as a JumpReLU's, a skip transcoder's W_skip [d_out, d_in].
+        """
+        h = self.hyper
+        t = {n: v.detach().clone() for n, v in self.params.items()}
+        s = h.scale
+        if s != 1.0:
+            t["W_enc"], t["W_dec"], t["b_dec"] = t["W_enc"] * s, t["W_dec"] / s, t["b_dec"] / s
+        if h.architecture in _TOPKS and h.rescale_acts_by_decoder_norm:
+            norm = t["W_dec"].norm(dim=-1).clamp(min=1e-8)
+            t["b_enc"], t["W_dec"] = t["b_enc"] * norm, t["W_dec"] / norm[:, None]
+            t["W_enc"] = t["W_enc"] * norm[None, :]
+        if h.architecture in _BATCH_TOPKS:
+            threshold = self.topk_threshold.item()
+            if h.rescale_acts_by_decoder_norm:
+                # the folded pre-activations are the training ones / s; SAELens 6.54 keeps
+                # the training threshold unscaled, which fires other latents when s != 1
+                threshold = threshold / s
+            t["threshold"] = torch.ones_like(t["b_enc"]) * threshold
+        return {n: v.to("cpu").contiguous() for n, v in t.items()}
+
+    def dictionary(self) -> Dictionary:
+        """The dictionary as saved, in memory (hookrun's, whose math is SAELens's)."""
+        h = self.hyper
+        arch = _SAE_NAMES[h.architecture]
+        tensors = {n: v.to(self.device) for n, v in self.inference_tensors().items()}
+        if "W_skip" in tensors:
+            tensors["W_skip"] = tensors["W_skip"].T  # hookrun keeps x @ W_skip's layout
+        return Dictionary(
+            name="training",
+            architecture={"standard": "standard", "topk": "topk"}.get(arch, "jumprelu"),
+            d_in=h.d_in,
+            d_sae=h.width,
+            d_out=h.d_out,
+            transcoder=h.transcoder,
+            hook_name=None,
+            hook_name_out=None,
+            k=int(h.k) if h.architecture == "topk" else None,
+            apply_b_dec_to_input=h.b_dec_in,
+            normalize="none",
+            scaling_factor=None,
+            tensors=tensors,
+            source=Path(),
+            sha256="",
+            rescale_acts_by_decoder_norm=h.architecture == "topk"
+            and h.rescale_acts_by_decoder_norm,
+        )
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        """The latents of raw `x` as the saved dictionary computes them (batchtopk: its
+        threshold, as the JumpReLU it is saved as)."""
+        return self.dictionary().encode(x.to(self.device))
+
+    @torch.no_grad()
+    def decode(self, z: Tensor, x: Tensor | None = None) -> Tensor:
+        """The saved dictionary's reconstruction of latents `z` (x: a skip transcoder's)."""
+        return self.dictionary().decode(z, None if x is None else x.to(self.device))
+
+    @property
+    def feature_density(self) -> Tensor:
+        """Each latent's firing fraction over the current density window (SAELens's)."""
+        return self.fired_counts.to(torch.float32) / max(self.window_tokens, 1)
+
+    def _cfg(self, hook_name: str, extra: dict[str, Any]) -> dict[str, Any]:
+        h = self.hyper
+        arch = _SAE_NAMES[h.architecture]
+        if h.transcoder:
+            arch = ("jumprelu_" if arch == "jumprelu" else "") + (
+                "skip_transcoder" if h.skip else "transcoder"
+            )
+        training_arch = _TRAINING_NAMES.get(h.architecture, h.architecture)
+        details = {
+            n: v for n, v in dataclasses.asdict(h).items() if n not in ("d_in", "d_out", "width")
+        }
+        density = self.feature_density
+        metadata = {
+            **extra,
+            "hook_name": hook_name,
+            "sae_lens_training_version": f"hookrun (SAELens {SAELENS_VERSION} semantics)",
+            "training_architecture": training_arch,
+            "training_architecture_details": details,
+            "n_training_steps": self.n_steps,
+            "n_training_tokens": self.n_tokens,
+        }
+        if self.window_tokens > 0:
+            metadata["l0"] = density.sum().item()
+            metadata["num_dead_features"] = int((self.tokens_since_fired > h.dead_tokens).sum())
         cfg: dict[str, Any] = {
-            "architecture": saelens,
+            "architecture": arch,
             "d_in": h.d_in,
             "d_sae": h.width,
-            "dtype": "float32",
+            "dtype": str(self.dtype).removeprefix("torch."),
             "device": "cpu",
-            "apply_b_dec_to_input": not h.transcoder,
-            "normalize_activations": "none",
+            "apply_b_dec_to_input": h.b_dec_in,
+            "normalize_activations": "none",  # the scale is folded into the weights
             "reshape_activations": "none",
-            "metadata": {
-                "hook_name": hook_name,
-                "sae_lens_training_version": None,
-                "hookrun_training": asdict(h),
-                **extra_metadata,
-            },
+            "metadata": metadata,
         }
         if h.transcoder:
             cfg["d_out"] = h.d_out
-        if h.architecture == "topk":
-            cfg["k"] = h.k
-            cfg["rescale_acts_by_decoder_norm"] = False
-        frequency = (self.fired / max(self.tokens, 1)).float().cpu()
+        if arch == "topk":
+            cfg["k"] = int(h.k)
+            cfg["rescale_acts_by_decoder_norm"] = h.rescale_acts_by_decoder_norm
+        return cfg
+
+    def save(self, folder: Path, hook_name: str, extra_metadata: dict[str, Any]) -> None:
+        """Write the dictionary as SAELens 6.54's training writes its final one.
+
+        cfg.json, sae_weights.safetensors and sparsity.safetensors (log10 feature density),
+        written into a temporary folder beside `folder`, then renamed to it: `folder` is
+        never half written (one that exists is replaced whole).
+
+        Args:
+            folder: the folder to write.
+            hook_name: the TransformerLens hook it reads (metadata.hook_name).
+            extra_metadata: more metadata keys (model_name, hook_name_out, ...).
+        """
+        folder = Path(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        temp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         try:
-            save_file(self.saved_tensors(), str(temp / "sae_weights.safetensors"))
-            save_file(
-                {"sparsity": torch.log10(frequency + 1e-10)}, str(temp / "sparsity.safetensors")
-            )
-            (temp / "cfg.json").write_text(json.dumps(cfg, indent=1, default=str) + "\n")
+            save_file(self.inference_tensors(), str(tmp / "sae_weights.safetensors"))
+            sparsity = torch.log10(self.feature_density + _EPS_SPARSITY).cpu()
+            save_file({"sparsity": sparsity}, str(tmp / "sparsity.safetensors"))
+            (tmp / "cfg.json").write_text(json.dumps(self._cfg(hook_name, extra_metadata)))
             if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(temp, folder)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
+                old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+                os.replace(folder, old)
+                os.replace(tmp, folder)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- resuming -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue bit for bit (copies: training on does not change it)."""
+        opt = self.optimizer.state_dict()
+        return {
+            "hyper": dataclasses.asdict(self.hyper),
+            "params": {n: v.detach().clone() for n, v in self.params.items()},
+            "optimizer": {
+                "state": {
+                    i: {n: v.clone() if isinstance(v, Tensor) else v for n, v in s.items()}
+                    for i, s in opt["state"].items()
+                },
+                "param_groups": [dict(g) for g in opt["param_groups"]],
+            },
+            "n_steps": self.n_steps,
+            "n_tokens": self.n_tokens,
+            "tokens_since_fired": self.tokens_since_fired.clone(),
+            "fired_counts": self.fired_counts.clone(),
+            "window_tokens": self.window_tokens,
+            "topk_threshold": self.topk_threshold.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `state_dict` of a Trainer of the same hyperparameters)."""
+        mine = dataclasses.asdict(self.hyper)
+        theirs = {n: tuple(v) if isinstance(v, list) else v for n, v in state["hyper"].items()}
+        if {n: tuple(v) if isinstance(v, list) else v for n, v in mine.items()} != theirs:
+            raise ValueError("the state is of a dictionary with other hyperparameters")
+        with torch.no_grad():
+            for n, v in state["params"].items():
+                self.params[n].copy_(v)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.n_steps = int(state["n_steps"])
+        self.n_tokens = int(state["n_tokens"])
+        self.tokens_since_fired = state["tokens_since_fired"].to(self.device).clone()
+        self.fired_counts = state["fired_counts"].to(self.device).clone()
+        self.window_tokens = int(state["window_tokens"])
+        self.topk_threshold = state["topk_threshold"].to(self.device).clone()
