@@ -35,6 +35,9 @@ REFUSED = {
     # Its dictionary is the user's to give (hooks.sae.args.path), refused before any work.
     ("resnet18", "sae"): "hooks.sae.args.path: null",
     ("vit", "sae"): "hooks.sae.args.path: null",
+    # Training reads a language model's tokens: one image row is refused before any work.
+    ("resnet18", "train_sae"): "leaves none to train on",
+    ("vit", "train_sae"): "leaves none to train on",
     ("vit", "generate"): "valid: a causal language model",
     ("resnet18", "steering"): "matches no module",
     ("resnet18", "circuit"): "target.kind: answer",

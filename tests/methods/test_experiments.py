@@ -112,6 +112,7 @@ def test_every_experiment_file_is_tested():
                 "score_cam",
                 "smoothgrad",
                 "steering",  # tests/lm/test_steering.py
+                "train_sae",  # tests/training/test_train_job.py
             ]
         )
         == EXPERIMENTS
@@ -310,6 +311,7 @@ LANGUAGE = (
     "logit_lens",
     "sae",
     "steering",
+    "train_sae",
 )
 
 
