@@ -54,9 +54,7 @@ def _damage(f: h5py.File, path: Path) -> tuple[str, int, list[str], list[str]]:
     # A stage's job of its own (a training job: layout attribute `job`) writes no rows.
     required = () if attr(f, JOB_ATTR) else _REQUIRED
     damage += [
-        f"/{name}: missing (every hookrun file has it)"
-        for name in required
-        if name not in names
+        f"/{name}: missing (every hookrun file has it)" for name in required if name not in names
     ]
     for stage in stages():  # what a stage says of its part (a sanity check's verdicts)
         damage += stage.damage(f, state.status == "complete")
