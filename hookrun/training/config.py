@@ -153,7 +153,9 @@ class TrainConfig(Frozen):
     """none | expected_average_only_in (inputs scaled to mean norm sqrt(d_in); saved as
     SAELens saves it)."""
     dtype: str = "float32"
-    """The dictionaries' compute dtype on a GPU (autocast): float32 | bfloat16 | float16."""
+    """The dictionaries' forward under torch.autocast in this dtype, as SAELens's `autocast`
+    (the parameters, gradients and Adam stay float32): float32 (no autocast) | bfloat16 |
+    float16. Meant for a GPU; the CPU's autocast runs too, mostly slower."""
     from_: str | None = None
     """A captures.h5 of an earlier run holding the sites' captures (`sae.from` on the command
     line): read through TokenBatches instead of running the model."""

@@ -198,6 +198,72 @@ class _Step(torch.autograd.Function):
         return None, -((1.0 / bw) * window * grad).sum(0), None
 
 
+class _ReluCode(torch.autograd.Function):
+    """relu's encode and decode with its L1 term, the gradients written out.
+
+    Forward: pre = x W_enc + (b_enc - b_dec W_enc), z = relu(pre), core = z W_dec + b_dec,
+    l1 = sum_i (sum_b z_bi) ||W_dec_i||; it returns (core, l1, fired per latent). The
+    autograd graph would take about twice the passes over the B x S latents that these
+    gradients need (the L1's broadcast, its column sums, a bool copy for the firing count);
+    here the L1's gradient into z rides in the decoder's backward matmul as its bias, z
+    overwrites pre, and the column sums are taken once.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        w_enc: Tensor,
+        b_enc: Tensor,
+        w_dec: Tensor,
+        b_dec: Tensor,
+        b_dec_in: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            # autocast's choice made here once, so that the backward computes in it too
+            low = torch.get_autocast_dtype(kind)
+            x, w_enc, b_enc, w_dec, b_dec = (t.to(low) for t in (x, w_enc, b_enc, w_dec, b_dec))
+        with torch.autocast(kind, enabled=False):
+            return _ReluCode._code(ctx, x, w_enc, b_enc, w_dec, b_dec, b_dec_in)
+
+    @staticmethod
+    def _code(
+        ctx: Any,
+        x: Tensor,
+        w_enc: Tensor,
+        b_enc: Tensor,
+        w_dec: Tensor,
+        b_dec: Tensor,
+        b_dec_in: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        bias = b_enc - b_dec @ w_enc if b_dec_in else b_enc
+        z = torch.addmm(bias, x, w_enc).relu_()
+        core = torch.addmm(b_dec, z, w_dec)
+        norm = w_dec.norm(dim=1)
+        z_sum = z.sum(0)
+        fired = torch.count_nonzero(z, dim=0)
+        ctx.save_for_backward(x, w_enc, w_dec, b_dec, z, norm, z_sum)
+        ctx.b_dec_in = b_dec_in
+        ctx.mark_non_differentiable(fired)
+        return core, z_sum @ norm, fired
+
+    @staticmethod
+    def backward(ctx: Any, d_core: Tensor, d_l1: Tensor, _: Any) -> tuple[Any, ...]:
+        x, w_enc, w_dec, b_dec, z, norm, z_sum = ctx.saved_tensors
+        d_core, d_l1 = d_core.to(z.dtype), d_l1.to(z.dtype)
+        d_w_dec = z.T @ d_core + (d_l1 * z_sum / norm)[:, None] * w_dec
+        d_b_dec = d_core.sum(0)
+        # dL/dz = d_core W_dec^T + d_l1 ||W_dec_i||, zero where relu cut
+        d_pre = torch.addmm(d_l1 * norm, d_core, w_dec.T).masked_fill_(z == 0, 0)
+        d_b_enc = d_pre.sum(0)
+        d_w_enc = x.T @ d_pre
+        if ctx.b_dec_in:
+            d_w_enc -= b_dec[:, None] * d_b_enc[None]
+            d_b_dec = d_b_dec - w_enc @ d_b_enc
+        return None, d_w_enc, d_b_enc, d_w_dec, d_b_dec, None
+
+
 @dataclass
 class _Forward:
     """One training forward pass: what the loss, the counters and the metrics need."""
@@ -218,6 +284,9 @@ class Trainer:
             then moved), so the same generator state gives the same dictionary anywhere.
         device: where it trains.
         dtype: its parameters' dtype (JumpReLU's threshold stays float32, as SAELens's).
+        autocast: the forward's compute dtype under torch.autocast (SAELens's `autocast`:
+            bfloat16 or float16 matmuls, the parameters, Adam and the counters in `dtype`);
+            None: `dtype` throughout.
     """
 
     def __init__(
@@ -226,8 +295,10 @@ class Trainer:
         generator: torch.Generator,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        autocast: torch.dtype | None = None,
     ) -> None:
         _check(hyper)
+        self.autocast = autocast
         self.hyper = h = hyper
         self.device = torch.device(device)
         self.dtype = dtype
@@ -308,7 +379,11 @@ class Trainer:
         if h.architecture == "jumprelu":
             with torch.no_grad():
                 self.params["threshold"].clamp_(min=0.0)
-        fwd = self._forward(x, y, dead)
+        if self.autocast is None:
+            fwd = self._forward(x, y, dead)
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                fwd = self._forward(x, y, dead)
         with torch.no_grad():
             fired = fwd.fired
             self.tokens_since_fired += x.shape[0]
@@ -349,24 +424,25 @@ class Trainer:
         h, p = self.hyper, self.params
         b = x.shape[0]
         losses: dict[str, Tensor] = {}
-        if h.architecture in ("relu", "jumprelu"):
+        if h.architecture == "relu":
+            core, l1, fired = _ReluCode.apply(
+                x, p["W_enc"], p["b_enc"], p["W_dec"], p["b_dec"], h.b_dec_in
+            )
+            out = self._skip(core, x)
+            mse = (out - y).pow(2).sum(-1).mean()
+            coeff = warmup_coefficient(h.l1_coefficient, h.l1_warmup_steps, self.n_steps)
+            # mean over tokens of sum_i z_i ||W_dec_i|| (z >= 0: SAELens's L1 norm)
+            losses["l1"] = coeff * l1 / b
+            l0 = fired.sum() / b
+        elif h.architecture == "jumprelu":
             pre = self._pre(x, p["W_enc"], p["b_enc"])
-            if h.architecture == "relu":
-                z = torch.relu(pre)
-            else:
-                z = _JumpReLU.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+            z = _JumpReLU.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
             out = self._skip(torch.addmm(p["b_dec"], z, p["W_dec"]), x)
             mse = (out - y).pow(2).sum(-1).mean()
-            if h.architecture == "relu":
-                coeff = warmup_coefficient(h.l1_coefficient, h.l1_warmup_steps, self.n_steps)
-                # mean over tokens of sum_i z_i ||W_dec_i|| (z >= 0: SAELens's L1 norm)
-                losses["l1"] = coeff * (z.sum(0) @ p["W_dec"].norm(dim=1)) / b
-            else:
-                coeff = warmup_coefficient(h.l0_coefficient, 0, self.n_steps)
-                gate = _Step.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
-                losses["l0_loss"] = (coeff * gate.sum(-1)).mean()
-            active = z != 0
-            fired = active.sum(0)
+            coeff = warmup_coefficient(h.l0_coefficient, 0, self.n_steps)
+            gate = _Step.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+            losses["l0_loss"] = (coeff * gate.sum(-1)).mean()
+            fired = torch.count_nonzero(z, dim=0)
             l0 = fired.sum() / b
         else:
             out, mse, fired, l0 = self._topk_forward(x, y, dead, losses)
@@ -391,7 +467,9 @@ class Trainer:
             values, idx = hp.topk(int(h.k), dim=-1, sorted=False)
             z = values.relu()
             # sum_j z_bj W_dec[idx_bj]: B k d work instead of B S d, both ways
-            out = F.embedding_bag(idx, w_dec, per_sample_weights=z, mode="sum") + p["b_dec"]
+            # (under autocast the latents come in its dtype: the decoder is taken in it too)
+            out = F.embedding_bag(idx, w_dec.to(z.dtype), per_sample_weights=z, mode="sum")
+            out = out + p["b_dec"]
             live = z != 0
             fired = torch.zeros(s, dtype=torch.int64, device=x.device)
             fired.index_add_(0, idx.flatten(), live.flatten().to(torch.int64))
@@ -437,7 +515,7 @@ class Trainer:
         k_aux = min(k_aux, n_dead)
         residual = (y - out).detach()
         values, idx = torch.where(dead[None], hp, -torch.inf).topk(k_aux, sorted=False)
-        recons = F.embedding_bag(idx, w_dec, per_sample_weights=values, mode="sum")
+        recons = F.embedding_bag(idx, w_dec.to(values.dtype), per_sample_weights=values, mode="sum")
         return self.hyper.aux_k_coefficient * scale * (recons - residual).pow(2).sum(-1).mean()
 
     @torch.no_grad()

@@ -233,6 +233,11 @@ class _Job:
         return saved
 
     # ------------------------------------------------------------------ the steps
+    @property
+    def _autocast(self) -> torch.dtype | None:
+        """sae.dtype as torch.autocast's dtype; float32: no autocast."""
+        return None if self.config.dtype == "float32" else getattr(torch, self.config.dtype)
+
     def _trainers(self, saved: dict | None) -> list[Trainer]:
         trainers = []
         for d in self.job.dictionaries:
@@ -244,7 +249,9 @@ class _Job:
                 self.config.steps,
                 scale,
             )
-            trainer = Trainer(hyper, _generator(self.spec.seed, d.name), self.device)
+            trainer = Trainer(
+                hyper, _generator(self.spec.seed, d.name), self.device, autocast=self._autocast
+            )
             if saved is not None:
                 trainer.load_state_dict(saved["trainers"][d.name])
             trainers.append(trainer)

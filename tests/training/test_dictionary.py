@@ -17,6 +17,7 @@ from hookrun.training.dictionary import (
     Hyper,
     Trainer,
     _JumpReLU,
+    _ReluCode,
     _Step,
     lr_factor,
     warmup_coefficient,
@@ -57,6 +58,38 @@ def test_relu_loss_by_hand() -> None:
     assert m["l0"] == pytest.approx(2.5)
     var = ((X - X.mean(0)) ** 2).sum(-1).mean().item()  # 0.25 + 0.25 per token
     assert m["explained_variance"] == pytest.approx(1 - mse / var, rel=1e-6)
+
+
+@pytest.mark.parametrize("b_dec_in", [True, False])
+def test_relu_written_out_gradients_equal_autograd_of_the_formula(b_dec_in: bool) -> None:
+    """relu's hand-written backward (_ReluCode) against autograd through the plain formula
+    (pre = (x - b_dec) W_enc + b_enc, z = relu(pre), z W_dec + b_dec, L1 = sum z ||W_dec||),
+    in float64, some latents cut by the relu and one never firing."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    w_enc = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    b_enc = torch.randn(6, generator=g, dtype=torch.float64)
+    b_enc[2] = -100.0  # a latent that never fires
+    w_dec = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    b_dec = torch.randn(4, generator=g, dtype=torch.float64)
+    target = torch.randn(7, 4, generator=g, dtype=torch.float64)
+
+    def loss(core: torch.Tensor, l1: torch.Tensor) -> torch.Tensor:
+        return (core - target).pow(2).sum() + 0.7 * l1
+
+    leaves = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
+    core, l1, fired = _ReluCode.apply(x, *leaves, b_dec_in)
+    loss(core, l1).backward()
+    ours = [t.grad for t in leaves]
+
+    ref = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
+    we, be, wd, bd = ref
+    z = torch.relu(((x - bd) if b_dec_in else x) @ we + be)
+    loss(z @ wd + bd, (z * wd.norm(dim=1)).sum()).backward()
+    for name, a, b in zip(("W_enc", "b_enc", "W_dec", "b_dec"), ours, ref, strict=True):
+        torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert torch.equal(fired, (z > 0).sum(0))
+    assert fired[2] == 0
 
 
 def test_l1_warmup_and_lr_schedule_by_hand() -> None:
@@ -241,3 +274,26 @@ def test_transcoder_saves_as_saelens_names_it(tmp_path) -> None:
     (d,) = load_dictionaries(tmp_path / "tc", "test")
     assert d.transcoder and d.hook_name_out == "blocks.0.hook_mlp_out"
     torch.testing.assert_close(d.decode(d.encode(x), x), t.decode(t.encode(x), x))
+
+
+@pytest.mark.parametrize("arch", ["relu", "topk", "batchtopk", "jumprelu"])
+def test_autocast_computes_in_bfloat16_and_keeps_float32_parameters(arch: str) -> None:
+    """sae.dtype=bfloat16: the forward's matmuls in bfloat16 (SAELens's autocast), the
+    parameters, gradients and Adam in float32; training still converges alike."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4000, 16, generator=g)
+    kw = {"k": 4} if "topk" in arch else {}
+    results = {}
+    for low in (None, torch.bfloat16):
+        t = Trainer(
+            Hyper(arch, 16, 16, 64, total_steps=20, lr=3e-3, **kw),
+            torch.Generator().manual_seed(0),
+            autocast=low,
+        )
+        for i in range(20):
+            m = t.step(x[i * 200 : (i + 1) * 200])
+        assert all(p.dtype == torch.float32 for p in t.params.values())
+        results[low] = (m["explained_variance"], t.params["W_enc"].detach().clone())
+    (ev32, w32), (ev16, w16) = results[None], results[torch.bfloat16]
+    assert not torch.equal(w32, w16)  # the bfloat16 rounding reached the updates
+    assert abs(ev16 - ev32) < 0.02

@@ -183,3 +183,14 @@ def test_a_cache_key_that_is_not_one_row_per_token_is_refused(tmp_path: Path):
     with pytest.raises(HookrunError) as err:
         hookrun.run([*SMALL, f"sae.from={cache.path}"], run_dir=tmp_path / "train")
     assert "not one vector per token" in str(err.value)
+
+
+def test_sae_dtype_bfloat16_trains_under_autocast_with_float32_weights(tmp_path: Path):
+    short = [*SMALL, "sae.tokens=4096"]
+    plain = hookrun.run(short, run_dir=tmp_path / "float32")
+    low = hookrun.run([*short, "sae.dtype=bfloat16"], run_dir=tmp_path / "bfloat16")
+    assert "complete" in plain.summary and "complete" in low.summary
+    a, b = _weights(tmp_path / "float32"), _weights(tmp_path / "bfloat16")
+    assert all(t.dtype == torch.float32 for t in b.values())
+    assert not torch.equal(a["W_enc"], b["W_enc"])  # the forward really ran in bfloat16
+    assert torch.allclose(a["W_enc"], b["W_enc"], atol=0.05)
