@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -76,12 +77,12 @@ def _worker(args: argparse.Namespace) -> None:
     trainer = Trainer(h, torch.Generator().manual_seed(0))
     batches = list(train.split(args.batch))
     trainer.step(batches[0], metrics=not args.no_metrics)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for batch in batches[1:]:
         trainer.step(batch, metrics=not args.no_metrics)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "peak_rss": peak}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak}))
 
 
 def _saelens_case(h, batch: int, init: Path) -> dict:
@@ -135,6 +136,7 @@ def main() -> None:
         cases[name] = _saelens_case(h, args.batch, init)
     python = saelens_python()
     seconds: dict[str, dict[str, list[float]]] = {n: {"hookrun": [], "saelens": []} for n in cases}
+    cpu: dict[str, dict[str, list[float]]] = {n: {"hookrun": [], "saelens": []} for n in cases}
     rss: dict[str, dict[str, int]] = {n: {} for n in cases}
     for rep in range(args.reps):
         for name, case in cases.items():
@@ -150,7 +152,8 @@ def main() -> None:
                     cmd += ["--no-metrics"] if args.no_metrics else []
                     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
                     result = json.loads(done.stdout.strip().splitlines()[-1])
-                    secs, peak = result["seconds"], result["peak_rss"]
+                    secs, used = result["seconds"], result["cpu_seconds"]
+                    peak = result["peak_rss"]
                 else:
                     spec = {
                         "data": str(data),
@@ -165,10 +168,12 @@ def main() -> None:
                         check=True,
                     )
                     result = json.loads((tmp / "out" / "bench.json").read_text())
-                    secs, peak = result["seconds"][name][0], result["peak_rss"]
+                    secs, used = result["seconds"][name][0], result["cpu_seconds"][name][0]
+                    peak = result["peak_rss"]
                 seconds[name][lib].append(secs)
+                cpu[name][lib].append(used)
                 rss[name][lib] = max(rss[name].get(lib, 0), peak)
-                print(f"rep {rep} {name} {lib}: {secs:.2f} s", flush=True)
+                print(f"rep {rep} {name} {lib}: {secs:.2f} s, {used:.2f} CPU s", flush=True)
     tokens = args.steps * args.batch
     print(
         f"\nd_in {args.d_in}, width {args.width}, batch {args.batch}, {args.steps} steps, "
@@ -176,18 +181,24 @@ def main() -> None:
         f"median of {args.reps}; metrics {'off' if args.no_metrics else 'on'}\n"
     )
     print(
-        "| architecture | SAELens s / hookrun s | hookrun tokens/s | SAELens tokens/s "
-        "| peak RSS hookrun / SAELens |"
+        "| architecture | SAELens s / hookrun s | SAELens CPU s / hookrun CPU s "
+        "| hookrun tokens/s | SAELens tokens/s | peak RSS hookrun / SAELens |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
+
+    def ratio(times: dict[str, list[float]]) -> float:
+        pairs = zip(times["hookrun"], times["saelens"], strict=True)
+        return statistics.median(t / o for o, t in pairs)
+
     for name in cases:
         ours, theirs = seconds[name]["hookrun"], seconds[name]["saelens"]
-        ratio = statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
         print(
-            f"| {name} | {ratio:.2f}× | {tokens / statistics.median(ours):,.0f} | "
+            f"| {name} | {ratio(seconds[name]):.2f}× | {ratio(cpu[name]):.2f}× | "
+            f"{tokens / statistics.median(ours):,.0f} | "
             f"{tokens / statistics.median(theirs):,.0f} | "
             f"{rss[name]['hookrun'] / 2**20:.0f} / {rss[name]['saelens'] / 2**20:.0f} MiB |"
         )
+    print(f"\nload average while measured: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -194,3 +196,41 @@ def test_sae_dtype_bfloat16_trains_under_autocast_with_float32_weights(tmp_path:
     assert all(t.dtype == torch.float32 for t in b.values())
     assert not torch.equal(a["W_enc"], b["W_enc"])  # the forward really ran in bfloat16
     assert torch.allclose(a["W_enc"], b["W_enc"], atol=0.05)
+
+
+def test_kill_9_during_the_final_scoring_then_resume_completes_with_the_same_weights(
+    tmp_path: Path,
+):
+    """The scoring after the last step is part of the job: a kill there leaves the saved
+    folder and the checkpoint; the resume saves the same weights and finishes the scores."""
+    import hashlib
+
+    # a scoring run of 48 one-row batches: long enough to be killed inside
+    args = [*SMALL, "sae.tokens=4096", "sae.heldout.rows=48", "batch_size=1"]
+    run_dir = tmp_path / "run"
+    proc = spawn([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    scores = run_dir / "scores" / NAME / "captures.h5"
+    deadline = time.monotonic() + 300
+    while not scores.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0, 0.3))
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the job ended before the kill"
+    weights = run_dir / "sae" / NAME / "sae_weights.safetensors"
+    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    with h5py.File(run_dir / "captures.h5") as f:
+        assert f.attrs["status"] != "complete"
+    done = hookrun_cli([*args, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
+    with h5py.File(run_dir / "captures.h5") as f:
+        assert f.attrs["status"] == "complete"
+        assert f"train/{NAME}/scores" in f
+        assert all(np.isfinite(f[f"train/{NAME}/scores"][()]))
+    verified = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(run_dir / "captures.h5")],
+        capture_output=True,
+        text=True,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
