@@ -2,22 +2,20 @@
 
 It holds every trainer's state (weights, optimiser, schedule, counters), the data's
 position, the normalisation factors and the curves so far: all a resumed job needs to
-repeat the steps after it exactly. It is written to a temporary name beside it, flushed to
-the disk and renamed over the old one, so a kill at any moment leaves the old checkpoint or
-the new one, never a torn file.
+repeat the steps after it exactly. It is replaced whole (io/whole_file.py), so a kill at any
+moment leaves the old checkpoint or the new one, never a torn file.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hookrun.errors import HookrunError
+from hookrun.io.whole_file import replaced_whole
 
 __all__ = ["path_of", "save", "load", "remove"]
 
@@ -31,28 +29,8 @@ def path_of(run_dir: Path) -> Path:
 
 def save(run_dir: Path, state: dict[str, Any]) -> None:
     """`state` as the run's checkpoint, replacing the one before only once it is on disk."""
-    final = path_of(run_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=final.parent, prefix=f".{NAME}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    _sync_folder(final.parent)
-
-
-def _sync_folder(folder: Path) -> None:
-    """The rename itself on disk (a power cut after it keeps the new name)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with replaced_whole(path_of(run_dir)) as temp:
+        torch.save(state, temp)
 
 
 def load(run_dir: Path) -> dict[str, Any] | None:

@@ -225,24 +225,12 @@ class _ReluCode(torch.autograd.Function):
             low = torch.get_autocast_dtype(kind)
             x, w_enc, b_enc, w_dec, b_dec = (t.to(low) for t in (x, w_enc, b_enc, w_dec, b_dec))
         with torch.autocast(kind, enabled=False):
-            return _ReluCode._code(ctx, x, w_enc, b_enc, w_dec, b_dec, b_dec_in)
-
-    @staticmethod
-    def _code(
-        ctx: Any,
-        x: Tensor,
-        w_enc: Tensor,
-        b_enc: Tensor,
-        w_dec: Tensor,
-        b_dec: Tensor,
-        b_dec_in: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        bias = b_enc - b_dec @ w_enc if b_dec_in else b_enc
-        z = torch.addmm(bias, x, w_enc).relu_()
-        core = torch.addmm(b_dec, z, w_dec)
-        norm = w_dec.norm(dim=1)
-        z_sum = z.sum(0)
-        fired = torch.count_nonzero(z, dim=0)
+            bias = b_enc - b_dec @ w_enc if b_dec_in else b_enc
+            z = torch.addmm(bias, x, w_enc).relu_()
+            core = torch.addmm(b_dec, z, w_dec)
+            norm = w_dec.norm(dim=1)
+            z_sum = z.sum(0)
+            fired = torch.count_nonzero(z, dim=0)
         ctx.save_for_backward(x, w_enc, w_dec, b_dec, z, norm, z_sum)
         ctx.b_dec_in = b_dec_in
         ctx.mark_non_differentiable(fired)

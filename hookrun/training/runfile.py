@@ -19,8 +19,6 @@ one readable.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import h5py
 import numpy as np
 
 from hookrun.io.layout import JOB_ATTR, Provenance, attr, open_readonly, set_attrs, write_header
+from hookrun.io.whole_file import replaced_whole
 
 __all__ = ["GROUP", "JOB", "Written", "write", "is_complete", "sha256_of", "read"]
 
@@ -65,33 +64,21 @@ def write(
     steps: int,
 ) -> None:
     """The whole file from the job's state, replacing the old one only once it is on disk."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    try:
-        with h5py.File(temp, "w") as f:
-            write_header(f, header)
-            set_attrs(f, {JOB_ATTR: JOB, "status": status, "error": error, "step": step})
-            set_attrs(f, {"steps": steps, "completed": 0})
-            for d in dictionaries:
-                name = d.info["name"]
-                group = f.create_group(f"{GROUP}/{name}")
-                set_attrs(group, d.info)
-                curves = group.create_dataset("curves", data=d.curves, fletcher32=True)
-                set_attrs(curves, {"fields": list(fields)})
-                if d.scores is not None:
-                    scores = group.create_dataset(
-                        "scores", data=np.asarray(d.scores["values"], dtype=np.float64)
-                    )
-                    set_attrs(
-                        scores, {"fields": list(d.scores["fields"]), "file": d.scores["file"]}
-                    )
-        with open(temp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    with replaced_whole(path) as temp, h5py.File(temp, "w") as f:
+        write_header(f, header)
+        set_attrs(f, {JOB_ATTR: JOB, "status": status, "error": error, "step": step})
+        set_attrs(f, {"steps": steps, "completed": 0})
+        for d in dictionaries:
+            name = d.info["name"]
+            group = f.create_group(f"{GROUP}/{name}")
+            set_attrs(group, d.info)
+            curves = group.create_dataset("curves", data=d.curves, fletcher32=True)
+            set_attrs(curves, {"fields": list(fields)})
+            if d.scores is not None:
+                scores = group.create_dataset(
+                    "scores", data=np.asarray(d.scores["values"], dtype=np.float64)
+                )
+                set_attrs(scores, {"fields": list(d.scores["fields"]), "file": d.scores["file"]})
 
 
 def is_training_file(f: h5py.File) -> bool:
