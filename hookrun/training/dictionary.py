@@ -206,7 +206,7 @@ class _ReluCode(torch.autograd.Function):
     autograd graph would take about twice the passes over the B x S latents that these
     gradients need (the L1's broadcast, its column sums, a bool copy for the firing count);
     here the L1's gradient into z rides in the decoder's backward matmul as its bias, z
-    overwrites pre, and the column sums are taken once.
+    overwrites pre, the column sums are taken once, as matrix-vector products.
     """
 
     @staticmethod
@@ -229,8 +229,11 @@ class _ReluCode(torch.autograd.Function):
             z = torch.addmm(bias, x, w_enc).relu_()
             core = torch.addmm(b_dec, z, w_dec)
             norm = w_dec.norm(dim=1)
-            z_sum = z.sum(0)
-            fired = torch.count_nonzero(z, dim=0)
+            # column sums as products with ones: BLAS's gemv, several times faster on the
+            # CPU than a reduction over dim 0 (and count_nonzero) of a B x S matrix
+            ones = z.new_ones(z.shape[0])
+            z_sum = ones @ z
+            fired = (ones @ torch.sign(z)).to(torch.int64)  # z >= 0: sign is 0 or 1
         ctx.save_for_backward(x, w_enc, w_dec, b_dec, z, norm, z_sum)
         ctx.b_dec_in = b_dec_in
         ctx.mark_non_differentiable(fired)
@@ -243,8 +246,9 @@ class _ReluCode(torch.autograd.Function):
         d_w_dec = z.T @ d_core + (d_l1 * z_sum / norm)[:, None] * w_dec
         d_b_dec = d_core.sum(0)
         # dL/dz = d_core W_dec^T + d_l1 ||W_dec_i||, zero where relu cut
-        d_pre = torch.addmm(d_l1 * norm, d_core, w_dec.T).masked_fill_(z == 0, 0)
-        d_b_enc = d_pre.sum(0)
+        d_z = torch.addmm(d_l1 * norm, d_core, w_dec.T)
+        d_pre = torch.ops.aten.threshold_backward(d_z, z, 0)  # one pass: d_z where z > 0
+        d_b_enc = z.new_ones(z.shape[0]) @ d_pre
         d_w_enc = x.T @ d_pre
         if ctx.b_dec_in:
             d_w_enc -= b_dec[:, None] * d_b_enc[None]
