@@ -29,7 +29,7 @@ API = {
     ],
 }
 # The entry points besides `python -m hookrun`, each module's `parser()`.
-COMMANDS = ("hookrun.verify", "hookrun.render.__main__", "hookrun.choices")
+COMMANDS = ("hookrun.verify", "hookrun.render.__main__", "hookrun.view.__main__", "hookrun.choices")
 
 
 def _cell(text: str) -> str:
