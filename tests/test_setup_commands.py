@@ -28,6 +28,9 @@ def test_ci_runs_the_readme_installs_and_test_command():
     assert len(installs) == 2
     for step in installs:
         assert step in ci, step
+    # The system's Chromium for tests/view's browser test, installed the same way by both.
+    browser = [s for s in steps if "apt-get install" in s]
+    assert len(browser) == 1 and browser[0] in ci, browser
     assert "--upgrade pip" not in ci  # an upgraded pip resolved other versions than README's
     assert "ruff check . && ruff format --check . && pytest" in ci
 
