@@ -21,8 +21,8 @@ nav.pager { display: flex; gap: 1.2em; margin-bottom: 0.8em; }
 .ctx .val { min-width: 5.5em; text-align: right; color: #333; flex: none; }
 .ctx .where { min-width: 8em; color: #888; font-size: 12px; flex: none; }
 .toks { white-space: pre-wrap; word-break: break-all; }
-.t { border-radius: 2px; padding: 0 1px; }
-.t.max { outline: 2px solid #c03000; outline-offset: -1px; }
+.toks > span { border-radius: 2px; padding: 0 1px; }
+.toks > span.max { outline: 2px solid #c03000; outline-offset: -1px; }
 .ws { color: #999; }
 table { border-collapse: collapse; }
 th, td { padding: 2px 8px; text-align: left; vertical-align: top; }

@@ -84,7 +84,27 @@ def top_patches(site: SiteInfo, unit: int, data: dict[str, np.ndarray]) -> list[
     return _fired(data["top/value"], data["top/row"]) if site.has("top/patch") else []
 
 
+def _boxes(data: dict[str, np.ndarray]) -> str:
+    """An image site's top samples without patches (a site of one vector per image): each
+    one's activation, row and the pixels it covers."""
+    ranks = _fired(data["top/value"], data["top/row"])
+    if not ranks:
+        return '<p class="none">No sample.</p>'
+    boxes = data.get("top/box")
+    rows = []
+    for i in ranks:
+        box = " ".join(str(int(v)) for v in boxes[i]) if boxes is not None else ""
+        rows.append(
+            f'<tr data-rank="{i}"><td class="num">{number(data["top/value"][i])}</td>'
+            f'<td class="num">{int(data["top/row"][i])}</td><td>{box}</td></tr>'
+        )
+    head = "<thead><tr><th>activation</th><th>row</th><th>y0 x0 y1 x1</th></tr></thead>"
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
 def _patches(site: SiteInfo, unit: int, data: dict[str, np.ndarray]) -> str:
+    if not site.has("top/patch"):
+        return _boxes(data)
     ranks = top_patches(site, unit, data)
     if not ranks:
         return '<p class="none">No sample.</p>'
@@ -122,7 +142,8 @@ def _quantiles(texts: TokenTexts, site: SiteInfo, scale: float, data: dict) -> s
         return ""
     edges, values = data["quantiles/edges"], data["quantiles/value"]
     text = site.has("quantiles/context") and site.has("quantiles/context_value")
-    out = ["<h2>Quantile groups</h2>"]
+    cut = "Interval" if site.grouping == "intervals" else "Quantile"
+    out = [f"<h2>{cut} groups</h2>"]
     for g in reversed(range(values.shape[0])):  # the highest group first, below the top k
         lo, hi = number(edges[g]), number(edges[g + 1])
         samples = _samples(data, "quantiles", g)

@@ -30,15 +30,17 @@ FEATURES_DIR = "features"
 
 def _part(name: str) -> str:
     # Percent-encoded so that any character a module's name holds survives in a URL; the
-    # names PyTorch gives (letters, digits, `_`, `.`) come out unchanged.
-    return quote(name, safe="")
+    # names PyTorch gives (letters, digits, `_`, `.`) come out unchanged. A `/` (a function
+    # site's `<module>/<function>.<k>`) stays a folder, on disk as in the URL.
+    return "/".join(quote(part, safe="") for part in name.split("/"))
 
 
 def feature_page(module: str, site: str, unit: int) -> str:
     """The URL of a unit's page, relative to the view's folder (POSIX, percent-encoded).
 
     `feature_page("transformer.h.1", "output", 12)` is
-    `"features/transformer.h.1/output/12.html"`; from another page of the same view, or from
+    `"features/transformer.h.1/output/12.html"` (a function site's module,
+    `transformer.h.1/matmul.0`, is one folder more); from another page of the same view, or from
     a picture beside the view's folder, join it to the relative path of that folder
     (`"view/" + feature_page(...)` from the run folder).
 

@@ -31,6 +31,7 @@ CAPTURES_FILE = "captures.h5"
 # The features job's group, and its vocabulary: each token id's text decoded alone.
 FEATURES = "features"
 VOCAB = f"{FEATURES}/vocab"
+VOCAB_LENGTH = f"{FEATURES}/vocab_length"
 # Every per-unit dataset a site may hold (the layout's names, relative to the site's group).
 PER_UNIT = (
     "max",
@@ -76,6 +77,7 @@ class SiteInfo:
     window_after: int
     tokens: int
     rows: int
+    grouping: str  # quantiles | intervals: how the sample groups were cut
     parts: tuple[str, ...]  # the PER_UNIT datasets present
 
     @property
@@ -126,7 +128,7 @@ def _site(f: h5py.File, module: str, site: str) -> SiteInfo:
     modality = _text(attr(group, "modality", "text"))
     if modality not in MODALITIES:
         raise HookrunError(f"/{path} modality {modality!r}: valid choices are {MODALITIES}")
-    if module in (".", "..") or site in (".", ".."):
+    if {".", ".."} & {*module.split("/"), site}:
         raise HookrunError(f"/{path}: {module!r}/{site!r} cannot name a folder of pages")
     k = group["top/value"].shape[1]
     return SiteInfo(
@@ -143,28 +145,41 @@ def _site(f: h5py.File, module: str, site: str) -> SiteInfo:
         window_after=_int(attr(group, "window_after", 0)),
         tokens=_int(attr(group, "tokens", 0)),
         rows=_int(attr(group, "rows", 0)),
+        grouping=_text(attr(group, "grouping", "quantiles")),
         parts=parts,
     )
 
 
 def _sites(f: h5py.File) -> list[SiteInfo]:
-    found = []
-    for module, group in f[FEATURES].items():
-        if not isinstance(group, h5py.Group):
-            continue  # the vocabulary, a dimension's scale
-        for site, inner in group.items():
-            if isinstance(inner, h5py.Group) and "max" in inner:
-                found.append(_site(f, module, site))
-    return found
+    """Every group under /features holding `max` and a `top` group: its path less the last
+    part is the module (a function site's module has a `/` of its own), the last the site."""
+    found: list[tuple[str, str]] = []
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Group) and "max" in obj and isinstance(obj.get("top"), h5py.Group):
+            module, _, site = name.rpartition("/")
+            if module:
+                found.append((module, site))
+
+    f[FEATURES].visititems(visit)
+    return [_site(f, module, site) for module, site in found]
 
 
 def _vocab(f: h5py.File) -> list[str]:
+    """Each token id's text: fixed-length UTF-8 as /model/vocabulary is stored, its bytes'
+    count in VOCAB_LENGTH (the trailing NULs a fixed-length string drops), or variable-length
+    strings."""
     ds = f.get(VOCAB)
-    if not isinstance(ds, h5py.Dataset):
+    if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "SOU":
         return []
-    if ds.dtype.kind in "SOU":
-        return [_text(v) for v in ds[()]]
-    return []
+    lengths = f.get(VOCAB_LENGTH)
+    lengths = lengths[()] if isinstance(lengths, h5py.Dataset) else None
+    out = []
+    for i, raw in enumerate(ds[()]):
+        if isinstance(raw, bytes) and lengths is not None:
+            raw = raw.ljust(int(lengths[i]), b"\0")
+        out.append(_text(raw))
+    return out
 
 
 def _refuse_run_dir(run_dir: Path) -> Path:

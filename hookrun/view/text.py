@@ -58,14 +58,15 @@ def number(value: float, digits: int = 4) -> str:
 
 def shade(value: float, scale: float) -> str:
     """The inline style of a token whose activation is `value`: an orange background of
-    opacity value / scale (the unit's max), blue for a negative value, none for NaN."""
+    opacity value / scale (the unit's max), blue for a negative value, none for NaN or an
+    opacity under 1/255 (as #rrggbbaa: a page holds thousands of tokens, every byte counts)."""
     if not math.isfinite(value) or not scale > 0:
         return ""
-    alpha = min(abs(value) / scale, 1.0)
-    if alpha < 0.005:
+    alpha = round(min(abs(value) / scale, 1.0) * 255)
+    if alpha == 0:
         return ""
-    colour = "255,106,0" if value > 0 else "31,119,255"
-    return f' style="background:rgba({colour},{alpha:.3f})"'
+    colour = "ff6a00" if value > 0 else "1f77ff"
+    return f' style="background:#{colour}{alpha:02x}"'
 
 
 class TokenTexts:
@@ -97,7 +98,8 @@ def context_html(
     texts: TokenTexts, ids: np.ndarray, values: np.ndarray, centre: int, scale: float
 ) -> str:
     """A window of tokens as spans shaded by activation, the window's maximum (index
-    `centre`) outlined, each span's title its activation; ids -1 (outside the row) left out.
+    `centre`, class `max`) outlined, each span's title its activation and token id; ids -1
+    (outside the row) left out.
 
     Args:
         texts: The vocabulary.
@@ -113,10 +115,9 @@ def context_html(
     for i, (token, value) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
         if token < 0:
             continue
-        cls = "t max" if i == centre else "t"
-        title = f"{number(value, 6)} (token {token})"
+        cls = ' class="max"' if i == centre else ""
         spans.append(
-            f'<span class="{cls}"{shade(value, scale)} title="{title}">'
+            f'<span{cls}{shade(value, scale)} title="{number(value)} (id {token})">'
             f"{texts.visible(token)}</span>"
         )
     return "".join(spans)

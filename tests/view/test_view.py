@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import h5py
 import numpy as np
@@ -72,7 +73,9 @@ def test_feature_page_paths_are_stable():
     assert (
         feature_page("transformer.h.1", "output", 12) == "features/transformer.h.1/output/12.html"
     )
-    assert feature_page("a b/c", "input", 3) == "features/a%20b%2Fc/input/3.html"
+    # A function site's module keeps its `/` as a folder; any other character is encoded.
+    assert feature_page("h.1/matmul.0", "input", 3) == "features/h.1/matmul.0/input/3.html"
+    assert feature_page("a b#?", "output", 0) == "features/a%20b%23%3F/output/0.html"
     assert feature_file(Path("/v"), "transformer.h.1", "output", 7) == Path(
         "/v/features/transformer.h.1/output/7.html"
     )
@@ -99,8 +102,8 @@ def test_top_contexts_show_the_files_tokens_escaped(run):
             assert shown == expected, (module, unit)
     script = _page(run, SAE_MODULE, SCRIPT)
     assert _contexts(_top(script))[0] == 'Hello·world⏎<script>window.pwned=1</script>&amp;"·end'
-    assert '<span class="t max"' in script
-    maximum = re.search(r'<span class="t max"[^>]*>(.*?)</span>(?=<span|</span>)', script)
+    assert '<span class="max"' in script
+    maximum = re.search(r'<span class="max"[^>]*>(.*?)</span>(?=<span|</span>)', script)
     assert html.unescape(maximum.group(1)) == "<script>window.pwned=1</script>"
 
 
@@ -121,15 +124,17 @@ def test_shading_is_the_activation_over_the_units_max(run):
         first = re.findall(
             r'<div class="ctx" data-rank="0">.*?</div>', _page(run, SAE_MODULE, unit)
         )[0]
-        spans = re.findall(r'<span class="(t(?: max)?)"( style="[^"]*")? title="([^"]*)">', first)
+        spans = re.findall(r'<span( class="max")?( style="[^"]*")? title="([^"]*)">', first)
         kept = [i for i, t in enumerate(g["top/context"][unit, 0]) if t >= 0]
         assert len(spans) == len(kept)
         for (cls, style, title), i in zip(spans, kept, strict=True):
             value = float(g["top/context_value"][unit, 0, i])
-            assert (cls == "t max") == (i == BEFORE)
-            assert float(title.split()[0]) == pytest.approx(value, rel=1e-5)
-            alpha = float(re.search(r"rgba\(255,106,0,([0-9.]+)\)", style).group(1)) if style else 0
-            assert alpha == pytest.approx(min(value / unit_max, 1), abs=0.006)
+            token = int(g["top/context"][unit, 0, i])
+            assert bool(cls) == (i == BEFORE)
+            assert float(title.split()[0]) == pytest.approx(value, rel=1e-3)
+            assert title.endswith(f"(id {token})")
+            alpha = int(re.search(r"#ff6a00([0-9a-f]{2})", style).group(1), 16) if style else 0
+            assert alpha / 255 == pytest.approx(min(value / unit_max, 1), abs=0.5 / 255)
 
 
 def test_padding_and_a_unit_that_never_fired(run):
@@ -169,16 +174,17 @@ def test_density_max_histogram_and_quantiles(run):
     assert "Logit effects" not in page  # a site of plain units has none
 
 
-def test_logit_effects(run):
+@pytest.mark.parametrize("unit", [HOSTILE, SCRIPT])
+def test_logit_effects(run, unit):
     g = _site(run, SAE_MODULE)
-    page = _page(run, SAE_MODULE, HOSTILE)
+    page = _page(run, SAE_MODULE, unit)
     for side in ("top", "bottom"):
         table = re.search(rf'<table class="logit" id="logits-{side}">(.*?)</table>', page).group(1)
         cells = re.findall(r'<td class="tok">(.*?)</td><td class="num">(.*?)</td>', table)
         tokens = [html.unescape(re.sub(r"<[^>]+>", "", t)) for t, _ in cells]
-        assert tokens == [SHOWN[t] for t in g[f"logits/{side}_token"][HOSTILE]]
+        assert tokens == [SHOWN[t] for t in g[f"logits/{side}_token"][unit]]
         np.testing.assert_allclose(
-            [float(v) for _, v in cells], g[f"logits/{side}_value"][HOSTILE], rtol=1e-3
+            [float(v) for _, v in cells], g[f"logits/{side}_value"][unit], rtol=1e-3
         )
 
 
@@ -194,6 +200,50 @@ def test_image_patches_are_the_files_pixels(run):
             png = np.asarray(Image.open(page.parent / f"{unit}/top-{r}.png").convert("RGB"))
             np.testing.assert_array_equal(png, g["top/patch"][unit, r].transpose(1, 2, 0))
     assert not (page.parent / f"{units - 1}" / "top-1.png").exists()  # fired once
+
+
+def _links_resolve(folder: Path) -> int:
+    """Every relative href and src of every page names a file of the view; how many."""
+    seen = 0
+    for page in folder.rglob("*.html"):
+        for ref in re.findall(r'(?:href|src)="([^"]+)"', page.read_text()):
+            assert (page.parent / unquote(ref)).resolve().is_file(), (page, ref)
+            seen += 1
+    return seen
+
+
+def test_every_link_resolves(run):
+    assert _links_resolve(run / "view") > 200
+
+
+def test_a_function_sites_module_and_an_image_site_without_patches(tmp_path):
+    run_dir = tmp_path / "run"
+    write_features_file(run_dir)
+    with h5py.File(run_dir / "captures.h5", "r+") as f:
+        # transformer.h.0/output → transformer.h.0/matmul.0/output: a module with a `/`
+        f.move("features/transformer.h.0", "features/moved")
+        f.create_group("features/transformer.h.0")
+        f.move("features/moved", "features/transformer.h.0/matmul.0")
+        del f["features/features.3/output/top/patch"]  # a site of one vector per image
+        rows, boxes = (
+            f["features/features.3/output/top/row"][0],
+            f["features/features.3/output/top/box"][0],
+        )
+    view = write_view(run_dir).index.parent
+    page = feature_file(view, "transformer.h.0/matmul.0", "output", 3)
+    assert page.is_file() and not (view / "features" / "transformer.h.0" / "output").exists()
+    _links_resolve(view)
+    image = feature_file(view, "features.3", "output", 0).read_text()
+    shown = re.findall(
+        r'<tr data-rank="\d+"><td class="num">[^<]*</td>'
+        r'<td class="num">(\d+)</td><td>([\d ]+)</td>',
+        image,
+    )
+    fired = rows >= 0
+    assert shown == [
+        (str(r), " ".join(map(str, b))) for r, b in zip(rows[fired], boxes[fired], strict=True)
+    ]
+    assert "<img" not in image
 
 
 def _tree(folder: Path) -> dict[str, str]:

@@ -69,6 +69,8 @@ VOCAB: list[tuple[str, str]] = [
     (" </script>", "·</script>"),  # 47
     (" π", "·π"),  # 48
     (" end", "·end"),  # 49
+    ("\x00", "⟨U+0000⟩"),  # 50: a byte-level BPE's NUL token
+    ("a\x00", "a⟨U+0000⟩"),  # 51: a trailing NUL, which a fixed-length string drops
 ]
 SHOWN = [shown for _, shown in VOCAB]
 TEXT_SITES = [("transformer.h.0", "output", "units", 30), ("transformer.h.1", "output", "sae", 24)]
@@ -84,8 +86,8 @@ PATCH = 8
 # around ` the`, unit 4 the only one whose top context holds ` zebra`.
 PARTIAL, NEVER, SCRIPT, HOSTILE, ZEBRA = 0, 1, 2, 3, 4
 HAND_CONTEXTS = {
-    SCRIPT: [-1, 18, 19, 6, 0, 2, 3, 49],  # ·Hello·world⏎<script>…&amp;"·end
-    HOSTILE: [1, 16, 8, 9, 5, 10, 17, 13],
+    SCRIPT: [-1, 18, 19, 6, 0, 2, 3, 49],  # Hello·world⏎<script>…&amp;"·end
+    HOSTILE: [1, 16, 8, 9, 5, 10, 17, 51],
     ZEBRA: [22, 24, 25, 5, 35, 27, 6, 7],
 }
 COMMON = [22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 43, 44, 14, 48]
@@ -187,6 +189,7 @@ def _site(
         )
         bottom = rng.choice(COMMON, (units, LOGITS))
         bottom[HOSTILE] = [0, 1, 16, 15]
+        bottom[SCRIPT] = [50, 51, 12, 13]
         g["logits/bottom_token"] = bottom
         g["logits/bottom_value"] = -np.sort(rng.uniform(0.1, 2, (units, LOGITS)))[:, ::-1].astype(
             np.float32
@@ -226,7 +229,11 @@ def write_features_file(
         if not features:
             f["model/output"] = np.zeros((2, 3), np.float32)
             return path
-        f["features/vocab"] = np.array([t for t, _ in VOCAB], dtype=h5py.string_dtype())
+        # As the job stores it (and /model/vocabulary): fixed-length UTF-8 and each text's
+        # bytes, since a fixed-length string loses its trailing NULs.
+        encoded = [t.encode("utf-8") for t, _ in VOCAB]
+        f["features/vocab"] = np.array(encoded, dtype=f"S{max(map(len, encoded))}")
+        f["features/vocab_length"] = np.array([len(e) for e in encoded], np.int32)
         f["features/window"] = np.arange(W)  # a scale beside the modules
         for module, site, kind, units in TEXT_SITES:
             _site(f, rng, module, site, kind, units, logits=kind == "sae")
