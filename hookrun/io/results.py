@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookrun.errors import did_you_mean
 from hookrun.extras import missing_extra
+from hookrun.io import features as feature_layout
 from hookrun.io import layout, walk
 from hookrun.io.encoding import bits_to_float32, decoded, decoded_node, read_floats
 from hookrun.io.sparse_record import SparseRecord
@@ -198,6 +199,39 @@ class Results:
         """Every derived method → its layers → dataset shape."""
         derived = walk.derived_of(self.file)
         return {m: {layer: ds.shape for layer, ds in g.items()} for m, g in derived.items()}
+
+    def features(self) -> list[tuple[str, str]]:
+        """The sites a features run (experiment=features) made dashboards of.
+
+        Returns:
+            (module, site) pairs, e.g. [("transformer.h.1", "output")]; their groups are at
+            `features/<module>/<site>`.
+        """
+        return feature_layout.feature_sites(self.file)
+
+    def feature(
+        self, module: str, site: str, unit: int, part: str = "top"
+    ) -> list[feature_layout.Context]:
+        """One unit's contexts (a latent of a dictionary, a neuron, a channel) as text.
+
+        Args:
+            module: The module, as `features()` names it.
+            site: `input` or `output`.
+            unit: The latent's (or unit's) index.
+            part: `top` (the top-activating contexts, largest first) or `quantiles` (each
+                activation group's samples, the lowest group first).
+
+        Returns:
+            A `Context` each (value, row, token, text): `text` is the window of tokens with
+            the maximum token between `[[` and `]]`; on image data `box` (y0, x0, y1, x1) is
+            the receptive field in the input instead. Entries that never fired are left out.
+
+        Raises:
+            KeyError: No dashboards of that site, or the unit is past its units.
+        """
+        if part not in ("top", "quantiles"):
+            raise KeyError(f"part: {part!r}; valid: top, quantiles")
+        return feature_layout.feature_contexts(self.file, module, site, unit, part)
 
     @property
     def config(self) -> DictConfig:

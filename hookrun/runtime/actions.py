@@ -377,7 +377,7 @@ class Capture(Action):
     """Store the tensor in captures.h5, a copy, so later in-place ops cannot change it.
 
     With `pool`, feature maps (C, H, W) or sequences (C, L) are first pooled adaptively to
-    `size` per spatial axis: what extraction jobs that want pooled features store.
+    `size` per spatial axis: what extraction jobs that want pooled vectors store.
     """
 
     Args, changes, stores = CaptureArgs, False, True

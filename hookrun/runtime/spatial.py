@@ -3,7 +3,7 @@
 The captured tensors stay as the model produced them; CAM-family methods convert them here,
 just before their math. Three layouts exist in today's models:
 - nchw: (N, C, H, W) feature maps of CNNs;
-- nhwc: (N, H, W, C) channels-last maps (torchvision Swin's `features`, `norm`);
+- nhwc: (N, H, W, C) channels-last maps (torchvision Swin's blocks and `norm`);
 - tokens: (N, P + H*W, D) token sequences with P prefix (class, distillation, register)
   tokens first (ViT).
 `decide_grid` makes the choice once, from a probe of the layer on one sample; the result

@@ -4,6 +4,7 @@ when imported here."""
 from hookrun.stages import circuit as circuit
 from hookrun.stages import derive as derive
 from hookrun.stages import evaluate as evaluate
+from hookrun.stages import features as features
 from hookrun.stages import generate as generate
 from hookrun.stages import induction as induction
 from hookrun.stages import lens as lens

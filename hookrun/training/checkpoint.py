@@ -23,23 +23,24 @@ FOLDER = "checkpoints"
 NAME = "train_state.pt"
 
 
-def path_of(run_dir: Path) -> Path:
-    return run_dir / FOLDER / NAME
+def path_of(run_dir: Path, name: str = NAME) -> Path:
+    """The checkpoint `name` of the run (a job of another stage names its own)."""
+    return run_dir / FOLDER / name
 
 
-def save(run_dir: Path, state: dict[str, Any]) -> None:
+def save(run_dir: Path, state: dict[str, Any], name: str = NAME) -> None:
     """`state` as the run's checkpoint, replacing the one before only once it is on disk."""
-    with replaced_whole(path_of(run_dir)) as temp:
+    with replaced_whole(path_of(run_dir, name)) as temp:
         torch.save(state, temp)
 
 
-def load(run_dir: Path) -> dict[str, Any] | None:
+def load(run_dir: Path, name: str = NAME) -> dict[str, Any] | None:
     """The run's checkpoint, or None where it has none.
 
     Raises:
         HookrunError: a checkpoint that cannot be read (named, with what to do).
     """
-    path = path_of(run_dir)
+    path = path_of(run_dir, name)
     if not path.is_file():
         return None
     try:
@@ -47,7 +48,7 @@ def load(run_dir: Path) -> dict[str, Any] | None:
     except Exception as err:  # a damaged file: torch raises many kinds
         raise HookrunError(
             f"resume: {path} cannot be read ({type(err).__name__}: {err}); valid: remove it to "
-            "train again from the start, or a new run dir"
+            "start again from the beginning, or a new run dir"
         ) from None
 
 

@@ -16,8 +16,7 @@ resumed job repeats exactly.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from hookrun.data.loader import make_loader
 from hookrun.errors import HookrunError
 from hookrun.io.activations import TokenBatches
 from hookrun.io.layout import capture_key, open_readonly
-from hookrun.runtime.handles import ModuleHook, hooked
+from hookrun.runtime.sitevalues import SiteRead, modules_of, take_sites
 
 __all__ = ["Position", "ModelActivations", "FileActivations", "Steps"]
 
@@ -44,19 +43,6 @@ class Position:
 
     batch: int = 0
     offset: int = 0
-
-
-class _Stop(Exception):  # noqa: N818  (not an error: the forward has given every site)
-    """Raised by the last site's hook: nothing after it is needed."""
-
-
-def _tensor(value: object) -> torch.Tensor:
-    """A module's output as the tensor a site means (a block's tuple: its first element)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
-    raise HookrunError(f"a site's value is a {type(value).__name__}, not a tensor")
 
 
 class ModelActivations:
@@ -78,14 +64,8 @@ class ModelActivations:
     ) -> None:
         self.model, self.rows, self.sites = model, rows, list(sites)
         self.batch_size, self.device, self.seed = batch_size, device, seed
-        modules = dict(model.named_modules())
-        missing = [m for m, _ in self.sites if m not in modules]
-        if missing:
-            raise HookrunError(
-                f"sae.sites: the model has no module {missing[0]!r}; valid: a module of "
-                f"model.named_modules(), e.g. {_examples(modules)}"
-            )
-        self.modules = [modules[m] for m, _ in self.sites]
+        modules_of(model, [m for m, _ in self.sites], "sae.sites")  # each one there
+        self.reads = [SiteRead(m, at) for m, at in self.sites]
         self.per_pass = -(-len(rows) // batch_size)  # model batches per pass over the rows
         self.batches_run = 0  # model batches run, for the summary
 
@@ -101,33 +81,17 @@ class ModelActivations:
                 index += 1
 
     def _run(self, batch: Batch) -> list[torch.Tensor]:
-        taken: dict[int, torch.Tensor] = {}
         mask = batch.mask.bool()
-
-        def keep(i: int) -> Callable[..., None]:
-            def fn(module: nn.Module, args: tuple, output: object = None) -> None:
-                value = _tensor(args) if output is None else _tensor(output)
-                taken[i] = value[mask].float()
-                if len(taken) == len(self.sites):
-                    raise _Stop
-                return None
-
-            return fn
-
-        hooks = [
-            ModuleHook(module, keep(i), before=at == "input")
-            for i, (module, (_, at)) in enumerate(zip(self.modules, self.sites, strict=True))
-        ]
-        with hooked(hooks), torch.inference_mode(), contextlib.suppress(_Stop):
-            self.model(batch.inputs)
-        self.batches_run += 1
-        missing = [f"{m}:{s}" for i, (m, s) in enumerate(self.sites) if i not in taken]
-        if missing:
-            raise HookrunError(
-                f"sae.sites: {missing[0]} never ran in the model's forward pass; valid: a "
-                "module the forward calls"
+        with torch.inference_mode():
+            taken = take_sites(
+                self.model,
+                self.reads,
+                lambda: self.model(batch.inputs),
+                "sae.sites",
+                keep=lambda value: value[mask].float(),  # a copy: the real tokens only
             )
-        return [taken[i] for i in range(len(self.sites))]
+        self.batches_run += 1
+        return [value for value, _ in taken]
 
     def widths(self) -> list[int]:
         """Each site's feature width (one batch run)."""
@@ -159,11 +123,6 @@ class ModelActivations:
                 index, offset = index + 1, 0
         batches.close()
         return [torch.cat(p) for p in parts], Position(index, offset)
-
-
-def _examples(modules: dict[str, nn.Module]) -> str:
-    names = [n for n in modules if n]
-    return ", ".join(names[len(names) // 2 : len(names) // 2 + 3])
 
 
 class Steps:
