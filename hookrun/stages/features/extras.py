@@ -112,7 +112,9 @@ def receptive_fields(
         image = image_of(row)
         x = image[None].clone().requires_grad_(True)
         with torch.enable_grad():
-            ((site, _),) = take_sites(model, [read], lambda: model(x), "features", keep=lambda t: t)
+            ((site, _),) = take_sites(
+                model, [read], lambda x=x: model(x), "features", keep=lambda t: t
+            )
             for unit, slot in zip(*np.nonzero(rows == row), strict=True):
                 y, xx = divmod(int(tokens[unit, slot]), map_width)
                 (grad,) = torch.autograd.grad(site[0, unit, y, xx], x, retain_graph=True)

@@ -338,11 +338,11 @@ class _Job:
                 "bins": c.bins,
                 "action": s.action.name,
             }
-            if d is not None and c.logits and self.text and not d.transcoder:
-                if extras.residual_stream(self.model, s.module, s.at) and not s.action.affine:
-                    effects = extras.logit_effects(self.model, d, c.logits)
-                    if effects is not None:
-                        arrays |= {f"logits/{k}": v for k, v in effects.items()}
+            residual = extras.residual_stream(self.model, s.module, s.at)
+            if d is not None and c.logits and self.text and not d.transcoder and residual:
+                effects = None if s.action.affine else extras.logit_effects(self.model, d, c.logits)
+                if effects is not None:
+                    arrays |= {f"logits/{k}": v for k, v in effects.items()}
             if not self.text:
                 arrays |= self._patches(s, arrays)
             out.append(runfile.Written(s.module, s.at, attrs, arrays))

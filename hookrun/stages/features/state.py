@@ -315,7 +315,7 @@ class SiteState:
             return
         t, p = self.t, self.per_group
         flat = {
-            name: t[f"cand_{name}"].view(-1, *t[f"cand_{name}"].shape[2:])
+            name: t[f"cand_{name}"].view(self.units * self.bins, *t[f"cand_{name}"].shape[2:])
             for name in ("hash", "row", "token", "value", "context", "context_value")
         }
         touched = cell.unique()
@@ -382,10 +382,7 @@ class SiteState:
                 perm = torch.gather(perm, 2, torch.sort(keyed, dim=2, stable=True).indices)
             perm = perm[..., :p]
             for n, v in grouped.items():
-                if v.dim() == 4:
-                    index = perm[..., None].expand(m, cells, p, v.shape[3])
-                else:
-                    index = perm
+                index = perm[..., None].expand(m, cells, p, v.shape[3]) if v.dim() == 4 else perm
                 picked = torch.gather(v, 2, index)
                 fill = (
                     _EMPTY_HASH if n == "hash" else (-1 if n in ("row", "token", "context") else 0)
@@ -422,8 +419,9 @@ class SiteState:
         shape = (-1, self.per_group)
         hashes = o["cand_hash"].view(shape)
         cell, slot = (hashes != _EMPTY_HASH).nonzero(as_tuple=True)
-        ctx = o["cand_context"].view(-1, self.per_group, self.width)
-        cval = o["cand_context_value"].view(-1, self.per_group, self.width)
+        cells = self.units * self.bins
+        ctx = o["cand_context"].view(cells, self.per_group, self.width)
+        cval = o["cand_context_value"].view(cells, self.per_group, self.width)
         self._merge_cand(
             cell,
             hashes[cell, slot],
