@@ -8,16 +8,14 @@ No sampler padding: no sample is duplicated or dropped.
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hookrun.data.shards import World, batch_shard, world_from_env
 from hookrun.errors import HookrunError
 from hookrun.io.appender import Summaries
 from hookrun.io.layout import Provenance
@@ -36,27 +34,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class World:
-    """This process's place among the processes of one run."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-
-    @property
-    def parallel(self) -> bool:
-        return self.size > 1
-
-
-def world_from_env() -> World:
-    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them; one process without them."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return World()
-    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def start(world: World, device: torch.device, run_dir: Path) -> Path:
     """Join the process group (NCCL on CUDA, gloo on CPU); every rank gets rank 0's run dir,
     so all shards land next to the captures.h5 that joins them."""
@@ -70,14 +47,6 @@ def start(world: World, device: torch.device, run_dir: Path) -> Path:
 def stop() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def batch_shard(samples: int, batch_size: int, world: World) -> range:
-    """The sample positions this rank runs: a contiguous run of whole batches."""
-    batches = math.ceil(samples / batch_size)
-    first = batches * world.rank // world.size
-    last = batches * (world.rank + 1) // world.size
-    return range(first * batch_size, min(last * batch_size, samples))
 
 
 def shard_path(path: Path, world: World) -> Path:

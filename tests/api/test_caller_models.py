@@ -43,6 +43,8 @@ REFUSED = {
     ("resnet18", "circuit"): "target.kind: answer",
     ("vit", "circuit"): "target.kind: answer",
     ("vit", "steering"): "matches no module",
+    ("resnet18", "features"): "matches no module",
+    ("vit", "features"): "matches no module",
 }
 
 

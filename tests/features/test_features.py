@@ -42,7 +42,12 @@ def _features(tmp: Path, extra: list[str], name: str = "feat") -> Path:
 
 def _capture(tmp: Path, module: str, extra: list[str] | None = None) -> dict[str, np.ndarray]:
     """A dense float32 capture of `module`'s output over the same rows and batches."""
-    overrides = ["experiment=lm_cache", *SMALL, "sink.dtype=float32", "hooks.resid.select.regex=null"]
+    overrides = [
+        "experiment=lm_cache",
+        *SMALL,
+        "sink.dtype=float32",
+        "hooks.resid.select.regex=null",
+    ]
     overrides += [f"+hooks.resid.select.name={module}", *(extra or [])]
     result = hookrun.run(overrides, run_dir=tmp / f"cap-{module}")
     with h5py.File(result.path, "r") as f:
@@ -93,7 +98,9 @@ def _reference(acts: np.ndarray, mask: np.ndarray, tokens: np.ndarray | None, k:
     return out
 
 
-def _check_against(path: Path, acts: np.ndarray, mask: np.ndarray, tokens, site: str, k=6, w=(3, 2)):
+def _check_against(
+    path: Path, acts: np.ndarray, mask: np.ndarray, tokens, site: str, k=6, w=(3, 2)
+):
     ref = _reference(acts, mask, tokens, k, w)
     bins = 16
     with h5py.File(path, "r") as f:
@@ -104,7 +111,9 @@ def _check_against(path: Path, acts: np.ndarray, mask: np.ndarray, tokens, site:
             got_rows = g["top/row"][unit]
             assert list(got_rows[: len(entries)]) == [e[1] for e in entries], unit
             assert list(g["top/token"][unit][: len(entries)]) == [e[2] for e in entries], unit
-            np.testing.assert_allclose(g["top/value"][unit][: len(entries)], [e[0] for e in entries], rtol=1e-6)
+            np.testing.assert_allclose(
+                g["top/value"][unit][: len(entries)], [e[0] for e in entries], rtol=1e-6
+            )
             assert np.isnan(g["top/value"][unit][len(entries) :]).all()
             assert (got_rows[len(entries) :] == -1).all()
             if tokens is not None and entries:
@@ -143,7 +152,9 @@ def _check_samples(path: Path, acts: np.ndarray, mask: np.ndarray, site: str, gr
             lower = b * top / bins
             bounds = vals.max() * np.arange(1, groups) / groups
             group = np.searchsorted(bounds, lower, side="right")
-            h = token_hash(torch.tensor(rows), torch.tensor(toks), torch.full((len(rows),), unit)).numpy()
+            h = token_hash(
+                torch.tensor(rows), torch.tensor(toks), torch.full((len(rows),), unit)
+            ).numpy()
             for grp in range(groups):
                 sel = np.nonzero(group == grp)[0]
                 order = sel[np.lexsort((toks[sel], rows[sel], h[sel]))][:per]
@@ -194,12 +205,17 @@ def test_logit_effects_equal_a_hand_computation(tmp_path):
             np.testing.assert_allclose(g["logits/top_value"][unit], effects[unit, order], rtol=1e-5)
             low = np.argsort(effects[unit])[:7]
             assert list(g["logits/bottom_token"][unit]) == list(low)
-            np.testing.assert_allclose(g["logits/bottom_value"][unit], effects[unit, low], rtol=1e-5)
+            np.testing.assert_allclose(
+                g["logits/bottom_value"][unit], effects[unit, low], rtol=1e-5
+            )
 
 
 def test_mlp_neurons_equal_brute_force(tmp_path):
     module = "transformer.h.0.mlp.act"
-    hooks = ["~hooks.sae", f"+hooks.mlp={{select: {{name: {module}}}, at: output, action: capture}}"]
+    hooks = [
+        "~hooks.sae",
+        f"+hooks.mlp={{select: {{name: {module}}}, at: output, action: capture}}",
+    ]
     path = _features(tmp_path, hooks, "mlp")
     cap = _capture(tmp_path, module)
     mask = cap["mask"] if cap["mask"] is not None else np.ones(cap["x"].shape[:2], bool)
@@ -214,10 +230,23 @@ def test_conv_channels_equal_brute_force_and_boxes_are_receptive_fields(tmp_path
     common += ["progress=false", "target.kind=none"]
     hook = "+hooks.conv={select: {name: features.0}, at: output, action: capture}"
     result = hookrun.run(
-        ["experiment=features", *common, "model.attention=eager", "~dataset.path", "~hooks.sae", hook, "features.k=4", "features.bins=16", "features.per_group=3", "features.patch=8"],
+        [
+            "experiment=features",
+            *common,
+            "model.attention=eager",
+            "~dataset.path",
+            "~hooks.sae",
+            hook,
+            "features.k=4",
+            "features.bins=16",
+            "features.per_group=3",
+            "features.patch=8",
+        ],
         run_dir=tmp_path / "conv",
     )
-    cap = hookrun.run([*common, hook.replace("conv=", "c="), "sink.dtype=float32"], run_dir=tmp_path / "convcap")
+    cap = hookrun.run(
+        [*common, hook.replace("conv=", "c="), "sink.dtype=float32"], run_dir=tmp_path / "convcap"
+    )
     with h5py.File(cap.path, "r") as f:
         x = f["captures/features.0/output"][()]
     n, c, h, w = x.shape
@@ -247,7 +276,9 @@ def _datasets(path: Path) -> dict[str, bytes]:
             if isinstance(obj, h5py.Dataset) and not obj.is_scale:
                 out[name] = obj[()].tobytes()
             elif isinstance(obj, h5py.Group):
-                out[name + "@"] = json.dumps({k: str(v) for k, v in obj.attrs.items()}, sort_keys=True).encode()
+                out[name + "@"] = json.dumps(
+                    {k: str(v) for k, v in obj.attrs.items()}, sort_keys=True
+                ).encode()
 
         f.visititems(keep)
         assert f.attrs["status"] == "complete"
@@ -257,8 +288,12 @@ def _datasets(path: Path) -> dict[str, bytes]:
 def _cli(args: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "hookrun", *args], cwd=cwd, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "hookrun", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -295,7 +330,9 @@ def test_torchrun_two_ranks_give_one_process_s_file(tmp_path):
     assert one.wait(600) == 0, one.stdout.read()
     two = torchrun([*args, f"hydra.run.dir={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert _datasets(tmp_path / "two" / "captures.h5") == _datasets(tmp_path / "one" / "captures.h5")
+    assert _datasets(tmp_path / "two" / "captures.h5") == _datasets(
+        tmp_path / "one" / "captures.h5"
+    )
     assert not list((tmp_path / "two" / "checkpoints").glob("*.pt"))
 
 
@@ -314,7 +351,10 @@ def test_torchrun_two_ranks_give_one_process_s_file(tmp_path):
 def test_refusals_in_one_line_before_any_work(tmp_path, override, message):
     extra = [override]
     if override.startswith("hooks.sae.action"):
-        extra = ["~hooks.sae", "+hooks.s={select: {name: transformer.h.1}, at: output, action: scale}"]
+        extra = [
+            "~hooks.sae",
+            "+hooks.s={select: {name: transformer.h.1}, at: output, action: scale}",
+        ]
     with pytest.raises(HookrunError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
         hookrun.run(["experiment=features", *SMALL, *extra], run_dir=tmp_path / "r")
     assert "\n" not in str(err.value)

@@ -90,6 +90,7 @@ def test_every_experiment_file_is_tested():
                 "circuit",  # tests/lm/test_circuit.py
                 "feature_ablation",
                 "feature_maps",
+                "features",  # tests/features/test_features.py
                 "grad_cam",
                 "grad_cam_pp",
                 "grad_scale",
@@ -305,6 +306,7 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
 LANGUAGE = (
     "circuit",
     "generate",
+    "features",
     "induction",
     "lm_cache",
     "lm_patching",

@@ -34,6 +34,7 @@ from torch.utils.data import Subset
 
 from hookrun.data.batch import Batch
 from hookrun.data.loader import make_loader
+from hookrun.data.shards import World, batch_shard, world_from_env
 from hookrun.data.tokens import token_rows
 from hookrun.errors import HookrunError, Interrupted
 from hookrun.io.layout import capture_key
@@ -47,11 +48,11 @@ from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.plan import compile_plan
 from hookrun.runtime.sitevalues import SiteRead, take_sites
 from hookrun.runtime.splice import Splice
-from hookrun.scale.distributed import World, batch_shard, world_from_env
 from hookrun.signals import deferred, interruptible, stop_if_signalled
 from hookrun.stage import JobContext
-from hookrun.stages.features import extras, runfile
 from hookrun.stages.features.config import FeaturesConfig
+from hookrun.stages.features.extras import logit_effects, receptive_fields, residual_stream
+from hookrun.stages.features.runfile import Written, write
 from hookrun.stages.features.state import SiteState
 from hookrun.training import checkpoint
 
@@ -313,7 +314,7 @@ class _Job:
                 state.merge(other)
         return states
 
-    def written(self, states: list[SiteState]) -> list[runfile.Written]:
+    def written(self, states: list[SiteState]) -> list[Written]:
         out = []
         c = self.config
         for s, state in zip(self.sites, states, strict=True):
@@ -338,14 +339,14 @@ class _Job:
                 "bins": c.bins,
                 "action": s.action.name,
             }
-            residual = extras.residual_stream(self.model, s.module, s.at)
+            residual = residual_stream(self.model, s.module, s.at)
             if d is not None and c.logits and self.text and not d.transcoder and residual:
-                effects = None if s.action.affine else extras.logit_effects(self.model, d, c.logits)
+                effects = None if s.action.affine else logit_effects(self.model, d, c.logits)
                 if effects is not None:
                     arrays |= {f"logits/{k}": v for k, v in effects.items()}
             if not self.text:
                 arrays |= self._patches(s, arrays)
-            out.append(runfile.Written(s.module, s.at, attrs, arrays))
+            out.append(Written(s.module, s.at, attrs, arrays))
         return out
 
     def _patches(self, s: _Site, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -357,7 +358,7 @@ class _Job:
             return self.rows[row][0].to(self.device).float()
 
         if len(s.shape) == 3 and not isinstance(s.action, Splice):
-            boxes, patches = extras.receptive_fields(
+            boxes, patches = receptive_fields(
                 self.model, s.read, image_of, rows, tokens, int(s.shape[2]), self.config.patch
             )
             return {"top/box": boxes, "top/patch": patches}
@@ -375,7 +376,7 @@ class _Job:
         return vocabulary_texts(tokenizer, int(self.model.config.vocab_size))
 
     def write(self, status: str, error: str = "", sites: list | None = None) -> None:
-        runfile.write(
+        write(
             self.path,
             self.header,
             sites or [],

@@ -12,8 +12,8 @@ from hookrun.errors import HookrunError
 from hookrun.io.features import feature_sites, site_group
 from hookrun.io.layout import attr
 from hookrun.stage import JobContext, JobResult, ParseContext, Stage, register_stage
-from hookrun.stages.features import runfile
 from hookrun.stages.features.config import FeaturesConfig, parse_features
+from hookrun.stages.features.runfile import damage, is_features_file
 
 __all__ = ["FeaturesStage"]
 
@@ -73,7 +73,7 @@ class FeaturesStage(Stage):
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
-        if not runfile.is_features_file(f):
+        if not is_features_file(f):
             return []
         lines = [f"features: {f.filename} ({attr(f, 'rows')} rows, {attr(f, 'status')})"]
         for module, site in feature_sites(f):
@@ -89,6 +89,6 @@ class FeaturesStage(Stage):
 
     @classmethod
     def damage(cls, f: h5py.File, complete: bool) -> list[str]:
-        if not runfile.is_features_file(f):
+        if not is_features_file(f):
             return []
-        return runfile.damage(f, complete)
+        return damage(f, complete)
