@@ -7,8 +7,15 @@ site-packages, so torch (~5 GB) is reused rather than downloaded again, while wh
 installs there (sae-lens, transformer-lens 3.x, ...) comes first on sys.path and shadows the
 main venv's. Tests only ever run that python in a subprocess: hookrun never imports SAELens.
 
-Run as a script (`python tests/reference_venvs.py`), it builds the venv and prints its
-python: .ci/run does that before pytest, so CI pays the build once, visibly.
+SAEDashboard 0.8.0 (the feature dashboards' reference, tests/features) pins
+transformer-lens<3, transformers<4.57, datasets<4 and jaxtyping<0.3, all older than what
+.venv-saelens holds (transformer-lens 3.9, transformers 5.x), so `saedashboard_python()`
+builds a second venv the same way, `<repo>/.venv-saedashboard`, with sae-lens pinned to the
+same 6.54.0. transformer-lens 2.x pins numpy<2, and the main venv's pyarrow (which
+`datasets` imports) refuses a numpy 1: pyarrow<22 (built for numpy 1 and 2) goes there too.
+
+Run as a script (`python tests/reference_venvs.py`), it builds both venvs and prints their
+pythons: .ci/run does that before pytest, so CI pays the builds once, visibly.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["SAELENS", "saelens_python"]
+__all__ = ["SAEDASHBOARD", "SAELENS", "saedashboard_python", "saelens_python"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SAELENS = "sae-lens==6.54.0"
+# What .venv-saedashboard installs: SAEDashboard with the SAELens the other venv holds, and a
+# pyarrow that accepts the numpy 1 transformer-lens 2.x pins (the main venv's wants numpy 2).
+SAEDASHBOARD = ("sae-dashboard==0.8.0", SAELENS, "pyarrow<22")
 # Written last, once the checks passed: a venv without it was left half built (a killed
 # build, a failed pip) and is built again.
 _READY = ".hookrun-ready"
@@ -41,15 +51,15 @@ def _site_packages(python: Path) -> Path:
     return Path(out.strip())
 
 
-def _check(python: Path, torch_dir: Path | None) -> None:
-    """sae_lens imports, and (with `torch_dir`) torch is the one found there."""
-    out = _run([str(python), "-c", "import sae_lens, torch; print(torch.__file__)"])
+def _check(python: Path, torch_dir: Path | None, module: str) -> None:
+    """`module` imports, and (with `torch_dir`) torch is the one found there."""
+    out = _run([str(python), "-c", f"import {module}, torch; print(torch.__file__)"])
     torch_file = Path(out.strip().splitlines()[-1]).resolve()
     if torch_dir is not None and not torch_file.is_relative_to(torch_dir.resolve()):
         raise RuntimeError(f"torch in {python} is {torch_file}, not the main venv's {torch_dir}")
 
 
-def _build(venv: Path) -> None:
+def _build(venv: Path, requirements: tuple[str, ...], module: str) -> None:
     main_site = Path(sysconfig.get_paths()["purelib"])
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)])
@@ -58,8 +68,8 @@ def _build(venv: Path) -> None:
     try:
         # pip sees the main venv's torch through the .pth and keeps it; whatever it must
         # change there it installs here instead ("outside environment": never uninstalled).
-        _run([str(python), "-m", "pip", "install", "-q", SAELENS])
-        _check(python, main_site)
+        _run([str(python), "-m", "pip", "install", "-q", *requirements])
+        _check(python, main_site, module)
     except RuntimeError as shared:
         # The fallback: a venv of its own with the torch hookrun's constraints pin.
         import torch
@@ -68,9 +78,27 @@ def _build(venv: Path) -> None:
         shutil.rmtree(venv, ignore_errors=True)
         _run([sys.executable, "-m", "venv", str(venv)])
         torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-        _run([str(python), "-m", "pip", "install", "-q", SAELENS, torch_pin])
-        _check(python, None)
-    (venv / _READY).write_text(SAELENS + "\n")
+        _run([str(python), "-m", "pip", "install", "-q", *requirements, torch_pin])
+        _check(python, None, module)
+    (venv / _READY).write_text(_marker(requirements))
+
+
+def _marker(requirements: tuple[str, ...]) -> str:
+    return "".join(f"{r}\n" for r in requirements)
+
+
+def _venv_python(name: str, requirements: tuple[str, ...], module: str) -> Path:
+    """The python of `<repo>/<name>`, built first unless its ready marker names exactly
+    `requirements` (a venv of other pins, or half built, is built again), under a file
+    lock: two pytest-xdist workers asking at once build it once (the second waits, then
+    finds it ready)."""
+    venv = ROOT / name
+    with open(ROOT / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        ready = venv / _READY
+        if not ready.exists() or ready.read_text() != _marker(requirements):
+            _build(venv, requirements, module)
+    return venv / "bin" / "python"
 
 
 def saelens_python() -> Path:
@@ -85,14 +113,22 @@ def saelens_python() -> Path:
     Raises:
         RuntimeError: a build step failed (its output in the message).
     """
-    venv = ROOT / ".venv-saelens"
-    python = venv / "bin" / "python"
-    with open(ROOT / ".venv-saelens.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if not (venv / _READY).exists():
-            _build(venv)
-    return python
+    return _venv_python(".venv-saelens", (SAELENS,), "sae_lens")
+
+
+def saedashboard_python() -> Path:
+    """The python of `<repo>/.venv-saedashboard`, with sae-dashboard 0.8.0 and sae-lens
+    6.54.0 importable; built on first use as `saelens_python`'s.
+
+    Returns:
+        The path of the venv's python.
+
+    Raises:
+        RuntimeError: a build step failed (its output in the message).
+    """
+    return _venv_python(".venv-saedashboard", SAEDASHBOARD, "sae_dashboard.sae_vis_runner")
 
 
 if __name__ == "__main__":
     print(saelens_python())
+    print(saedashboard_python())
