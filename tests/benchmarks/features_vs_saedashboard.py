@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import hookrun
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "features"))
@@ -83,6 +85,9 @@ def _hookrun(tmp: Path, rep: int, args: argparse.Namespace) -> float | str:
     if done.returncode:
         lines = (done.stderr or done.stdout).strip().splitlines()
         return f"rc {done.returncode}: {lines[-1] if lines else ''}"
+    with hookrun.open(run_dir / "captures.h5") as f:  # a time only for a run that finished
+        if f.status != "complete":
+            return f"its file is {f.status}"
     return seconds
 
 
