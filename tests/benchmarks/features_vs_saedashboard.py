@@ -84,7 +84,9 @@ def _hookrun(tmp: Path, rep: int, args: argparse.Namespace) -> float | str:
     seconds = time.perf_counter() - start
     if done.returncode:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        return f"rc {done.returncode}: {lines[-1] if lines else ''}"
+        # the line naming the problem: hookrun's one-line error, hydra's "Could not find"
+        named = [line for line in lines if "rror" in line or "Could not" in line] or lines
+        return f"rc {done.returncode}: {named[0] if named else ''}"
     with hookrun.open(run_dir / "captures.h5") as f:  # a time only for a run that finished
         if f.status != "complete":
             return f"its file is {f.status}"
