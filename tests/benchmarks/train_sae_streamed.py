@@ -33,7 +33,9 @@ reports it: hookrun's summary line (its training loop: chunks made, steps, check
 SAELens's `SAETrainer.fit` timed (the buffer fills and steps).
 
 The memory part runs the same hookrun command at `--multiples` x `--memory-steps` steps and
-reports each peak RSS: flat means the last over the first stays near 1.
+reports each peak RSS (the whole process's, and the training loop's: the command run in this
+script's `--worker`, which samples its RSS every 20 ms from the loop's start to its end):
+flat means the last over the first stays near 1.
 """
 
 from __future__ import annotations
@@ -113,14 +115,70 @@ def _setup(tmp: Path) -> dict:
     }
 
 
-def _hookrun(run_dir: Path, tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "hookrun", "experiment=train_sae", f"sae.tokens={tokens}"]
-    cmd += [f"hydra.run.dir={run_dir}"]
+def _overrides(run_dir: Path, tokens: int) -> list[str]:
+    return ["experiment=train_sae", f"sae.tokens={tokens}", f"hydra.run.dir={run_dir}"]
+
+
+def _hookrun(run_dir: Path, tokens: int, sampled: bool = False) -> dict:
+    """One `python -m hookrun` run; `sampled`: the same run in this script's `--worker`,
+    which also samples its RSS over the training loop."""
+    if sampled:
+        cmd = [sys.executable, __file__, "--worker", str(run_dir / "rss.json")]
+    else:
+        cmd = [sys.executable, "-m", "hookrun"]
+    cmd += _overrides(run_dir, tokens)
     seconds, cpu, peak, text = _measured(cmd, os.environ | {"PYTHONPATH": str(ROOT)})
     found = SPEED.findall(text)
     assert found, text[-2000:]
     loop = float(found[-1].replace(",", ""))
-    return {"seconds": seconds, "cpu": cpu, "peak": peak, "loop": loop}
+    got = {"seconds": seconds, "cpu": cpu, "peak": peak, "loop": loop}
+    if sampled:
+        got |= json.loads((run_dir / "rss.json").read_text())
+    return got
+
+
+def _worker(out: str, overrides: list[str]) -> None:
+    """`python -m hookrun OVERRIDES` in this process, its RSS read every 20 ms by a thread:
+    at the training loop's start and end (hookrun's `_Job.run`, wrapped here) and its
+    maximum within the loop, into `out` at exit."""
+    import atexit
+    import runpy
+    import threading
+
+    from hookrun.training import job
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    seen = {"loop_max": 0}
+    looping = threading.Event()
+
+    def sample() -> None:
+        while True:
+            if looping.is_set():
+                seen["loop_max"] = max(seen["loop_max"], rss())
+            time.sleep(0.02)
+
+    threading.Thread(target=sample, daemon=True).start()
+    run = job._Job.run
+
+    def sampled_run(self, trainers):
+        seen["loop_start"] = rss()
+        looping.set()
+        try:
+            return run(self, trainers)
+        finally:
+            looping.clear()
+            seen["loop_end"] = rss()
+            seen["loop_max"] = max(seen["loop_max"], seen["loop_end"])
+
+    job._Job.run = sampled_run
+    atexit.register(lambda: Path(out).write_text(json.dumps(seen)))
+    sys.argv = ["hookrun", *overrides]
+    runpy.run_module("hookrun", run_name="__main__", alter_sys=True)
 
 
 def _saelens(tmp: Path, setup: dict, tokens: int, name: str) -> dict:
@@ -222,23 +280,29 @@ def _memory(args: argparse.Namespace, tmp: Path, setup: dict) -> list[str]:
     peaks = {}
     for m in multiples:
         tokens = m * args.memory_steps * setup["batch"]
-        got = _hookrun(tmp / f"memory_{m}", tokens)
+        got = _hookrun(tmp / f"memory_{m}", tokens, sampled=True)
         peaks[m] = got
         print(
-            f"{m}x ({tokens:,} tokens): peak RSS {got['peak'] / 2**20:.1f} MiB, "
+            f"{m}x ({tokens:,} tokens): peak RSS {got['peak'] / 2**20:.1f} MiB, in the "
+            f"training loop {got['loop_start'] / 2**20:.1f} at its start, "
+            f"{got['loop_max'] / 2**20:.1f} at most, {got['loop_end'] / 2**20:.1f} at its end; "
             f"{got['seconds']:.1f} s (load {_load()})",
             flush=True,
         )
-    first = peaks[multiples[0]]["peak"]
+    first = peaks[multiples[0]]
     lines = [
-        "| sae.tokens | peak RSS | / the first | whole-process s |",
-        "|---|---|---|---|",
+        "| sae.tokens | peak RSS (process) | / the first | training loop: RSS at its start → "
+        "max → end | loop max / the first's |",
+        "|---|---|---|---|---|",
     ]
+    mib = 2**20
     for m, got in peaks.items():
         tokens = m * args.memory_steps * setup["batch"]
         lines.append(
-            f"| {tokens:,} ({m}×) | {got['peak'] / 2**20:.1f} MiB | {got['peak'] / first:.3f}× "
-            f"| {got['seconds']:.1f} |"
+            f"| {tokens:,} ({m}×) | {got['peak'] / mib:.1f} MiB | "
+            f"{got['peak'] / first['peak']:.3f}× | {got['loop_start'] / mib:.1f} → "
+            f"{got['loop_max'] / mib:.1f} → {got['loop_end'] / mib:.1f} MiB | "
+            f"{got['loop_max'] / first['loop_max']:.3f}× |"
         )
     return lines
 
@@ -250,7 +314,13 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=12)
     parser.add_argument("--multiples", default="1,4,8")
     parser.add_argument("--only", choices=["speed", "memory"], default=None)
-    args = parser.parse_args()
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.worker:
+        _worker(args.worker, rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     tmp = Path(tempfile.mkdtemp(prefix="train_sae_streamed_"))
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     setup = _setup(tmp)
