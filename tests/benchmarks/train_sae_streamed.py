@@ -137,15 +137,27 @@ def _hookrun(run_dir: Path, tokens: int, sampled: bool = False) -> dict:
     return got
 
 
+# The phases the worker tells apart: (module, function) -> the phase it runs; outside
+# them, "start" before the loop and "end" after it.
+PHASES = {
+    ("hookrun.training.job", "_Job.run"): "loop",
+    ("hookrun.training.job", "_Job.save"): "save",
+    ("hookrun.training.job", "_Job.checkpoint"): "checkpoint",
+    ("hookrun.stages.train.scoring", "scorer"): "scores",
+    ("hookrun.stages.train.draw", "render_curves"): "picture",
+}
+
+
 def _worker(out: str, overrides: list[str]) -> None:
-    """`python -m hookrun OVERRIDES` in this process, its RSS read every 20 ms by a thread:
-    at the training loop's start and end (hookrun's `_Job.run`, wrapped here) and its
-    maximum within the loop, into `out` at exit."""
+    """`python -m hookrun OVERRIDES` in this process, its RSS read every 20 ms by a thread
+    and kept as the maximum of each phase (PHASES, wrapped here; the scorer's phase is its
+    returned function's calls), with the RSS at the training loop's start and end, into
+    `out` at exit."""
     import atexit
+    import functools
+    import importlib
     import runpy
     import threading
-
-    from hookrun.training import job
 
     page = os.sysconf("SC_PAGE_SIZE")
 
@@ -153,30 +165,58 @@ def _worker(out: str, overrides: list[str]) -> None:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * page
 
-    seen = {"loop_max": 0}
-    looping = threading.Event()
+    seen: dict = {"phases": {}}
+    where = ["start"]
+
+    def note() -> None:
+        phase = where[-1]
+        seen["phases"][phase] = max(seen["phases"].get(phase, 0), rss())
 
     def sample() -> None:
         while True:
-            if looping.is_set():
-                seen["loop_max"] = max(seen["loop_max"], rss())
+            note()
             time.sleep(0.02)
 
+    def within(phase: str, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            note()
+            where.append(phase)
+            if phase == "loop":
+                seen["loop_start"] = rss()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                note()
+                if phase == "loop":
+                    seen["loop_end"] = rss()
+                where.pop()
+                if where == ["start"] and phase == "loop":
+                    where[0] = "end"
+
+        return wrapped
+
+    for (module_name, name), phase in PHASES.items():
+        module = importlib.import_module(module_name)
+        if "." in name:  # a class's method
+            cls, attr = name.split(".")
+            owner = getattr(module, cls)
+        else:
+            owner, attr = module, name
+        fn = getattr(owner, attr)
+        if phase == "scores":  # a factory: its function is what runs the scoring
+
+            def factory(*args, _fn=fn, **kwargs):
+                score = _fn(*args, **kwargs)
+                return score if score is None else within("scores", score)
+
+            setattr(owner, attr, factory)
+        else:
+            setattr(owner, attr, within(phase, fn))
     threading.Thread(target=sample, daemon=True).start()
-    run = job._Job.run
-
-    def sampled_run(self, trainers):
-        seen["loop_start"] = rss()
-        looping.set()
-        try:
-            return run(self, trainers)
-        finally:
-            looping.clear()
-            seen["loop_end"] = rss()
-            seen["loop_max"] = max(seen["loop_max"], seen["loop_end"])
-
-    job._Job.run = sampled_run
-    atexit.register(lambda: Path(out).write_text(json.dumps(seen)))
+    atexit.register(
+        lambda: Path(out).write_text(json.dumps(seen | {"loop_max": seen["phases"]["loop"]}))
+    )
     sys.argv = ["hookrun", *overrides]
     runpy.run_module("hookrun", run_name="__main__", alter_sys=True)
 
@@ -282,27 +322,31 @@ def _memory(args: argparse.Namespace, tmp: Path, setup: dict) -> list[str]:
         tokens = m * args.memory_steps * setup["batch"]
         got = _hookrun(tmp / f"memory_{m}", tokens, sampled=True)
         peaks[m] = got
+        phases = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in got["phases"].items())
         print(
-            f"{m}x ({tokens:,} tokens): peak RSS {got['peak'] / 2**20:.1f} MiB, in the "
-            f"training loop {got['loop_start'] / 2**20:.1f} at its start, "
-            f"{got['loop_max'] / 2**20:.1f} at most, {got['loop_end'] / 2**20:.1f} at its end; "
-            f"{got['seconds']:.1f} s (load {_load()})",
+            f"{m}x ({tokens:,} tokens): peak RSS {got['peak'] / 2**20:.1f} MiB; each phase's "
+            f"peak: {phases} MiB; loop start {got['loop_start'] / 2**20:.1f}, end "
+            f"{got['loop_end'] / 2**20:.1f} MiB; {got['seconds']:.1f} s (load {_load()})",
             flush=True,
         )
     first = peaks[multiples[0]]
+    shown = ["start", "loop", "checkpoint", "save", "scores", "picture", "end"]
     lines = [
         "| sae.tokens | peak RSS (process) | / the first | training loop: RSS at its start → "
-        "max → end | loop max / the first's |",
-        "|---|---|---|---|---|",
+        "max → end | loop max / the first's | peak by phase: " + " / ".join(shown) + " |",
+        "|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for m, got in peaks.items():
         tokens = m * args.memory_steps * setup["batch"]
+        by_phase = " / ".join(
+            f"{got['phases'][p] / mib:.0f}" if p in got["phases"] else "—" for p in shown
+        )
         lines.append(
             f"| {tokens:,} ({m}×) | {got['peak'] / mib:.1f} MiB | "
             f"{got['peak'] / first['peak']:.3f}× | {got['loop_start'] / mib:.1f} → "
             f"{got['loop_max'] / mib:.1f} → {got['loop_end'] / mib:.1f} MiB | "
-            f"{got['loop_max'] / first['loop_max']:.3f}× |"
+            f"{got['loop_max'] / first['loop_max']:.3f}× | {by_phase} MiB |"
         )
     return lines
 
