@@ -20,8 +20,9 @@ buffer holds n_batches_in_buffer x context_size tokens (its default 20 would be 
 tokens here, little more than one 1,024-token batch), so n_batches_in_buffer = sae.buffer /
 dataset.context makes it hold hookrun's sae.buffer tokens (the yaml's 16,384), and
 store_batch_size_prompts = hookrun's batch_size (32, also SAELens's default): each side then
-runs the same model batches and shuffles the same number of tokens together (SAELens's
-mixing keeps half the buffer back each refill, its activations_mixing_fraction default).
+runs model batches of the same rows and shuffles as many tokens together (SAELens's mixing
+keeps half the buffer back at each refill, its activations_mixing_fraction default, so it
+runs about half a buffer of forward passes more than it trains on; hookrun none).
 Neither side prefetches (SAELens's prefetch_llm_batches default is off; hookrun has none),
 nor compiles; SAELens logs nothing (no wandb, so no evals) and writes no checkpoints;
 hookrun runs as the yaml says: a checkpoint every sae.checkpoint_tokens, curves every
