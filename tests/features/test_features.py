@@ -196,7 +196,9 @@ def test_logit_effects_equal_a_hand_computation(tmp_path):
     lm = load_file(str(LM / "model.safetensors"))
     ln = lm["transformer.ln_f.weight"].astype(np.float64)
     w_u = lm.get("lm_head.weight", lm["transformer.wte.weight"]).astype(np.float64)  # tied
-    effects = sae["W_dec"].astype(np.float64) @ np.diag(ln) @ w_u.T
+    rows = sae["W_dec"].astype(np.float64)
+    rows = rows - rows.mean(axis=1, keepdims=True)  # ln_f subtracts the mean
+    effects = rows @ np.diag(ln) @ w_u.T
     with h5py.File(path, "r") as f:
         g = f[SITE]
         for unit in (0, 100, 511):

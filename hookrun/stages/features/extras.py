@@ -28,10 +28,11 @@ def residual_stream(model: nn.Module, module: str, at: str) -> bool:
 
 
 def logit_effects(model: nn.Module, d: Dictionary, n: int) -> dict[str, np.ndarray] | None:
-    """Each latent's decoder row through the final norm's weight and the unembedding, as
-    SAEDashboard reads a feature's direct logit effect (TransformerLens folds the final
-    LayerNorm's weight into W_U: W_dec[j] diag(w_ln) W_U; its centring and bias are left
-    out): the `n` largest and smallest, by token id.
+    """Each latent's decoder row through the final norm and the unembedding, as
+    SAEDashboard reads a feature's direct logit effect: a LayerNorm's centring and weight
+    ((W_dec[j] - mean W_dec[j]) diag(w_ln) W_U; TransformerLens folds both into W_U), an
+    RMSNorm's weight only; the norm's 1/sigma and bias are left out. The `n` largest and
+    smallest, by token id.
 
     Returns:
         top_token, top_value, bottom_token, bottom_value (d_sae, n) each, or None where the
@@ -48,13 +49,16 @@ def logit_effects(model: nn.Module, d: Dictionary, n: int) -> dict[str, np.ndarr
     if w_u is None:
         return None
     w_u = w_u.detach().double()  # (V, D), a Linear's weight
-    norm = getattr(modules[arch.final_norm], "weight", None)
+    final = modules[arch.final_norm]
+    norm = getattr(final, "weight", None)
     scale = torch.ones(w_u.shape[1], dtype=torch.float64) if norm is None else norm.detach()
     rows = d.tensors["W_dec"].double().to(w_u.device)
     if d.rescale_acts_by_decoder_norm:
         rows = rows / rows.norm(dim=-1, keepdim=True)
     if d.normalize == "expected_average_only_in" and d.scaling_factor is not None:
         rows = rows / d.scaling_factor
+    if isinstance(final, nn.LayerNorm):  # it subtracts the mean: a direction's mean is lost
+        rows = rows - rows.mean(dim=-1, keepdim=True)
     effects = (rows * scale.double().to(w_u.device)) @ w_u.T  # (d_sae, V)
     n = min(n, effects.shape[1])
     top = effects.topk(n, dim=1)
