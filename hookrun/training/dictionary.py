@@ -54,7 +54,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from hookrun.dictionaries.dictionary import Dictionary
+
+if TYPE_CHECKING:
+    from hookrun.training.parallel import Ranks
 
 __all__ = ["ARCHITECTURES", "SAELENS_VERSION", "Hyper", "Trainer"]
 
@@ -279,6 +282,10 @@ class Trainer:
         autocast: the forward's compute dtype under torch.autocast (SAELens's `autocast`:
             bfloat16 or float16 matmuls, the parameters, Adam and the counters in `dtype`);
             None: `dtype` throughout.
+        ranks: data parallel under torchrun (training/parallel.py): each step's `x` is this
+            rank's slice of the global batch, and the step is the one-process step on the
+            whole batch (gradients, firing counts, batchtopk's selection, the metrics
+            reduced over the ranks). None: one process.
     """
 
     def __init__(
@@ -288,9 +295,10 @@ class Trainer:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         autocast: torch.dtype | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         _check(hyper)
-        self.autocast = autocast
+        self.autocast, self.ranks = autocast, ranks
         self.hyper = h = hyper
         self.device = torch.device(device)
         self.dtype = dtype
@@ -376,15 +384,24 @@ class Trainer:
         else:
             with torch.autocast(self.device.type, dtype=self.autocast):
                 fwd = self._forward(x, y, dead)
+        ranks, b = self.ranks, x.shape[0]
+        total = b if ranks is None else b * ranks.size  # the global batch
         with torch.no_grad():
-            fired = fwd.fired
-            self.tokens_since_fired += x.shape[0]
+            fired = fwd.fired if ranks is None else ranks.sum_(fwd.fired)
+            self.tokens_since_fired += total
             self.tokens_since_fired.masked_fill_(fired > 0, 0)
             self.fired_counts += fired
-            self.window_tokens += x.shape[0]
-            self.n_tokens += x.shape[0]
-        fwd.loss.backward()
+            self.window_tokens += total
+            self.n_tokens += total
         params = list(self.params.values())
+        if ranks is None:
+            fwd.loss.backward()
+        else:
+            # Every term is a mean over this rank's tokens (batchtopk's selection and AuxK's
+            # dead latents are the whole batch's): times b / total, the gradients summed
+            # over the ranks are those of the mean over the global batch.
+            (fwd.loss * (b / total)).backward()
+            ranks.sum_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         lr = h.lr * lr_factor(h, self.n_steps)
         self.optimizer.param_groups[0]["lr"] = lr
@@ -468,16 +485,16 @@ class Trainer:
             l0 = live.sum() / b
         else:
             flat = hp.relu().flatten()
-            values, idx = flat.topk(int(h.k * b), dim=-1)
+            values, idx = self._batch_topk(flat, int(h.k * b))
             z = torch.zeros_like(flat).scatter(-1, idx, values).view(b, s)
             active = z != 0
             fired = active.sum(0)
             l0 = fired.sum() / b
             with torch.no_grad():
-                positive = values[values > 0]
-                if positive.numel() > 0:
+                smallest = self._smallest_positive(values)
+                if smallest is not None:
                     lr = h.topk_threshold_lr
-                    self.topk_threshold = (1 - lr) * self.topk_threshold + lr * positive.min().to(
+                    self.topk_threshold = (1 - lr) * self.topk_threshold + lr * smallest.to(
                         torch.float64
                     )
             if h.architecture == "batchtopk":
@@ -497,6 +514,32 @@ class Trainer:
         losses["aux"] = self._aux_k(y, out, hp, w_dec, dead)
         return out, mse, fired, l0
 
+    def _batch_topk(self, flat: Tensor, per_rank: int) -> tuple[Tensor, Tensor]:
+        """The whole batch's `per_rank` * ranks largest of `flat` that are this rank's:
+        their values and indices in `flat` (one process: flat.topk).
+
+        Each rank's largest `count` hold every one of the global `count` largest that are
+        its own: gathered, their `count`-th largest is the cut, and a rank keeps its own at
+        or above it (a tie at the cut keeps both; between floats, a tie is a rounding's).
+        """
+        if self.ranks is None:
+            return flat.topk(per_rank, dim=-1)
+        count = per_rank * self.ranks.size
+        values, idx = flat.topk(min(count, flat.numel()), dim=-1)  # sorted, largest first
+        every = self.ranks.gather(values)
+        cut = every.topk(min(count, every.numel()), dim=-1).values[-1]
+        kept = int((values >= cut).sum())
+        return values[:kept], idx[:kept]
+
+    def _smallest_positive(self, values: Tensor) -> Tensor | None:
+        """The smallest positive of `values`, over every rank's; None where there is none."""
+        positive = values[values > 0]
+        if self.ranks is None:
+            return positive.min() if positive.numel() > 0 else None
+        least = positive.min() if positive.numel() > 0 else values.new_tensor(torch.inf)
+        least = self.ranks.min_(least.reshape(1).clone())[0]
+        return least if torch.isfinite(least) else None
+
     def _aux_k(self, y: Tensor, out: Tensor, hp: Tensor, w_dec: Tensor, dead: Tensor) -> Tensor:
         """SAELens's AuxK loss (TopKTrainingSAE.calculate_topk_aux_loss)."""
         n_dead = int(dead.sum())  # a host sync, as SAELens's: k_aux depends on it
@@ -515,10 +558,13 @@ class Trainer:
         h = self.hyper
         y = y.to(torch.promote_types(y.dtype, torch.float32))
         l2 = (fwd.out.detach() - y).pow(2).sum(-1)
-        var = (y - y.mean(0)).pow(2).sum(-1)
         names = ["loss", *fwd.losses, "l0", "explained_variance", "explained_variance_legacy"]
         values = [fwd.loss.detach(), *(v.detach() for v in fwd.losses.values()), fwd.l0]
-        values += [1 - l2.mean() / var.mean(), (1 - l2 / var).mean()]
+        if self.ranks is None:
+            var = (y - y.mean(0)).pow(2).sum(-1)
+            values += [1 - l2.mean() / var.mean(), (1 - l2 / var).mean()]
+        else:
+            values = self._global_means(values, l2, y)
         names.append("dead")
         values.append((self.tokens_since_fired > h.dead_tokens).float().mean())
         if h.architecture in _BATCH_TOPKS:
@@ -535,6 +581,20 @@ class Trainer:
         if h.architecture == "jumprelu":
             result["l0_coefficient"] = h.l0_coefficient
         return result
+
+    def _global_means(self, means: list[Tensor], l2: Tensor, y: Tensor) -> list[Tensor]:
+        """This rank's means over its tokens as the whole batch's, and the explained
+        variances over the whole batch (the variance about the whole batch's mean)."""
+        ranks, b = self.ranks, y.shape[0]
+        total = b * ranks.size
+        mean_y = ranks.sum_(y.sum(0, dtype=torch.float64)) / total
+        var = (y.to(torch.float64) - mean_y).pow(2).sum(-1)
+        sums = torch.stack([m.to(torch.float64) * b for m in means])
+        sums = torch.cat([sums, torch.stack([l2.sum(dtype=torch.float64), var.sum()])])
+        sums = torch.cat([sums, (1 - l2 / var).sum().reshape(1)])
+        got = ranks.sum_(sums) / total
+        n = len(means)
+        return [*got[:n], 1 - got[n] / got[n + 1], got[n + 2]]
 
     # -- the saved dictionary -----------------------------------------------------------
 

@@ -20,6 +20,16 @@ The job, in order:
 5. The end: each dictionary saved to <run dir>/sae/<name>/ (SAELens's folder), scored on the
    held-out rows by a run of the scores stage (<run dir>/scores/<name>/captures.h5), its
    scores copied into the run's file, which is only then marked complete.
+
+Under torchrun (WORLD_SIZE > 1: data parallel, training/parallel.py) every rank trains the
+same dictionaries on its contiguous slice of each step's global batch `sae.batch` (which
+the ranks must divide), the step being the one-process step on the whole batch: streamed,
+each rank runs the model on its share of each chunk's model batches and the chunk is
+gathered whole on every rank before its seeded shuffle; from a file, every rank reads each
+step's batch and keeps its slice. Rank 0 alone claims the file, writes the checkpoints, the
+run's file and the saved folders; every rank resumes from the same checkpoint; the ranks
+stop together on a signal; the scoring runs are torchrun runs of the rows' pipeline, every
+rank scoring its share of the held-out rows.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +55,7 @@ from hookrun.io.sink import check_sink_path
 from hookrun.runtime.hooks import run_mode
 from hookrun.signals import deferred, interruptible, stop_if_signalled
 from hookrun.stage import JobContext
-from hookrun.training import checkpoint, runfile
+from hookrun.training import checkpoint, parallel, runfile
 from hookrun.training.config import Dictionary, TrainJob
 from hookrun.training.dictionary import Hyper, Trainer
 from hookrun.training.sources import FileActivations, ModelActivations, Position, Steps
@@ -70,7 +79,8 @@ class Trained:
     folders: dict[str, Path] = field(default_factory=dict)
     scores: dict[str, dict] = field(default_factory=dict)
     steps: int = 0
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # over every rank: global batch tokens per second
+    main: bool = True  # the process that wrote it (rank 0, or the only one)
 
 
 @dataclass
@@ -163,15 +173,28 @@ class _Job:
         self.state = _State()
         self.device = ctx.device
         self.writer: Any = None  # logger=tensorboard: the curves there too
+        self.ranks = parallel.joined()  # None: one process
+        self.main = self.ranks is None or self.ranks.main
 
     # ------------------------------------------------------------------ before any work
-    def claim(self) -> WriterLock:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:  # each rank would train its own copy on the same tokens
+    def claim(self) -> WriterLock | None:
+        """The writer's lock (rank 0's; None on the other ranks), the path checked."""
+        ranks = self.ranks
+        if ranks is None:
+            return self._claim()
+        batch = self.config.batch
+        if batch % ranks.size:
             raise HookrunError(
-                f"sae.sites under torchrun ({world} processes): data-parallel training is "
-                "not built yet; valid: one process (python -m hookrun experiment=train_sae)"
+                f"sae.batch: {batch} under torchrun with {ranks.size} processes; valid: a "
+                f"multiple of {ranks.size} (each process steps on an equal slice of it)"
             )
+        # Rank 0 checks and claims, then tells the others (its refusal too): checking for
+        # themselves, they could see the file it is about to write.
+        lock: list[WriterLock] = []
+        ranks.from_main(lambda: lock.append(self._claim()))
+        return lock[0] if lock else None
+
+    def _claim(self) -> WriterLock:
         lock = WriterLock(self.path)
         try:
             if not self.spec.resume:
@@ -250,7 +273,11 @@ class _Job:
                 scale,
             )
             trainer = Trainer(
-                hyper, _generator(self.spec.seed, d.name), self.device, autocast=self._autocast
+                hyper,
+                _generator(self.spec.seed, d.name),
+                self.device,
+                autocast=self._autocast,
+                ranks=self.ranks,
             )
             if saved is not None:
                 trainer.load_state_dict(saved["trainers"][d.name])
@@ -263,8 +290,7 @@ class _Job:
         if self.config.normalize == "none":
             return
         if isinstance(self.source, ModelActivations):
-            with interruptible():
-                vectors, _ = self.source.chunk(Position(), self.config.chunk)
+            vectors, _ = self.source.chunk(Position(), self.config.chunk, self.ranks)
             by_site = dict(zip(self.sites, vectors, strict=True))
         else:
             batches = self.source.batches(0)
@@ -279,25 +305,25 @@ class _Job:
 
         Streamed, the state names the chunk the next step reads and where it starts; it is
         moved on before the last step of a chunk is handed out, so the checkpoint after
-        that step names the next chunk.
+        that step names the next chunk. Under torchrun: this rank's slice of each batch.
         """
         config, step = self.config, self.state.step
+        mine = slice(None) if self.ranks is None else self.ranks.part(config.batch)
         if isinstance(self.source, FileActivations):
             for got in self.source.batches(step):
                 if step >= config.steps:
                     return
-                yield step, [v.to(self.device) for v in got]
+                yield step, [v[mine].to(self.device) for v in got]
                 step += 1
             return
         per_chunk, loaded = self.steps.per_chunk, None
         while step < config.steps:
             index = step // per_chunk
             if loaded != index:
-                with interruptible():
-                    vectors, after = self.source.chunk(self.state.chunk_start, config.chunk)
+                vectors, after = self.source.chunk(self.state.chunk_start, config.chunk, self.ranks)
                 order, loaded = self.steps.order(index, self.device), index
             at = (step % per_chunk) * config.batch
-            batch = [v.index_select(0, order[at : at + config.batch]) for v in vectors]
+            batch = [v.index_select(0, order[at : at + config.batch][mine]) for v in vectors]
             if (step + 1) % per_chunk == 0:
                 self.state.chunk, self.state.chunk_start = index + 1, after
             yield step, batch
@@ -316,7 +342,8 @@ class _Job:
                     x = vectors[index[d.site.source]]
                     target = vectors[index[d.site.target]] if d.site.transcoder else None
                     logged = (step + 1) % config.log_steps == 0 or step + 1 == config.steps
-                    metrics = trainer.step(x, target)
+                    # the metrics only where a row is logged (under torchrun: collectives)
+                    metrics = trainer.step(x, target, metrics=logged)
                     if logged:
                         row = [float(step + 1), float((step + 1) * config.batch)]
                         row += [float(metrics.get(f, math.nan)) for f in CURVE_FIELDS[2:]]
@@ -327,9 +354,22 @@ class _Job:
             if self.state.step % config.checkpoint_steps == 0 and self.state.step < config.steps:
                 with deferred():
                     self.checkpoint(trainers, "running")
-            stop_if_signalled()
+            self._stop_if_signalled()
         seconds = time.perf_counter() - started
         return done * config.batch / seconds if seconds > 0 and done else 0.0
+
+    def _stop_if_signalled(self) -> None:
+        """Between steps: stop on a signal (under torchrun: every rank at the same step,
+        when any one was signalled)."""
+        if self.ranks is None:
+            stop_if_signalled()
+            return
+        stopped = None
+        try:
+            stop_if_signalled()
+        except Interrupted as err:
+            stopped = err
+        self.ranks.agreed_stop(stopped, self.device)
 
     def _tensorboard(self, name: str, step: int, metrics: dict[str, float]) -> None:
         if self.writer is None:
@@ -338,6 +378,8 @@ class _Job:
             self.writer.add_scalar(f"{name}/{key}", value, step)
 
     def checkpoint(self, trainers: list[Trainer], status: str, error: str = "") -> None:
+        if not self.main:  # every rank holds the same state: rank 0 writes it
+            return
         state = {
             "config": self.spec.config_yaml,
             "step": self.state.step,
@@ -362,6 +404,8 @@ class _Job:
         )
 
     def write_file(self, status: str, error: str = "", trained: Trained | None = None) -> None:
+        if not self.main:
+            return
         dictionaries = []
         for d in self.job.dictionaries:
             width = d.resolved_width(self.width[d.site.source])
@@ -398,9 +442,13 @@ class _Job:
 
     # ------------------------------------------------------------------ the end
     def save(self, trainers: list[Trainer]) -> dict[str, Path]:
+        """Each dictionary's folder (rank 0 writes them; every rank is told where)."""
         folders = {}
         for d, trainer in zip(self.job.dictionaries, trainers, strict=True):
             folder = self.run_dir / "sae" / d.name
+            folders[d.name] = folder
+            if not self.main:
+                continue
             trainer.save(
                 folder,
                 self.hook_names[d.name],
@@ -409,7 +457,6 @@ class _Job:
                     "model_name": self.model_label,
                 },
             )
-            folders[d.name] = folder
         return folders
 
 
@@ -427,7 +474,7 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
     try:
         saved = run.resume_from()
         if saved is not None and saved.get("complete"):
-            return Trained(run.path, steps=job.config.steps)
+            return Trained(run.path, steps=job.config.steps, main=run.main)
         run.prepare()
         # The model's folder name (a path would tie the folder to this machine).
         run.model_label = Path(str(spec.model.path)).name if spec.model.path else ""
@@ -440,7 +487,7 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
         else:
             run._first_scales()
         trainers = run._trainers(saved)
-        if spec.logger == "tensorboard":
+        if spec.logger == "tensorboard" and run.main:
             from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra
 
             # purge_step: a resumed job's events after its checkpoint are written again.
@@ -456,16 +503,23 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
         if run.writer is not None:
             run.writer.close()
         trained = Trained(run.path, steps=run.state.step, tokens_per_second=speed)
+        trained.main = run.main
         with deferred():
             trained.folders = run.save(trainers)
             run.checkpoint(trainers, "running")
+        if run.ranks is not None:
+            run.ranks.barrier()  # the folders written before any rank's scoring run reads them
         if score is not None and job.config.heldout.rows:
             for d in job.dictionaries:
                 got = score(trained.folders[d.name], d, run.run_dir / "scores" / d.name)
                 if got is not None:
                     trained.scores[d.name] = got
         run.write_file("complete", trained=trained)
-        checkpoint.remove(run.run_dir)
+        if run.main:
+            checkpoint.remove(run.run_dir)
+        if run.ranks is not None:
+            run.ranks.barrier()  # every rank returns once the file is complete
         return trained
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()

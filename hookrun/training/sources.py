@@ -9,7 +9,10 @@ resumed job repeats exactly.
   index) and cut into the steps' batches. Nothing is written to disk; memory is one chunk.
   A chunk starts at a `Position` (model batch, token offset in it), so a resumed job makes
   the chunk it stopped in again by running the same model batches: the same rows in the same
-  batches give the same numbers.
+  batches give the same numbers. Under torchrun (`ranks`) every rank walks the chunk's
+  model batches (their masks say how many real tokens each gives), runs the model on every
+  `size`-th of them only, and the pieces are gathered into the whole chunk on every rank:
+  the chunk one process makes, from a `size`-th of the forward passes each.
 - `FileActivations`: read from an earlier run's captures.h5 through `TokenBatches`, epoch
   after epoch, the steps' batches in its shuffled order; a resume starts at a batch.
 """
@@ -28,10 +31,12 @@ from torch.utils.data import Dataset, Subset
 
 from hookrun.data.batch import Batch
 from hookrun.data.loader import make_loader
-from hookrun.errors import HookrunError
+from hookrun.errors import HookrunError, Interrupted
 from hookrun.io.activations import TokenBatches
 from hookrun.io.layout import capture_key, open_readonly
 from hookrun.runtime.sitevalues import SiteRead, modules_of, take_sites
+from hookrun.signals import interruptible
+from hookrun.training.parallel import Ranks
 
 __all__ = ["Position", "ModelActivations", "FileActivations", "Steps"]
 
@@ -71,13 +76,18 @@ class ModelActivations:
 
     def _batches(self, start: int) -> Iterator[list[torch.Tensor]]:
         """Each model batch's real tokens at every site, from model batch `start` on."""
+        for batch in self._loaded(start):
+            yield self._run(batch.to(self.device))
+
+    def _loaded(self, start: int) -> Iterator[Batch]:
+        """Each model batch as loaded (not yet run), from model batch `start` on."""
         index = start
         while True:
             first = (index % self.per_pass) * self.batch_size
             part = Subset(self.rows, range(first, len(self.rows)))
             loader = make_loader(part, self.batch_size, 0, self.seed, self.device)
             for loaded in loader:
-                yield self._run(Batch.of(loaded, True).to(self.device))
+                yield Batch.of(loaded, True)
                 index += 1
 
     def _run(self, batch: Batch) -> list[torch.Tensor]:
@@ -102,11 +112,24 @@ class ModelActivations:
                     f"sae.sites: {module}:{at} gives {list(vectors.shape[1:])} per token; "
                     "valid: a site of one vector per token"
                 )
-        return [int(v.shape[1]) for v in first]
+        self._widths = [int(v.shape[1]) for v in first]
+        return list(self._widths)
 
-    def chunk(self, start: Position, tokens: int) -> tuple[list[torch.Tensor], Position]:
+    def chunk(
+        self, start: Position, tokens: int, ranks: Ranks | None = None
+    ) -> tuple[list[torch.Tensor], Position]:
         """The next `tokens` real tokens from `start`, one (tokens, D) tensor per site, and
-        where the chunk after it starts."""
+        where the chunk after it starts (with `ranks`: the same on every rank, each having
+        run the model on its share of the chunk's model batches).
+
+        Interruptible: a signal stops it (with `ranks`: on every rank together).
+        """
+        if ranks is not None:
+            return self._shared_chunk(start, tokens, ranks)
+        with interruptible():
+            return self._chunk(start, tokens)
+
+    def _chunk(self, start: Position, tokens: int) -> tuple[list[torch.Tensor], Position]:
         parts: list[list[torch.Tensor]] = [[] for _ in self.sites]
         have, index, offset = 0, start.batch, start.offset
         batches = self._batches(start.batch)
@@ -123,6 +146,50 @@ class ModelActivations:
                 index, offset = index + 1, 0
         batches.close()
         return [torch.cat(p) for p in parts], Position(index, offset)
+
+    def _shared_chunk(
+        self, start: Position, tokens: int, ranks: Ranks
+    ) -> tuple[list[torch.Tensor], Position]:
+        """`_chunk` over the ranks: model batch j of the chunk run by rank j % size, every
+        rank's pieces gathered and laid out in the chunk's order."""
+        plan: list[tuple[int, int]] = []  # each model batch of the chunk: (its rank, tokens)
+        mine: list[list[torch.Tensor]] = [[] for _ in self.sites]
+        have, index, offset = 0, start.batch, start.offset
+        stopped = None
+        loaded = self._loaded(start.batch)
+        try:
+            with interruptible():
+                while have < tokens:
+                    batch = next(loaded)
+                    real = int(batch.mask.bool().sum())
+                    take = min(real - offset, tokens - have)
+                    owner = len(plan) % ranks.size
+                    if owner == ranks.rank:
+                        per_site = self._run(batch.to(self.device))
+                        for site, vectors in enumerate(per_site):
+                            mine[site].append(vectors[offset : offset + take])
+                    plan.append((owner, take))
+                    have += take
+                    if offset + take < real:
+                        offset += take
+                    else:
+                        index, offset = index + 1, 0
+        except Interrupted as err:  # the others are told before they wait for this rank
+            stopped = err
+        finally:
+            loaded.close()
+        ranks.agreed_stop(stopped, self.device)
+        chunk = []
+        for site, width in enumerate(self._widths):
+            local = torch.cat(mine[site]) if mine[site] else torch.empty(0, width)
+            every = ranks.gather_uneven(local.to(self.device))
+            at = [0] * ranks.size
+            pieces = []
+            for owner, take in plan:
+                pieces.append(every[owner][at[owner] : at[owner] + take])
+                at[owner] += take
+            chunk.append(torch.cat(pieces))
+        return chunk, Position(index, offset)
 
 
 class Steps:

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from omegaconf import OmegaConf
 
@@ -62,6 +63,8 @@ def scorer(spec: Any, ctx: JobContext, rows: int):
         composed = OmegaConf.merge(OmegaConf.structured(run_schema()), config)
         other = build_spec(composed, "sae")
         result = ctx.execute(other, run_dir)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return None  # a torchrun rank's shard: rank 0 joins them and reads the scores
         module, site = d.site.target
         key = scores_key(capture_key(module, site))
         with open_readonly(result.path) as f:

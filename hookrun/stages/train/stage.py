@@ -57,7 +57,7 @@ class TrainStage(Stage):
         images = None
         with h5py.File(trained.path, "r") as f:
             lines = cls.summary(f, 0)
-            if spec.render:
+            if spec.render and trained.main:  # under torchrun: rank 0's pictures
                 from hookrun.stages.train.draw import render_curves
 
                 images = ctx.run_dir / "images" / (spec.experiment or "run")
