@@ -386,22 +386,23 @@ class Trainer:
                 fwd = self._forward(x, y, dead)
         ranks, b = self.ranks, x.shape[0]
         total = b if ranks is None else b * ranks.size  # the global batch
-        with torch.no_grad():
-            fired = fwd.fired if ranks is None else ranks.sum_(fwd.fired)
-            self.tokens_since_fired += total
-            self.tokens_since_fired.masked_fill_(fired > 0, 0)
-            self.fired_counts += fired
-            self.window_tokens += total
-            self.n_tokens += total
         params = list(self.params.values())
+        fired = fwd.fired
         if ranks is None:
             fwd.loss.backward()
         else:
             # Every term is a mean over this rank's tokens (batchtopk's selection and AuxK's
             # dead latents are the whole batch's): times b / total, the gradients summed
-            # over the ranks are those of the mean over the global batch.
+            # over the ranks are those of the mean over the global batch. The firing
+            # counts are summed in the same collective.
             (fwd.loss * (b / total)).backward()
-            ranks.sum_grads(params)
+            fired = ranks.sum_grads(params, fired, total)
+        with torch.no_grad():
+            self.tokens_since_fired += total
+            self.tokens_since_fired.masked_fill_(fired > 0, 0)
+            self.fired_counts += fired
+            self.window_tokens += total
+            self.n_tokens += total
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         lr = h.lr * lr_factor(h, self.n_steps)
         self.optimizer.param_groups[0]["lr"] = lr

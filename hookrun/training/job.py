@@ -174,6 +174,8 @@ class _Job:
         self.device = ctx.device
         self.writer: Any = None  # logger=tensorboard: the curves there too
         self.ranks = parallel.joined()  # None: one process
+        self._stopped: Interrupted | None = None  # this rank's signal, under torchrun
+        self._pending: Any = None  # the ranks' stop flags being reduced
         self.main = self.ranks is None or self.ranks.main
 
     # ------------------------------------------------------------------ before any work
@@ -355,21 +357,30 @@ class _Job:
                 with deferred():
                     self.checkpoint(trainers, "running")
             self._stop_if_signalled()
+        self._stop_if_signalled(last=True)
         seconds = time.perf_counter() - started
         return done * config.batch / seconds if seconds > 0 and done else 0.0
 
-    def _stop_if_signalled(self) -> None:
-        """Between steps: stop on a signal (under torchrun: every rank at the same step,
-        when any one was signalled)."""
+    def _stop_if_signalled(self, last: bool = False) -> None:
+        """Between steps: stop on a signal. Under torchrun every rank stops at the same
+        step, when any one was signalled: the ranks' flags after a step are reduced while
+        the next step computes (a collective's latency, a millisecond here, is not waited
+        for), and acted on after it; `last`: after the last step, the one in flight ended."""
         if self.ranks is None:
             stop_if_signalled()
             return
-        stopped = None
         try:
             stop_if_signalled()
         except Interrupted as err:
-            stopped = err
-        self.ranks.agreed_stop(stopped, self.device)
+            self._stopped = self._stopped or err
+        if self._pending is not None:
+            work, flag = self._pending
+            self._pending = None
+            work.wait()
+            if flag.item():  # the same on every rank: every rank stops here
+                raise self._stopped or parallel.told()
+        if not last:
+            self._pending = self.ranks.any_async(self._stopped is not None, self.device)
 
     def _tensorboard(self, name: str, step: int, metrics: dict[str, float]) -> None:
         if self.writer is None:

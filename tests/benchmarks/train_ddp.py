@@ -8,7 +8,8 @@ Not part of the test run. experiment=train_sae on the shipped tiny_lm (its defau
 read from an earlier run's file (sae.from, an lm_cache run made first). Each job is one
 process of its own: `python -m hookrun` with 2 threads and with 1, and `torchrun
 --nproc_per_node 2` with 1 thread each; repetitions interleaved. Ratios are medians over the
-repetitions of tokens/s over one process's (2 threads) within one repetition.
+repetitions of tokens/s over one process's with one thread (each rank's count) within one
+repetition.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def main() -> None:
     print("| source | 1 process, 2 threads | 1 process, 1 thread | torchrun 2 × 1 thread |")
     print("|---|---|---|---|")
     for source in sources:
-        one = speeds[(source, "2")]
+        one = speeds[(source, "1")]
         cells = []
         for launch in launches:
             mine = speeds[(source, launch)]
