@@ -66,6 +66,9 @@ def main() -> None:
         trainer, logged = train(h, ranks)
         if ranks.main:
             torch.save({"state": trainer.state_dict(), "metrics": logged}, out / f"{name}.pt")
+    # every rank past its last collective before any tears the group down: a rank leaving
+    # while another still talks to it aborts in gloo (seen under load)
+    dist.barrier()
     dist.destroy_process_group()
 
 
