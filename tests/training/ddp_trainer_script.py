@@ -10,6 +10,7 @@ the trainer's state after the last step and every step's metrics.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -66,10 +67,16 @@ def main() -> None:
         trainer, logged = train(h, ranks)
         if ranks.main:
             torch.save({"state": trainer.state_dict(), "metrics": logged}, out / f"{name}.pt")
-    # every rank past its last collective before any tears the group down: a rank leaving
-    # while another still talks to it aborts in gloo (seen under load)
-    dist.barrier()
     dist.destroy_process_group()
+    # Out without the interpreter's teardown, as the CLI's QuickExit leaves: gloo's worker
+    # thread drops its last reference to a finished collective (and so to the tensors it
+    # held, each with a Python object) after the call returned here; where that happens
+    # during Py_FinalizeEx, the thread's GIL acquire ends it with pthread_exit inside a C++
+    # destructor, and std::terminate aborts the rank (a core's backtrace under load:
+    # ~AsyncAllreduceWork -> decref_pyobject -> take_gil -> PyThread_exit_thread).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
