@@ -25,6 +25,9 @@ import hookrun
 from hookrun.errors import HookrunError
 from hookrun.stages.features.state import token_hash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import torchrun  # noqa: E402  (tests/ is no package: the worker's sys.path)
+
 pytestmark = pytest.mark.slow  # every test here runs the model over rows
 
 ROOT = Path(hookrun.__file__).parent
@@ -325,8 +328,6 @@ def test_kill_9_then_resume_gives_the_uninterrupted_file(tmp_path):
 
 
 def test_torchrun_two_ranks_give_one_process_s_file(tmp_path):
-    from tests.conftest import torchrun
-
     args = ["experiment=features", *SMALL, *FEAT]
     one = _cli([*args, f"hydra.run.dir={tmp_path / 'one'}"], tmp_path)
     assert one.wait(600) == 0, one.stdout.read()
