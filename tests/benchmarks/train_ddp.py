@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+import hookrun
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEED = re.compile(r"training: ([\d,]+) tokens/s")
 
@@ -104,7 +106,8 @@ def main() -> None:
                 print(f"rep {rep} {source} {launch}: {speed:,.0f} tokens/s", flush=True)
     print(
         f"\ntiny_lm, {args.architecture}, width 512, k 16, batch 1024, {args.tokens} tokens; "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, median "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"hookrun {hookrun.__version__}, median "
         f"of {args.reps}\n"
     )
     print("| source | 1 process, 2 threads | 1 process, 1 thread | torchrun 2 × 1 thread |")
