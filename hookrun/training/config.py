@@ -104,7 +104,7 @@ class Dictionary:
 @dataclass
 class HeldoutConfig(Frozen):
     rows: int = 16
-    """The dataset's last rows, left out of training: the scores stage reads them at the end
+    """The dataset's first rows, left out of training: the scores stage reads them at the end
     (0: no scores)."""
 
 
