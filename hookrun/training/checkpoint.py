@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from hookrun.errors import HookrunError
+from hookrun.io.resume import config_changes
 from hookrun.io.whole_file import replaced_whole
 
-__all__ = ["path_of", "save", "load", "remove"]
+__all__ = ["path_of", "save", "load", "resumed", "remove"]
 
 FOLDER = "checkpoints"
 NAME = "train_state.pt"
@@ -50,6 +51,25 @@ def load(run_dir: Path, name: str = NAME) -> dict[str, Any] | None:
             f"resume: {path} cannot be read ({type(err).__name__}: {err}); valid: remove it to "
             "start again from the beginning, or a new run dir"
         ) from None
+
+
+def resumed(run_dir: Path, config_yaml: str, name: str = NAME) -> dict[str, Any] | None:
+    """The checkpoint `name` a resume continues from (None: there is none), refused when it
+    was written under another config.
+
+    Raises:
+        HookrunError: the config differs (the keys named), or the checkpoint is unreadable.
+    """
+    saved = load(run_dir, name)
+    if saved is None:
+        return None
+    changed = config_changes(saved["config"], config_yaml)
+    if changed:
+        raise HookrunError(
+            f"resume: the config differs from the one {path_of(run_dir, name)} was written "
+            f"with in {', '.join(changed)}; resume with the same config, or start a new run"
+        )
+    return saved
 
 
 def remove(run_dir: Path) -> None:

@@ -50,7 +50,6 @@ from torch.utils.data import Subset
 from hookrun.dictionaries.sites import hook_name_of
 from hookrun.errors import HookrunError, Interrupted
 from hookrun.io.lock import WriterLock
-from hookrun.io.resume import config_changes
 from hookrun.io.sink import check_sink_path
 from hookrun.runtime.hooks import run_mode
 from hookrun.signals import deferred, interruptible, stop_if_signalled
@@ -245,17 +244,7 @@ class _Job:
             return None
         if self.path.exists() and runfile.is_complete(self.path):
             return {"complete": True}
-        saved = checkpoint.load(self.run_dir)
-        if saved is None:
-            return None
-        changed = config_changes(saved["config"], self.spec.config_yaml)
-        if changed:
-            raise HookrunError(
-                f"resume: the config differs from the one {checkpoint.path_of(self.run_dir)} "
-                f"was written with in {', '.join(changed)}; resume with the same config, or "
-                "start a new run"
-            )
-        return saved
+        return checkpoint.resumed(self.run_dir, self.spec.config_yaml)
 
     # ------------------------------------------------------------------ the steps
     @property

@@ -39,7 +39,6 @@ from hookrun.data.tokens import token_rows
 from hookrun.errors import HookrunError, Interrupted
 from hookrun.io.layout import capture_key
 from hookrun.io.lock import WriterLock
-from hookrun.io.resume import config_changes
 from hookrun.io.sink import check_sink_path
 from hookrun.memory import check_fits
 from hookrun.models.adapter import adapt
@@ -281,17 +280,7 @@ class _Job:
             return None
         if self.path.exists() and _complete(self.path):
             return {"complete": True}
-        saved = checkpoint.load(self.run_dir, self.checkpoint_name)
-        if saved is None:
-            return None
-        changed = config_changes(saved["config"], self.spec.config_yaml)
-        if changed:
-            raise HookrunError(
-                f"resume: the config differs from the one "
-                f"{checkpoint.path_of(self.run_dir, self.checkpoint_name)} was written with in "
-                f"{', '.join(changed)}; resume with the same config, or start a new run"
-            )
-        return saved
+        return checkpoint.resumed(self.run_dir, self.spec.config_yaml, self.checkpoint_name)
 
     # ------------------------------------------------------------------ the end
     def merged(self) -> list[SiteState]:
