@@ -159,12 +159,24 @@ def run_in_child(fn: Callable[..., T], *args: Any) -> T:
     if not (_Regions.interruptible and main and hasattr(os, "fork")):
         return fn(*args)
     readable, writable = os.pipe()
-    pid = os.fork()
+    # Deferred across the fork: a handler raising inside os.fork's at-fork hooks is
+    # "ignored" there and leaves logging's module lock held (the run then hung on its next
+    # log line, seen in CI), or raises before the try below that kills the child. (Masking
+    # the signals would not do: another thread can take one and the handler still runs
+    # here.) One caught meanwhile stops the run at the check inside that try.
+    _Regions.deferred += 1
+    try:
+        pid = os.fork()
+    except BaseException:
+        _Regions.deferred -= 1
+        raise
     if pid == 0:
         _child(fn, args, readable, writable)  # never returns
-    os.close(writable)
     chunks: list[bytes] = []
     try:
+        _Regions.deferred -= 1
+        os.close(writable)
+        check()
         while True:
             if select.select([readable], [], [], _POLL_S)[0]:  # a signal's handler runs here
                 chunk = os.read(readable, 1 << 20)

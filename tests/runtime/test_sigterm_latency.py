@@ -6,9 +6,12 @@ bytes)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -17,6 +20,7 @@ import pytest
 import torch
 from conftest import hook, read, run_config, spawn
 
+from hookrun.errors import Interrupted
 from hookrun.io.layout import open_readonly
 from hookrun.runtime.hooks import run_mode
 from hookrun.signals import interruptible, run_in_child, signals_caught
@@ -177,6 +181,38 @@ def test_road_s_solves_in_a_child_give_the_same_bytes():
         with pytest.raises(ZeroDivisionError):
             run_in_child(lambda: 1 / 0)
     assert here.numpy().tobytes() == there.numpy().tobytes()
+
+
+_SIGNAL_AT_FORK: dict[str, int] = {}  # which at-fork hook sends which signal
+
+
+def _hook(when: str) -> Callable[[], None]:
+    def send() -> None:
+        if signum := _SIGNAL_AT_FORK.pop(when, None):
+            os.kill(os.getpid(), signum)
+
+    return send
+
+
+# Registered once (os.register_at_fork has no undo), inert while nothing is queued.
+os.register_at_fork(before=_hook("before"), after_in_parent=_hook("after_in_parent"))
+
+
+@pytest.mark.parametrize("when", ["before", "after_in_parent"])
+def test_a_signal_during_run_in_child_s_fork_stops_the_run_and_its_child(when):
+    """A SIGTERM whose handler runs while os.fork runs its hooks, where CPython prints what
+    a hook raises and drops it (in CI it left logging's lock held, and the run hung), is
+    acted on once the fork is done: Interrupted at once, the child killed, logging's lock
+    free."""
+    with signals_caught(), interruptible():
+        _SIGNAL_AT_FORK[when] = signal.SIGTERM
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            run_in_child(time.sleep, 20)
+        assert time.monotonic() - started < BOUND_S
+    assert not _SIGNAL_AT_FORK
+    assert logging._lock.acquire(timeout=1)
+    logging._lock.release()
 
 
 class _Chain(torch.nn.Module):
