@@ -159,24 +159,19 @@ def run_in_child(fn: Callable[..., T], *args: Any) -> T:
     if not (_Regions.interruptible and main and hasattr(os, "fork")):
         return fn(*args)
     readable, writable = os.pipe()
-    # Deferred across the fork: a handler raising inside os.fork's at-fork hooks is
-    # "ignored" there and leaves logging's module lock held (the run then hung on its next
-    # log line, seen in CI), or raises before the try below that kills the child. (Masking
-    # the signals would not do: another thread can take one and the handler still runs
-    # here.) One caught meanwhile stops the run at the check inside that try.
-    _Regions.deferred += 1
-    try:
-        pid = os.fork()
-    except BaseException:
-        _Regions.deferred -= 1
-        raise
-    if pid == 0:
-        _child(fn, args, readable, writable)  # never returns
     chunks: list[bytes] = []
+    pid = None
     try:
-        _Regions.deferred -= 1
-        os.close(writable)
-        check()
+        # Deferred across the fork: a handler raising inside os.fork's at-fork hooks is
+        # "ignored" there and leaves logging's module lock held (the run then hung on its
+        # next log line, seen in CI). Masking the signals would not do: another thread can
+        # take one and the handler still runs here. One caught meanwhile is raised as the
+        # region ends, inside this try, which kills the child.
+        with deferred():
+            pid = os.fork()
+            if pid == 0:
+                _child(fn, args, readable, writable)  # never returns
+            os.close(writable)
         while True:
             if select.select([readable], [], [], _POLL_S)[0]:  # a signal's handler runs here
                 chunk = os.read(readable, 1 << 20)
@@ -185,11 +180,13 @@ def run_in_child(fn: Callable[..., T], *args: Any) -> T:
                 chunks.append(chunk)
             check()
     except BaseException:
-        os.kill(pid, signal.SIGKILL)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
         raise
     finally:
         os.close(readable)
-        _, status = os.waitpid(pid, 0)
+        if pid:
+            _, status = os.waitpid(pid, 0)
     if not chunks:  # killed, by the job's own SIGTERM (then that stops this run) or else
         check()
         raise RuntimeError(f"run_in_child: the child of {fn.__name__} died (status {status})")
