@@ -103,10 +103,14 @@ def _close(single: Path, ranks: Path, names: list[str]) -> None:
         a, b = _weights(single, name), _weights(ranks, name)
         assert a.keys() == b.keys()
         for key in a:
-            gap = (b[key] - a[key]).abs()
-            past = gap > 1e-6 + 1e-5 * a[key].abs()
-            assert int(past.sum()) <= past.numel() // 1000, (name, key, int(past.sum()))
-            assert float(gap.max()) < LR / 10, (name, key, float(gap.max()))
+            _rounded(b[key], a[key], f"{name} {key}")
+
+
+def _rounded(two: torch.Tensor, one: torch.Tensor, what: str, lr: float = LR) -> None:
+    gap = (two - one).abs()
+    past = gap > 1e-6 + 1e-5 * one.abs()
+    assert int(past.sum()) <= past.numel() // 1000, (what, int(past.sum()), past.numel())
+    assert float(gap.max()) < lr / 10, (what, float(gap.max()))
 
 
 def test_every_architectures_trainer_steps_on_two_ranks_as_on_one_process(tmp_path: Path):
@@ -133,9 +137,7 @@ def test_every_architectures_trainer_steps_on_two_ranks_as_on_one_process(tmp_pa
                 two["state"]["topk_threshold"], state["topk_threshold"], rtol=1e-6, atol=0
             )
             for key, value in state["params"].items():
-                torch.testing.assert_close(
-                    two["state"]["params"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
-                )
+                _rounded(two["state"]["params"][key], value, f"{name} {key}", h.lr)
             for step, (a, b) in enumerate(zip(logged, two["metrics"], strict=True)):
                 assert a.keys() == b.keys()
                 for key in a:  # the whole batch's, not rank 0's half
