@@ -31,6 +31,7 @@ __all__ = [
 ARCHITECTURES = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka_batchtopk")
 NORMALIZE = ("none", "expected_average_only_in")
 DTYPES = ("float32", "bfloat16", "float16")
+PREFETCH = ("auto", "true", "false")
 _SITE = re.compile(r"(?P<module>[^:\s]+):(?P<at>input|output)")
 # The keys an entry of `sae.grid` may set: what differs between dictionaries trained from the
 # same activations (the data keys are the job's).
@@ -156,6 +157,10 @@ class TrainConfig(Frozen):
     """The dictionaries' forward under torch.autocast in this dtype, as SAELens's `autocast`
     (the parameters, gradients and Adam stay float32): float32 (no autocast) | bfloat16 |
     float16. Meant for a GPU; the CPU's autocast runs too, mostly slower."""
+    prefetch: str = "auto"
+    """Streamed: the next chunk's forward passes run in a thread while the steps run on this
+    chunk (the same weights either way; memory: two chunks): auto (on a GPU in one process)
+    | true | false. Not under torchrun."""
     from_: str | None = None
     """A captures.h5 of an earlier run holding the sites' captures (`sae.from` on the command
     line): read through TokenBatches instead of running the model."""
@@ -335,6 +340,8 @@ def parse_train(raw: Any) -> TrainJob | None:
     node = dict(raw)
     if "from" in node:  # `from` is a Python keyword: the field is from_
         node["from_"] = node.pop("from")
+    if isinstance(node.get("prefetch"), bool):  # YAML's and the command line's true/false
+        node["prefetch"] = str(node["prefetch"]).lower()
     config = parse_typed(node, TrainConfig, "sae")
     if not config.sites:
         raise HookrunError("sae.sites: []; valid: one or more sites, e.g. [transformer.h.1:output]")
@@ -349,6 +356,8 @@ def parse_train(raw: Any) -> TrainJob | None:
         )
     if config.normalize not in NORMALIZE:
         raise HookrunError(f"sae.normalize: {config.normalize!r}; valid: {', '.join(NORMALIZE)}")
+    if config.prefetch not in PREFETCH:
+        raise HookrunError(f"sae.prefetch: {config.prefetch!r}; valid: {', '.join(PREFETCH)}")
     if config.dtype not in DTYPES:
         raise HookrunError(f"sae.dtype: {config.dtype!r}; valid: {', '.join(DTYPES)}")
     entries = list(config.grid) or [{}]

@@ -39,6 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from hookrun.io.sink import check_sink_path
 from hookrun.runtime.hooks import run_mode
 from hookrun.signals import deferred, interruptible, stop_if_signalled
 from hookrun.stage import JobContext
-from hookrun.training import checkpoint, parallel, runfile
+from hookrun.training import checkpoint, parallel, prefetch, runfile
 from hookrun.training.config import Dictionary, TrainJob
 from hookrun.training.dictionary import Hyper, Trainer
 from hookrun.training.sources import FileActivations, ModelActivations, Position, Steps
@@ -189,6 +190,11 @@ class _Job:
                 f"sae.batch: {batch} under torchrun with {ranks.size} processes; valid: a "
                 f"multiple of {ranks.size} (each process steps on an equal slice of it)"
             )
+        if self.config.prefetch == "true":
+            raise HookrunError(
+                f"sae.prefetch: true under torchrun with {ranks.size} processes; valid: auto "
+                "or false (the prefetch thread's gathers would interleave with the steps')"
+            )
         # Rank 0 checks and claims, then tells the others (its refusal too): checking for
         # themselves, they could see the file it is about to write.
         lock: list[WriterLock] = []
@@ -308,17 +314,30 @@ class _Job:
                 step += 1
             return
         per_chunk, loaded = self.steps.per_chunk, None
-        while step < config.steps:
-            index = step // per_chunk
-            if loaded != index:
-                vectors, after = self.source.chunk(self.state.chunk_start, config.chunk, self.ranks)
-                order, loaded = self.steps.order(index, self.device), index
-            at = (step % per_chunk) * config.batch
-            batch = [v.index_select(0, order[at : at + config.batch][mine]) for v in vectors]
-            if (step + 1) % per_chunk == 0:
-                self.state.chunk, self.state.chunk_start = index + 1, after
-            yield step, batch
-            step += 1
+        ahead = None
+        if prefetch.wanted(config.prefetch, self.device, self.ranks is not None):
+            ahead = prefetch.Prefetch(self.source, self.device)
+        try:
+            while step < config.steps:
+                index = step // per_chunk
+                if loaded != index:
+                    start = self.state.chunk_start
+                    if ahead is not None and ahead.holds(start):
+                        vectors, after = ahead.take()
+                    else:
+                        vectors, after = self.source.chunk(start, config.chunk, self.ranks)
+                    order, loaded = self.steps.order(index, self.device), index
+                    if ahead is not None and (index + 1) * per_chunk < config.steps:
+                        ahead.start(after, config.chunk)  # the next chunk, while this one steps
+                at = (step % per_chunk) * config.batch
+                batch = [v.index_select(0, order[at : at + config.batch][mine]) for v in vectors]
+                if (step + 1) % per_chunk == 0:
+                    self.state.chunk, self.state.chunk_start = index + 1, after
+                yield step, batch
+                step += 1
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def run(self, trainers: list[Trainer]) -> float:
         config = self.config
@@ -327,25 +346,29 @@ class _Job:
         for name in names:
             self.state.curves.setdefault(name, [])
         started, done = time.perf_counter(), 0
-        for step, vectors in self._batches():
-            with deferred():  # a step's update is whole: a signal waits for its end
-                for d, trainer in zip(self.job.dictionaries, trainers, strict=True):
-                    x = vectors[index[d.site.source]]
-                    target = vectors[index[d.site.target]] if d.site.transcoder else None
-                    logged = (step + 1) % config.log_steps == 0 or step + 1 == config.steps
-                    # the metrics only where a row is logged (under torchrun: collectives)
-                    metrics = trainer.step(x, target, metrics=logged)
-                    if logged:
-                        row = [float(step + 1), float((step + 1) * config.batch)]
-                        row += [float(metrics.get(f, math.nan)) for f in CURVE_FIELDS[2:]]
-                        self.state.curves[d.name].append(row)
-                        self._tensorboard(d.name, step + 1, metrics)
-                self.state.step = step + 1
-                done += 1
-            if self.state.step % config.checkpoint_steps == 0 and self.state.step < config.steps:
-                with deferred():
-                    self.checkpoint(trainers, "running")
-            self._stop_if_signalled()
+        with closing(self._batches()) as batches:  # closed on every exit: no prefetch left
+            for step, vectors in batches:
+                with deferred():  # a step's update is whole: a signal waits for its end
+                    for d, trainer in zip(self.job.dictionaries, trainers, strict=True):
+                        x = vectors[index[d.site.source]]
+                        target = vectors[index[d.site.target]] if d.site.transcoder else None
+                        logged = (step + 1) % config.log_steps == 0 or step + 1 == config.steps
+                        # the metrics only where a row is logged (under torchrun: collectives)
+                        metrics = trainer.step(x, target, metrics=logged)
+                        if logged:
+                            row = [float(step + 1), float((step + 1) * config.batch)]
+                            row += [float(metrics.get(f, math.nan)) for f in CURVE_FIELDS[2:]]
+                            self.state.curves[d.name].append(row)
+                            self._tensorboard(d.name, step + 1, metrics)
+                    self.state.step = step + 1
+                    done += 1
+                if (
+                    self.state.step % config.checkpoint_steps == 0
+                    and self.state.step < config.steps
+                ):
+                    with deferred():
+                        self.checkpoint(trainers, "running")
+                self._stop_if_signalled()
         self._stop_if_signalled(last=True)
         seconds = time.perf_counter() - started
         return done * config.batch / seconds if seconds > 0 and done else 0.0

@@ -19,7 +19,7 @@ resumed job repeats exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,11 @@ from hookrun.runtime.sitevalues import SiteRead, modules_of, take_sites
 from hookrun.signals import interruptible
 from hookrun.training.parallel import Ranks
 
-__all__ = ["Position", "ModelActivations", "FileActivations", "Steps"]
+__all__ = ["Abandoned", "Position", "ModelActivations", "FileActivations", "Steps"]
+
+
+class Abandoned(Exception):
+    """A chunk given up while it was being made (its prefetch closed)."""
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,20 @@ class ModelActivations:
         if ranks is not None:
             return self._shared_chunk(start, tokens, ranks)
         with interruptible():
-            return self._chunk(start, tokens)
+            return self.make_chunk(start, tokens)
 
-    def _chunk(self, start: Position, tokens: int) -> tuple[list[torch.Tensor], Position]:
+    def make_chunk(
+        self, start: Position, tokens: int, given_up: Callable[[], bool] | None = None
+    ) -> tuple[list[torch.Tensor], Position]:
+        """`chunk` in one process, outside the signal module's regions (a prefetch thread
+        calls it): `given_up()`, asked before each model batch, stops it with Abandoned."""
         parts: list[list[torch.Tensor]] = [[] for _ in self.sites]
         have, index, offset = 0, start.batch, start.offset
         batches = self._batches(start.batch)
         while have < tokens:
+            if given_up is not None and given_up():
+                batches.close()
+                raise Abandoned(f"the chunk from {start} was given up")
             per_site = next(batches)
             real = int(per_site[0].shape[0])
             take = min(real - offset, tokens - have)
@@ -150,7 +161,7 @@ class ModelActivations:
     def _shared_chunk(
         self, start: Position, tokens: int, ranks: Ranks
     ) -> tuple[list[torch.Tensor], Position]:
-        """`_chunk` over the ranks: model batch j of the chunk run by rank j % size, every
+        """`chunk` over the ranks: model batch j of the chunk run by rank j % size, every
         rank's pieces gathered and laid out in the chunk's order."""
         plan: list[tuple[int, int]] = []  # each model batch of the chunk: (its rank, tokens)
         mine: list[list[torch.Tensor]] = [[] for _ in self.sites]

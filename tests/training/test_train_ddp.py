@@ -234,3 +234,14 @@ def test_a_global_batch_the_ranks_do_not_divide_is_refused(tmp_path: Path, monke
         "steps on an equal slice of it)"
     )
     assert not (tmp_path / "captures.h5").exists() and not (tmp_path / "sae").exists()
+
+
+def test_prefetch_true_under_torchrun_is_refused(tmp_path: Path, monkeypatch):
+    # The prefetch thread's chunk gathers would interleave with the steps' collectives.
+    from hookrun.training import job, parallel
+
+    monkeypatch.setattr(job.parallel, "joined", lambda: parallel.Ranks(0, 2))
+    with pytest.raises(HookrunError) as err:
+        hookrun.run([*BASE, "sae.prefetch=true"], run_dir=tmp_path)
+    assert str(err.value).startswith("sae.prefetch: true under torchrun with 2 processes; valid:")
+    assert not (tmp_path / "captures.h5").exists() and not (tmp_path / "sae").exists()

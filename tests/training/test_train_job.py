@@ -156,6 +156,7 @@ def test_training_from_an_earlier_runs_file(tmp_path: Path):
         (["sae.sites=[transformer.h.9:output]"], "the model has no module 'transformer.h.9'"),
         (["sae.tokens=100"], "sae.tokens: 100 is fewer than one batch"),
         (["sae.architecture=topkk"], "did you mean 'topk'"),
+        (["sae.prefetch=sometimes"], "sae.prefetch: 'sometimes'; valid: auto, true, false"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(tmp_path: Path, overrides: list[str], said: str):
@@ -234,3 +235,40 @@ def test_kill_9_during_the_final_scoring_then_resume_completes_with_the_same_wei
         text=True,
     )
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_prefetch_ends_at_the_weights_of_a_job_without_it(uninterrupted: Path, tmp_path: Path):
+    # The next chunk made in a thread while the steps run (auto leaves it off on the CPU,
+    # so `uninterrupted` made each chunk in turn): the same chunks, the same weights.
+    run_dir = tmp_path / "ahead"
+    done = hookrun_cli([*SMALL, "sae.prefetch=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same(_weights(uninterrupted), _weights(run_dir))
+    with h5py.File(run_dir / "captures.h5") as f, h5py.File(uninterrupted / "captures.h5") as g:
+        assert f[f"train/{NAME}/curves"][()].tobytes() == g[f"train/{NAME}/curves"][()].tobytes()
+
+
+def test_sigterm_with_a_chunk_in_the_making_stops_then_resumes_to_the_same_weights(
+    uninterrupted: Path, tmp_path: Path
+):
+    # A chunk of 4 steps, the next one always in the making: SIGTERM finds the thread
+    # running; the job gives its chunk up, joins it, checkpoints and exits 143.
+    run_dir = tmp_path / "stopped"
+    args = [*SMALL, "sae.prefetch=true", f"hydra.run.dir={run_dir}"]
+    proc = spawn(args, tmp_path)
+    state = run_dir / "checkpoints" / "train_state.pt"
+    while not state.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0, 0.3))
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    proc.wait(timeout=30)
+    assert time.monotonic() - sent < 30
+    if proc.returncode == 0:
+        pytest.skip("the job ended before the signal")
+    err = proc.stderr.read()
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    done = hookrun_cli([*args, "resume=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same(_weights(uninterrupted), _weights(run_dir))
