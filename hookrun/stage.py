@@ -366,9 +366,10 @@ class JobContext:
     """What the pipeline lends a stage that runs a job of its own (`Stage.job`).
 
     `load(spec)` builds the model (on `device`) and the rows as a run of `spec` would:
-    (model, rows, weights file); `execute(spec, run_dir)` runs another spec through the
-    rows' pipeline and returns its Result; `header(spec, weights_file)` is the provenance a
-    run's file starts with.
+    (model, rows, weights file); `execute(spec, run_dir, model=None, weights_file=None)`
+    runs another spec through the rows' pipeline and returns its Result (`model`: the model
+    `load` gave, lent to that run instead of building it again, with the file it was loaded
+    from); `header(spec, weights_file)` is the provenance a run's file starts with.
     """
 
     run_dir: Path

@@ -85,6 +85,11 @@ class CallerObjects:
 
     model: nn.Module | None = None
     dataset: Any = None
+    # A job's own model lent to a run it starts (the training job's scoring runs): built
+    # from the same config, so the run treats it as its own (the config's tokenizer, the
+    # weights file it was loaded from, left where the config placed it), not as a caller's.
+    lent_from: Path | None = None
+    lent: bool = False
 
 
 @dataclass
@@ -149,7 +154,7 @@ def prepare(
     # Nothing is written before the first batch: a signal stops any of this at once.
     with interruptible():
         started = time.perf_counter()
-        if world.parallel and caller.model is None and is_placed(spec.model):
+        if world.parallel and (caller.model is None or caller.lent) and is_placed(spec.model):
             raise HookrunError(
                 f"model.device_map: {spec.model.device_map!r} under torchrun ({world.size} "
                 "processes): each would map the whole model over the same devices; valid: "
@@ -248,7 +253,7 @@ def _data(spec: RunSpec, caller: CallerObjects, run_dir: Path) -> Dataset:
     """The run's rows: the caller's dataset, or the config's, after `limit` (a corpus
     tokenized once for the run's ranks and resumes, in its token cache)."""
     if caller.dataset is None:
-        tokenizer = _tokenizer(spec, caller.model)
+        tokenizer = _tokenizer(spec, None if caller.lent else caller.model)
         cache = run_dir / token_cache.FOLDER
         return build_dataset(spec.dataset, spec.seed, spec.limit, tokenizer, cache)
     data = wrap_dataset(caller.dataset, spec.limit)
@@ -261,7 +266,7 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
     """The model on the run's device and the weights file it was loaded from (None: random
     init, or the caller's module)."""
     if caller.model is not None:
-        model, weights_file = caller.model, None
+        model, weights_file = caller.model, caller.lent_from
     else:
         built = build_model(spec.model, spec.seed, spec.weights_path)
         model, weights_file = built.module, built.weights_file
@@ -269,7 +274,7 @@ def _model(spec: RunSpec, caller: CallerObjects, device: torch.device) -> tuple[
             log.warning(
                 "model.weights is null: %s has random (seeded) weights", model_label(spec.model)
             )
-    if caller.model is None and is_placed(spec.model):
+    if (caller.model is None or caller.lent) and is_placed(spec.model):
         return model, weights_file  # each module where model.device_map put it
     return model.to(device), weights_file
 

@@ -9,6 +9,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,8 +76,14 @@ def _job(
     def load(other: RunSpec) -> tuple:
         return model_and_data(other, caller, device, run_dir)
 
-    def run_other(other: RunSpec, other_dir: Path) -> Result:
-        return _execute(other, other_dir, CallerObjects(caller.model), world, device)
+    def run_other(
+        other: RunSpec, other_dir: Path, model: Any = None, weights_file: Path | None = None
+    ) -> Result:
+        if model is None or caller.model is not None:  # the caller's model, if any
+            return _execute(other, other_dir, CallerObjects(caller.model), world, device)
+        # the job's own model, built from the config: the run uses it as it would build it
+        lent = CallerObjects(model, lent_from=weights_file, lent=True)
+        return _execute(other, other_dir, lent, world, device)
 
     def header(other: RunSpec, weights_file: Path | None) -> Provenance:
         return provenance(other, weights_file, device, world.size)

@@ -262,10 +262,6 @@ def _dictionary(config: TrainConfig, entry: dict, site: Site, key: str) -> Dicti
         if k is None:
             raise HookrunError(f"{key}.k: null; valid: an integer >= 1 for {arch}")
         _positive(f"{key}.k", k)
-        if width is not None and k >= width:
-            raise HookrunError(
-                f"{key}.k: {k} with width {width}; valid: 1 <= k < width (k latents of width)"
-            )
     for name in ("l1_warmup_steps", "lr_warmup_steps", "lr_decay_steps"):
         _positive(f"{key}.{name}", values[name], zero=True)
     for name in (
@@ -285,16 +281,13 @@ def _dictionary(config: TrainConfig, entry: dict, site: Site, key: str) -> Dicti
             raise HookrunError(
                 f"{key}.matryoshka_widths: {list(nested)}; valid: increasing widths, each once"
             )
-        if width is not None and nested and nested[-1] > width:
-            raise HookrunError(
-                f"{key}.matryoshka_widths: {list(nested)} with width {width}; valid: widths "
-                f"up to the width"
-            )
     elif nested:
         raise HookrunError(
             f"{key}.matryoshka_widths: {list(nested)} with architecture {arch}; valid: [] "
             "(only matryoshka_batchtopk nests its latents)"
         )
+    if width is not None:
+        check_width(key, width, k if topk_like else None, nested)
     name = entry.get("name") or _name(site, arch, width, values)
     if not re.fullmatch(r"[A-Za-z0-9_.=-]+", str(name)):
         raise HookrunError(
@@ -318,6 +311,22 @@ def _dictionary(config: TrainConfig, entry: dict, site: Site, key: str) -> Dicti
         lr_decay_steps=values["lr_decay_steps"],
         aux_k_coefficient=float(values["aux_k_coefficient"]),
     )
+
+
+def check_width(key: str, width: int, k: int | None, nested: tuple[int, ...]) -> None:
+    """A dictionary's width against its k and nested widths: at parse time for a width
+    given, once the site's width is known for one from `expansion` (training/job.py)."""
+    if width < 1:
+        raise HookrunError(f"{key}.width: {width}; valid: an integer >= 1")
+    if k is not None and k >= width:
+        raise HookrunError(
+            f"{key}.k: {k} with width {width}; valid: 1 <= k < width (k latents of width)"
+        )
+    if nested and nested[-1] > width:
+        raise HookrunError(
+            f"{key}.matryoshka_widths: {list(nested)} with width {width}; valid: widths up to "
+            "the width"
+        )
 
 
 def _name(site: Site, arch: str, width: int | None, values: dict) -> str:

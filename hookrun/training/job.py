@@ -56,7 +56,7 @@ from hookrun.runtime.hooks import run_mode
 from hookrun.signals import deferred, interruptible, stop_if_signalled
 from hookrun.stage import JobContext
 from hookrun.training import checkpoint, parallel, prefetch, runfile
-from hookrun.training.config import Dictionary, TrainJob
+from hookrun.training.config import Dictionary, TrainJob, check_width
 from hookrun.training.dictionary import Hyper, Trainer
 from hookrun.training.sources import FileActivations, ModelActivations, Position, Steps
 
@@ -64,9 +64,10 @@ __all__ = ["train", "Trained"]
 
 log = logging.getLogger("hookrun")
 
-# A saved dictionary scored: (its folder, the dictionary, the scoring run's folder) → its
-# scores {"fields", "values", "file"}, or None.
-Scorer = Callable[[Path, Dictionary, Path], dict | None]
+# A saved dictionary scored: (its folder, the dictionary, the scoring run's folder, the
+# job's model and the file it was loaded from) → its scores {"fields", "values", "file"},
+# or None.
+Scorer = Callable[[Path, Dictionary, Path, torch.nn.Module, Path | None], dict | None]
 
 CURVE_FIELDS = ("step", "tokens", "loss", "mse", "explained_variance", "l0", "dead", "lr")
 
@@ -106,22 +107,10 @@ def _sites(job: TrainJob) -> list[tuple[str, str]]:
 
 def _hyper(d: Dictionary, d_in: int, d_out: int, steps: int, scale: float) -> Hyper:
     width = d.resolved_width(d_in)
-    where = f"sae ({d.name})"
-    if width < 1:
-        raise HookrunError(f"{where}.width: {width}; valid: an integer >= 1")
-    if d.k is not None and d.k >= width:
-        raise HookrunError(
-            f"{where}.k: {d.k} with width {width}; valid: 1 <= k < width (k latents of width)"
-        )
     nested = d.matryoshka_widths
-    if d.architecture == "matryoshka_batchtopk":
-        if nested and nested[-1] > width:
-            raise HookrunError(
-                f"{where}.matryoshka_widths: {list(nested)} with width {width}; valid: widths "
-                "up to the width"
-            )
-        if not nested or nested[-1] != width:
-            nested = (*nested, width)
+    check_width(f"sae ({d.name})", width, d.k, nested)  # a width from expansion: checked now
+    if d.architecture == "matryoshka_batchtopk" and (not nested or nested[-1] != width):
+        nested = (*nested, width)
     return Hyper(
         architecture=d.architecture,
         d_in=d_in,
@@ -176,6 +165,7 @@ class _Job:
         self.ranks = parallel.joined()  # None: one process
         self._stopped: Interrupted | None = None  # this rank's signal, under torchrun
         self._pending: Any = None  # the ranks' stop flags being reduced
+        self._first_chunk: Any = None  # (vectors, after), made for the first scales
         self.main = self.ranks is None or self.ranks.main
 
     # ------------------------------------------------------------------ before any work
@@ -215,7 +205,7 @@ class _Job:
 
     def prepare(self) -> None:
         with interruptible():
-            self.model, rows, weights_file = self.ctx.load(self.spec)
+            self.model, rows, self.weights_file = self.ctx.load(self.spec)
             held = self.config.heldout.rows
             if held >= len(rows):
                 raise HookrunError(
@@ -223,7 +213,7 @@ class _Job:
                     f"to train on; valid: 0 to {len(rows) - 1}"
                 )
             self.rows = Subset(rows, range(held, len(rows)))
-            self.header = self.ctx.header(self.spec, weights_file)
+            self.header = self.ctx.header(self.spec, self.weights_file)
             streamed = ModelActivations(
                 self.model, self.rows, self.sites, self.spec.batch_size, self.device, self.spec.seed
             )
@@ -287,7 +277,8 @@ class _Job:
         if self.config.normalize == "none":
             return
         if isinstance(self.source, ModelActivations):
-            vectors, _ = self.source.chunk(Position(), self.config.chunk, self.ranks)
+            vectors, after = self.source.chunk(Position(), self.config.chunk, self.ranks)
+            self._first_chunk = (vectors, after)  # the first steps' chunk: not made twice
             by_site = dict(zip(self.sites, vectors, strict=True))
         else:
             batches = self.source.batches(0)
@@ -322,7 +313,9 @@ class _Job:
                 index = step // per_chunk
                 if loaded != index:
                     start = self.state.chunk_start
-                    if ahead is not None and ahead.holds(start):
+                    if self._first_chunk is not None and start == Position():
+                        (vectors, after), self._first_chunk = self._first_chunk, None
+                    elif ahead is not None and ahead.holds(start):
                         vectors, after = ahead.take()
                     else:
                         vectors, after = self.source.chunk(start, config.chunk, self.ranks)
@@ -485,8 +478,8 @@ class _Job:
 
 def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None) -> Trained:
     """Run the training job `job` of `spec` (see the module docstring); `score(folder, d,
-    scores_dir)` scores a saved dictionary on the held-out rows ({"fields", "values",
-    "file"}, or None where it cannot be scored).
+    scores_dir, model, weights_file)` scores a saved dictionary on the held-out rows with the
+    job's model ({"fields", "values", "file"}, or None where it cannot be scored).
 
     Raises:
         HookrunError: bad input, before any work.
@@ -534,7 +527,8 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
             run.ranks.barrier()  # the folders written before any rank's scoring run reads them
         if score is not None and job.config.heldout.rows:
             for d in job.dictionaries:
-                got = score(trained.folders[d.name], d, run.run_dir / "scores" / d.name)
+                scores_dir = run.run_dir / "scores" / d.name
+                got = score(trained.folders[d.name], d, scores_dir, run.model, run.weights_file)
                 if got is not None:
                     trained.scores[d.name] = got
         run.write_file("complete", trained=trained)

@@ -272,3 +272,65 @@ def test_sigterm_with_a_chunk_in_the_making_stops_then_resumes_to_the_same_weigh
     done = hookrun_cli([*args, "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     _same(_weights(uninterrupted), _weights(run_dir))
+
+
+def test_the_scoring_runs_use_the_jobs_model_not_a_second_copy(tmp_path: Path, monkeypatch):
+    # A large model is not built a second time at the end of its training: every scoring
+    # run is lent the job's model, and its file names the weights the job loaded.
+    from hookrun.pipeline import prepare
+
+    built = []
+    real = prepare.build_model
+    monkeypatch.setattr(prepare, "build_model", lambda *a, **k: built.append(a) or real(*a, **k))
+    grid = "sae.grid=[{architecture:topk,k:8},{architecture:relu}]"
+    hookrun.run([*SMALL, grid, "sae.tokens=1024"], run_dir=tmp_path)
+    assert len(built) == 1
+    with h5py.File(tmp_path / "captures.h5") as f:
+        job_weights = (f.attrs["weights_file"], f.attrs["weights_sha256"])
+        assert job_weights[1]  # tiny_lm's shipped weights, hashed
+        for name in (
+            "transformer.h.1.output.topk.w256.k8",
+            "transformer.h.1.output.relu.w256.l1_1",
+        ):
+            scored = f[f"train/{name}/scores"].attrs["file"]
+            with h5py.File(scored) as g:
+                assert (g.attrs["weights_file"], g.attrs["weights_sha256"]) == job_weights
+                assert g.attrs["status"] == "complete"
+
+
+def test_normalize_takes_its_factor_from_the_first_chunk_and_makes_it_once(
+    tmp_path: Path, monkeypatch
+):
+    # expected_average_only_in: sqrt(d_in) / the mean norm of the first chunk's vectors (the
+    # first sae.buffer real tokens of the training rows, in order), checked against an
+    # lm_cache capture of the same rows; the chunk is made once, for the factor and the
+    # first steps (the model batches run are those of a job without normalize).
+    from hookrun.training import sources
+
+    runs = []
+    real = sources.ModelActivations._run
+    monkeypatch.setattr(sources.ModelActivations, "_run", lambda s, b: runs.append(1) or real(s, b))
+    args = [*SMALL, "sae.tokens=2048", "sae.heldout.rows=0"]
+    hookrun.run([*args, "sae.normalize=expected_average_only_in"], run_dir=tmp_path / "norm")
+    normalized = len(runs)
+    runs.clear()
+    hookrun.run(args, run_dir=tmp_path / "plain")
+    assert normalized == len(runs)
+    cache = hookrun.run(
+        [
+            "experiment=lm_cache",
+            "sink.dtype=float32",
+            "dataset.context=64",  # train_sae's rows
+            "limit=16",
+            "render=false",
+            "progress=false",
+        ],
+        run_dir=tmp_path / "cache",
+    )
+    with h5py.File(cache.path) as f:
+        rows = f["captures/transformer.h.1/output"][()]  # (16, 64, 128): every token real
+        assert "mask" not in f["samples"] or f["samples/mask"][()].all()
+    vectors = rows.reshape(-1, rows.shape[-1])[:1024].astype(np.float64)  # sae.buffer tokens
+    factor = np.sqrt(vectors.shape[1]) / np.linalg.norm(vectors, axis=1).mean()
+    with h5py.File(tmp_path / "norm" / "captures.h5") as f:
+        assert f[f"train/{NAME}"].attrs["scale"] == pytest.approx(factor, rel=1e-5)

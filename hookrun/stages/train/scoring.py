@@ -39,10 +39,14 @@ def _splice(d: Dictionary, folder: Path) -> dict[str, Any] | None:
 
 
 def scorer(spec: Any, ctx: JobContext, rows: int):
-    """score(folder, dictionary, run_dir): its scores on the dataset's first `rows` rows."""
+    """score(folder, dictionary, run_dir, model, weights_file): its scores on the dataset's
+    first `rows` rows, by a run given the job's model (not built again: no second copy of
+    a large model at the end of its training)."""
     base = yaml.safe_load(spec.config_yaml)
 
-    def score(folder: Path, d: Dictionary, run_dir: Path) -> dict | None:
+    def score(
+        folder: Path, d: Dictionary, run_dir: Path, model: Any, weights_file: Path | None
+    ) -> dict | None:
         hook = _splice(d, folder)
         if hook is None:
             log.warning("%s: a transcoder from %s is not scored", d.name, d.site.label)
@@ -62,7 +66,7 @@ def scorer(spec: Any, ctx: JobContext, rows: int):
         )
         composed = OmegaConf.merge(OmegaConf.structured(run_schema()), config)
         other = build_spec(composed, "sae")
-        result = ctx.execute(other, run_dir)
+        result = ctx.execute(other, run_dir, model, weights_file)
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return None  # a torchrun rank's shard: rank 0 joins them and reads the scores
         module, site = d.site.target
