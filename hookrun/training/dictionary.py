@@ -62,6 +62,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from hookrun.dictionaries.dictionary import Dictionary
+from hookrun.training import gradients
 
 if TYPE_CHECKING:
     from hookrun.training.parallel import Ranks
@@ -164,99 +165,6 @@ def lr_factor(h: Hyper, step: int) -> float:
 def warmup_coefficient(value: float, warmup: int, step: int) -> float:
     """SAELens's CoefficientScheduler: `value` * min(step / warmup, 1) at step `step`."""
     return value if warmup <= 0 else value * min(step / warmup, 1.0)
-
-
-class _JumpReLU(torch.autograd.Function):
-    """pre * (pre > threshold); the threshold's gradient through the rectangle STE."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return pre * (pre > threshold)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        window = ((pre - threshold) / bw).abs() < 0.5  # SAELens's rectangle: -0.5 < u < 0.5
-        ste = (threshold / bw) * window * grad
-        return (pre > threshold) * grad, -ste.sum(0), None
-
-
-class _Step(torch.autograd.Function):
-    """(pre > threshold); no gradient to pre, the threshold's through the rectangle STE."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        window = ((pre - threshold) / bw).abs() < 0.5
-        return None, -((1.0 / bw) * window * grad).sum(0), None
-
-
-class _ReluCode(torch.autograd.Function):
-    """relu's encode and decode with its L1 term, the gradients written out.
-
-    Forward: pre = x W_enc + (b_enc - b_dec W_enc), z = relu(pre), core = z W_dec + b_dec,
-    l1 = sum_i (sum_b z_bi) ||W_dec_i||; it returns (core, l1, fired per latent). The
-    autograd graph would take about twice the passes over the B x S latents that these
-    gradients need (the L1's broadcast, its column sums, a bool copy for the firing count);
-    here the L1's gradient into z rides in the decoder's backward matmul as its bias, z
-    overwrites pre, the column sums are taken once, as matrix-vector products.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        w_enc: Tensor,
-        b_enc: Tensor,
-        w_dec: Tensor,
-        b_dec: Tensor,
-        b_dec_in: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        kind = x.device.type
-        if torch.is_autocast_enabled(kind):
-            # autocast's choice made here once, so that the backward computes in it too
-            low = torch.get_autocast_dtype(kind)
-            x, w_enc, b_enc, w_dec, b_dec = (t.to(low) for t in (x, w_enc, b_enc, w_dec, b_dec))
-        with torch.autocast(kind, enabled=False):
-            bias = b_enc - b_dec @ w_enc if b_dec_in else b_enc
-            z = torch.addmm(bias, x, w_enc).relu_()
-            core = torch.addmm(b_dec, z, w_dec)
-            norm = w_dec.norm(dim=1)
-            # column sums as products with ones: BLAS's gemv, several times faster on the
-            # CPU than a reduction over dim 0 (and count_nonzero) of a B x S matrix
-            ones = z.new_ones(z.shape[0])
-            z_sum = ones @ z
-            fired = (ones @ torch.sign(z)).to(torch.int64)  # z >= 0: sign is 0 or 1
-        ctx.save_for_backward(x, w_enc, w_dec, b_dec, z, norm, z_sum)
-        ctx.b_dec_in = b_dec_in
-        ctx.mark_non_differentiable(fired)
-        return core, z_sum @ norm, fired
-
-    @staticmethod
-    def backward(ctx: Any, d_core: Tensor, d_l1: Tensor, _: Any) -> tuple[Any, ...]:
-        x, w_enc, w_dec, b_dec, z, norm, z_sum = ctx.saved_tensors
-        d_core, d_l1 = d_core.to(z.dtype), d_l1.to(z.dtype)
-        d_w_dec = z.T @ d_core + (d_l1 * z_sum / norm)[:, None] * w_dec
-        d_b_dec = d_core.sum(0)
-        # dL/dz = d_core W_dec^T + d_l1 ||W_dec_i||, zero where relu cut
-        d_z = torch.addmm(d_l1 * norm, d_core, w_dec.T)
-        d_pre = torch.ops.aten.threshold_backward(d_z, z, 0)  # one pass: d_z where z > 0
-        d_b_enc = z.new_ones(z.shape[0]) @ d_pre
-        d_w_enc = x.T @ d_pre
-        if ctx.b_dec_in:
-            d_w_enc -= b_dec[:, None] * d_b_enc[None]
-            d_b_dec = d_b_dec - w_enc @ d_b_enc
-        return None, d_w_enc, d_b_enc, d_w_dec, d_b_dec, None
 
 
 @dataclass
@@ -435,7 +343,7 @@ class Trainer:
         b = x.shape[0]
         losses: dict[str, Tensor] = {}
         if h.architecture == "relu":
-            core, l1, fired = _ReluCode.apply(
+            core, l1, fired = gradients.ReluCode.apply(
                 x, p["W_enc"], p["b_enc"], p["W_dec"], p["b_dec"], h.b_dec_in
             )
             out = self._skip(core, x)
@@ -446,11 +354,11 @@ class Trainer:
             l0 = fired.sum() / b
         elif h.architecture == "jumprelu":
             pre = self._pre(x, p["W_enc"], p["b_enc"])
-            z = _JumpReLU.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+            z = gradients.JumpReLU.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
             out = self._skip(torch.addmm(p["b_dec"], z, p["W_dec"]), x)
             mse = (out - y).pow(2).sum(-1).mean()
             coeff = warmup_coefficient(h.l0_coefficient, 0, self.n_steps)
-            gate = _Step.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
+            gate = gradients.Step.apply(pre, p["threshold"].to(pre.dtype), h.jumprelu_bandwidth)
             losses["l0_loss"] = (coeff * gate.sum(-1)).mean()
             fired = torch.count_nonzero(z, dim=0)
             l0 = fired.sum() / b

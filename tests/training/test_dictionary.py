@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from hookrun.dictionaries import load_dictionaries
-from hookrun.training.dictionary import (
-    Hyper,
-    Trainer,
-    _JumpReLU,
-    _ReluCode,
-    _Step,
-    lr_factor,
-    warmup_coefficient,
-)
+from hookrun.training.dictionary import Hyper, Trainer, lr_factor, warmup_coefficient
+from hookrun.training.gradients import JumpReLU, ReluCode, Step
 
 
 def _trainer(architecture: str, d: int = 2, width: int = 3, **kw) -> Trainer:
@@ -62,7 +55,7 @@ def test_relu_loss_by_hand() -> None:
 
 @pytest.mark.parametrize("b_dec_in", [True, False])
 def test_relu_written_out_gradients_equal_autograd_of_the_formula(b_dec_in: bool) -> None:
-    """relu's hand-written backward (_ReluCode) against autograd through the plain formula
+    """relu's hand-written backward (ReluCode) against autograd through the plain formula
     (pre = (x - b_dec) W_enc + b_enc, z = relu(pre), z W_dec + b_dec, L1 = sum z ||W_dec||),
     in float64, some latents cut by the relu and one never firing."""
     g = torch.Generator().manual_seed(3)
@@ -78,7 +71,7 @@ def test_relu_written_out_gradients_equal_autograd_of_the_formula(b_dec_in: bool
         return (core - target).pow(2).sum() + 0.7 * l1
 
     leaves = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
-    core, l1, fired = _ReluCode.apply(x, *leaves, b_dec_in)
+    core, l1, fired = ReluCode.apply(x, *leaves, b_dec_in)
     loss(core, l1).backward()
     ours = [t.grad for t in leaves]
 
@@ -170,14 +163,14 @@ def test_jumprelu_straight_through_gradients_by_hand() -> None:
     pre = torch.tensor([[0.50, 0.12], [0.11, 0.30]], requires_grad=True)
     threshold = torch.tensor([0.49, 0.10], requires_grad=True)
     bw = 0.05
-    _JumpReLU.apply(pre, threshold, bw).sum().backward()
+    JumpReLU.apply(pre, threshold, bw).sum().backward()
     # d/dpre: 1 where pre > threshold; d/dthreshold: -(threshold / bw) * #(|pre - t| < bw/2)
     assert pre.grad.tolist() == [[1.0, 1.0], [0.0, 1.0]]
     # latent 0: |.5 - .49| < .025 (1 token); latent 1: |.12 - .1|, |.3 - .1| -> 1 token
     torch.testing.assert_close(threshold.grad, torch.tensor([-0.49 / bw, -0.10 / bw]))
     threshold.grad = None
     pre2 = pre.detach().requires_grad_()
-    _Step.apply(pre2, threshold, bw).sum().backward()
+    Step.apply(pre2, threshold, bw).sum().backward()
     assert pre2.grad is None  # the L0's estimator reaches the threshold only
     torch.testing.assert_close(threshold.grad, torch.tensor([-1 / bw, -1 / bw]))
 
