@@ -3,7 +3,7 @@ experiment=train_sae` against SAELens 6.54's `LanguageModelSAETrainingRunner` wi
 `ActivationsStore`, and hookrun's peak memory at 1×, 4× and 8× the tokens.
 
     python tests/benchmarks/train_sae_streamed.py [--steps 48] [--reps 5]
-        [--memory-steps 12] [--multiples 1,4,8] [--only speed|memory]
+        [--memory-steps 12] [--multiples 1,4,8] [--only speed|memory|prefetch]
 
 Not part of the test run. Both sides train conf/experiment/train_sae.yaml's dictionary (the
 shipped tiny_lm, transformer.h.1's output = TransformerLens's blocks.1.hook_resid_post, topk
@@ -23,7 +23,8 @@ store_batch_size_prompts = hookrun's batch_size (32, also SAELens's default): ea
 runs model batches of the same rows and shuffles as many tokens together (SAELens's mixing
 keeps half the buffer back at each refill, its activations_mixing_fraction default, so it
 runs about half a buffer of forward passes more than it trains on; hookrun none).
-Neither side prefetches (SAELens's prefetch_llm_batches default is off; hookrun has none),
+Neither side prefetches (SAELens's prefetch_llm_batches default is off; hookrun's
+sae.prefetch is auto, off on the CPU; `--only prefetch` times hookrun with it on and off),
 nor compiles; SAELens logs nothing (no wandb, so no evals) and writes no checkpoints;
 hookrun runs as the yaml says: a checkpoint every sae.checkpoint_tokens, curves every
 sae.log_steps, and at the end the held-out scores and the curves' picture. Each run is a
@@ -122,14 +123,14 @@ def _overrides(run_dir: Path, tokens: int) -> list[str]:
     return ["experiment=train_sae", f"sae.tokens={tokens}", f"hydra.run.dir={run_dir}"]
 
 
-def _hookrun(run_dir: Path, tokens: int, sampled: bool = False) -> dict:
+def _hookrun(run_dir: Path, tokens: int, sampled: bool = False, extra: tuple = ()) -> dict:
     """One `python -m hookrun` run; `sampled`: the same run in this script's `--worker`,
     which also samples its RSS over the training loop."""
     if sampled:
         cmd = [sys.executable, __file__, "--worker", str(run_dir / "rss.json")]
     else:
         cmd = [sys.executable, "-m", "hookrun"]
-    cmd += _overrides(run_dir, tokens)
+    cmd += [*_overrides(run_dir, tokens), *extra]
     seconds, cpu, peak, text = _measured(cmd, os.environ | {"PYTHONPATH": str(ROOT)})
     found = SPEED.findall(text)
     assert found, text[-2000:]
@@ -324,6 +325,38 @@ def _speed(args: argparse.Namespace, tmp: Path, setup: dict) -> list[str]:
     return lines
 
 
+def _prefetch(args: argparse.Namespace, tmp: Path, setup: dict) -> list[str]:
+    """hookrun against itself: sae.prefetch=true (the next chunk's forward passes in a
+    thread) against false, interleaved; the training loop's tokens/s and CPU seconds."""
+    tokens = args.steps * setup["batch"]
+    runs: dict[str, list[dict]] = {"true": [], "false": []}
+    for rep in range(args.reps):
+        for side in ("true", "false") if rep % 2 == 0 else ("false", "true"):
+            got = _hookrun(tmp / f"prefetch_{side}_{rep}", tokens, extra=(f"sae.prefetch={side}",))
+            runs[side].append(got)
+            print(
+                f"rep {rep} prefetch={side}: {got['seconds']:.1f} s whole ({got['cpu']:.1f} "
+                f"CPU s), {got['loop']:,.0f} tokens/s in its loop (load {_load()})",
+                flush=True,
+            )
+    on, off = runs["true"], runs["false"]
+    loop = statistics.median(a["loop"] / b["loop"] for a, b in zip(on, off, strict=True))
+    whole = statistics.median(b["seconds"] / a["seconds"] for a, b in zip(on, off, strict=True))
+    return [
+        f"prefetch: {tokens:,} tokens ({args.steps} steps), {args.reps} repetitions, "
+        f"{setup['threads']} threads, {platform.machine()}",
+        "",
+        "| comparison | ratio | absolute (medians) |",
+        "|---|---|---|",
+        f"| training loop tokens/s: prefetch on / off | {loop:.2f}× | "
+        f"{statistics.median(r['loop'] for r in on):,.0f} vs "
+        f"{statistics.median(r['loop'] for r in off):,.0f} tokens/s |",
+        f"| whole process: seconds off / on | {whole:.2f}× | "
+        f"{statistics.median(r['seconds'] for r in on):.1f} vs "
+        f"{statistics.median(r['seconds'] for r in off):.1f} s |",
+    ]
+
+
 def _memory(args: argparse.Namespace, tmp: Path, setup: dict) -> list[str]:
     multiples = [int(m) for m in args.multiples.split(",")]
     peaks = {}
@@ -366,7 +399,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=12)
     parser.add_argument("--multiples", default="1,4,8")
-    parser.add_argument("--only", choices=["speed", "memory"], default=None)
+    parser.add_argument("--only", choices=["speed", "memory", "prefetch"], default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.worker:
@@ -378,9 +411,11 @@ def main() -> None:
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     setup = _setup(tmp)
     out = []
-    if args.only != "memory":
+    if args.only == "prefetch":
+        out += ["", *_prefetch(args, tmp, setup)]
+    if args.only in (None, "speed"):
         out += ["", *_speed(args, tmp, setup)]
-    if args.only != "speed":
+    if args.only in (None, "memory"):
         out += ["", *_memory(args, tmp, setup)]
     print("\n".join(out))
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
