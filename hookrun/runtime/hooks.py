@@ -374,6 +374,7 @@ def hooks_kept(model: nn.Module | None) -> Iterator[None]:
         name: {table: set(getattr(m, table, {})) for table in _HOOK_TABLES}
         for name, m in model.named_modules()
     }
+    marked = {name: vars(m).get(_INSTALLED, _ABSENT) for name, m in model.named_modules()}
     try:
         yield
     finally:
@@ -384,6 +385,22 @@ def hooks_kept(model: nn.Module | None) -> Iterator[None]:
                     kept = before.get(name, {}).get(table, set())
                     for key in [k for k in hooks or {} if k not in kept]:
                         del hooks[key]
+                _unmark(m, marked.get(name, _ABSENT))
+
+
+# transformers (5.x) installs its own output-recording hooks the first time a model is asked
+# for `output_attentions` (attention rollout's pass) and marks the model so it never installs
+# them again: with the hooks removed above, the mark goes too, or the caller's model would
+# return no attentions ever after.
+_INSTALLED = "_output_capturing_hooks_installed"
+_ABSENT = object()
+
+
+def _unmark(module: nn.Module, was: object) -> None:
+    if was is _ABSENT:
+        vars(module).pop(_INSTALLED, None)
+    else:
+        vars(module)[_INSTALLED] = was
 
 
 def _graph_start(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
