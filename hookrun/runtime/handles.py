@@ -23,12 +23,15 @@ __all__ = ["ModuleHook", "hooked", "output_hooks", "input_hooks"]
 class ModuleHook:
     """One hook: `fn(module, args, output)` after `module` runs (a forward hook), or
     `fn(module, args)` before it (`before`: a forward pre-hook); either may return the
-    replacement. `prepend`: ahead of the module's other hooks of that kind."""
+    replacement. `prepend`: ahead of the module's other hooks of that kind. `kwargs`: the
+    call's keyword arguments too, `fn(module, args, kwargs, output)` (`fn(module, args,
+    kwargs)` before it), as torch's `with_kwargs=True` hands them."""
 
     module: nn.Module
     fn: Callable[..., Any]
     before: bool = False
     prepend: bool = False
+    kwargs: bool = False
 
 
 @contextmanager
@@ -42,7 +45,7 @@ def hooked(hooks: Iterable[ModuleHook]) -> Iterator[list[RemovableHandle]]:
                 if hook.before
                 else hook.module.register_forward_hook
             )
-            handles.append(register(hook.fn, prepend=hook.prepend))
+            handles.append(register(hook.fn, prepend=hook.prepend, with_kwargs=hook.kwargs))
         yield handles
     finally:
         with deferred():  # a signal now waits until every hook is off
