@@ -69,8 +69,9 @@ __all__ = [
 # dataset indices); rows once per batch are BATCH; k rows per sample folded add FOLD. AXES
 # names the other axes by path (the first fnmatch pattern that matches; `*` crosses `/`):
 # `{layout}` is what the probe found of a capture (LAYOUT_AXES), `{input}` the model input's
-# axes; an axis nothing names is `dim_<k>`. The stages add the names of their datasets
-# (name_axes) when they register.
+# axes; an axis nothing names is `dim_<k>`; `a b|a c d` gives the first alternative of the
+# dataset's rank (one path holding maps of different ranks). The stages add the names of
+# their datasets (name_axes) when they register.
 BATCH = "batch"
 FOLD = "fold"
 # A sparse record's values and latent (io/layout.py) run along ENTRY: a dimension of the
@@ -119,6 +120,9 @@ def axis_names(path: str, ds: h5py.Dataset, facts: AxisFacts) -> tuple[str, ...]
     """The dimension names of dataset `path`: its rows' axis (SAMPLE, BATCH; FOLD), then
     what AXES says when it fits the dataset's rank, else `dim_<k>`."""
     rule = next((r for pattern, r in AXES.items() if fnmatchcase(path, pattern)), SAMPLE)
+    if "|" in rule:  # alternatives by rank: the first whose words fit the dataset's axes
+        options = rule.split("|")
+        rule = next((r for r in options if len(r.split()) == len(ds.shape)), options[0])
     part = sparse_part(ds)
     if part is not None:  # its group says: the dense axes but the last, or the entries
         dims = sparse_spec(ds.parent)[1]

@@ -61,7 +61,7 @@ def _dimension_names() -> str:
     """Every name an axis can have: the core names, the stages' (registered on import)."""
     import hookrun.stages  # noqa: F401  (each stage adds its axes' names)
 
-    words = {w for rule in AXES.values() for w in rule.split()}
+    words = {w for rule in AXES.values() for w in re.split(r"[\s|]+", rule)}  # a|b: by rank
     words |= {w for names in LAYOUT_AXES.values() for w in names} | {BATCH, FOLD, ENTRY}
     plain = sorted(re.escape(w) for w in words if not w.startswith("{"))
     # dim_<k>: an axis nothing names; `_<size>` (then `_` more): a name taken at another size.
