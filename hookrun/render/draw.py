@@ -76,7 +76,8 @@ class _Picture:
 
 
 def _photo(f: h5py.File, config: dict, row: int) -> np.ndarray | None:
-    if layout.INPUT_PHOTO not in f:
+    # A token file's captured input is its rows of ids, not a photo.
+    if layout.INPUT_PHOTO not in f or layout.SAMPLES_TOKENS in f:
         return None
     return display_image(read_floats(f[layout.INPUT_PHOTO], row), config.get("dataset", {}))
 

@@ -2,8 +2,9 @@
 the norm of each captured block output at each token (blocks × tokens) — where the residual
 stream grows, and which tokens stand out — and each gradient method's attribution per token
 (methods × tokens; integrated gradients summed over the embedding — the sums, before the
-picture scales each method to ±1, add up to f(input) − f(baseline) over a row — and other
-methods' L2 norm over it)."""
+picture scales each method to ±1, add up to f(input) − f(baseline) over a row — other
+methods' L2 norm over it, and a method of one number per token, attention rollout's, as
+it is)."""
 
 from __future__ import annotations
 
@@ -100,14 +101,14 @@ def render_tokens(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list[
 
 
 def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: dict) -> list:
-    """`token_attributions.png` for a token file with derived input attributions (N, T, D);
-    [] otherwise."""
+    """`token_attributions.png` for a token file with derived input attributions (N, T, D),
+    or one number per token (N, T); [] otherwise."""
     if layout.SAMPLES_TOKENS not in f or not rows:
         return []
     found = {
         method: group["input"]
         for method, group in walk.derived_of(f).items()
-        if "input" in group and group["input"].ndim == 3
+        if "input" in group and group["input"].ndim in (2, 3)
     }
     if not found:
         return []
@@ -116,6 +117,9 @@ def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: di
         cells = []
         for method, ds in found.items():
             value = read_floats(ds, row)[:length]
+            if value.ndim == 1:  # one number per token already (attention rollout)
+                cells.append(value.astype(np.float64))
+                continue
             summed = method == "integrated_gradients"
             cells.append(value.sum(-1) if summed else np.linalg.norm(value, axis=-1))
         # Each method on its own scale (its largest |value| = 1): their units differ.
@@ -160,7 +164,9 @@ class _Panels:
     def draw(self, f: h5py.File, target: Path, rows: int, config: dict) -> Path:
         ids = f[layout.SAMPLES_TOKENS]
         lengths = shown_lengths(f, min(rows, _ROWS), _TOKENS)
-        height = 1.2 + 0.45 * len(self.names) * len(lengths)
+        # Each panel its rows and the token labels under them (an inch): one method's single
+        # row was squeezed to a line by its labels.
+        height = 0.6 + (0.45 * len(self.names) + 1.0) * len(lengths)
         fig, axes = plt.subplots(len(lengths), 1, figsize=(12, height), squeeze=False)
         for row, (ax, length) in enumerate(zip(axes[:, 0], lengths, strict=True)):
             image = ax.imshow(self.cells(row, length), aspect="auto", **self.colours)
