@@ -8,6 +8,7 @@ from hookrun.stages.derive import (
     integrated,  # noqa: F401  (registers integrated_gradients)
     perturb,  # noqa: F401  (registers occlusion)
     rise,  # noqa: F401  (registers rise)
+    rollout,  # noqa: F401  (registers attention_rollout)
     segments,  # noqa: F401  (registers feature_ablation, kernel_shap)
     smoothgrad,  # noqa: F401  (registers smoothgrad)
     stage,  # noqa: F401  (registers the derive stage)

@@ -64,6 +64,9 @@ class Method:
     needs_class: ClassVar[bool] = False
     # True: the method runs its own forward/backward passes (`passes`), not `compute`.
     runs_passes: ClassVar[bool] = False
+    # False: a method with passes of its own that explains no target (attention rollout):
+    # target.kind=none is fine for it.
+    needs_target: ClassVar[bool] = True
     # True: `compute_batch` (the records and the batch → every result by path), not `compute`.
     reads_batch: ClassVar[bool] = False
     # False: its results are a table, not a relevance map (the logit lens): no sanity check

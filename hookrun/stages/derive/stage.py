@@ -49,7 +49,7 @@ def parse_derive(raw: Any, target: TargetConfig, prefix: str = "derive") -> dict
                 f"presets set it) or {key}.layer"
             )
         method.check(args, key)
-        if method.runs_passes and target.kind == TargetKind.none:
+        if method.runs_passes and method.needs_target and target.kind == TargetKind.none:
             raise HookrunError(
                 f"target.kind: 'none' gives {name} nothing to explain; valid: predicted, label, "
                 "index, sum"
@@ -161,6 +161,8 @@ class DeriveStage(Stage):
         CELLS_KEY: "sample mask cell_y cell_x",
         SHIFTS_KEY: "sample mask yx",
         layout.derived_key("rise", "input"): "sample y x",  # a map over the image's pixels
+        # A ViT's patch grid, or a language model's tokens: told apart by their rank.
+        layout.derived_key("attention_rollout", "input"): "sample y x|sample token",
         layout.derived_key("*", "input"): "sample {input}",
         layout.derived_key("guided_grad_cam", "*"): "sample {input}",
         layout.derived_key("*", "*"): "sample y x",
