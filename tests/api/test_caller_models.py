@@ -45,6 +45,8 @@ REFUSED = {
     ("vit", "steering"): "matches no module",
     ("resnet18", "features"): "matches no module",
     ("vit", "features"): "matches no module",
+    # Attention rollout reads self-attention: resnet18 has none (the ViT's map is tested).
+    ("resnet18", "attention_rollout"): "has no attention modules found",
 }
 
 
