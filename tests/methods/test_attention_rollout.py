@@ -396,3 +396,21 @@ def test_llama_rollout_equals_numpy_on_output_attentions(tmp_path):
             out = model(input_ids=torch.from_numpy(ids)[None], output_attentions=True)
         expected = _np_rollout([a[0].double().numpy() for a in out.attentions], "max", 0.2, 0)
         np.testing.assert_allclose(got[n, : len(ids)], expected[-1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_the_experiment_as_shipped_draws_the_token_picture(tmp_path):
+    from PIL import Image
+
+    result = run_config(tmp_path, ["experiment=attention_rollout", "limit=3"], "attention_rollout")
+    with h5py.File(result.path) as f:
+        ds = f["derived/attention_rollout/input"]
+        assert ds.shape == f["samples/tokens"].shape
+        assert [d[0].name for d in ds.dims] == ["/sample", "/derived/attention_rollout/token"]
+        rows, mask = ds[:], f["samples/mask"][:]
+    np.testing.assert_allclose(rows.sum(1), 1.0, atol=1e-5)
+    assert not rows[~mask].any()
+    # tiny_lm's rows: no photo is drawn from token ids, the rollout is drawn over the tokens.
+    assert sorted(p.name for p in result.images.glob("*.png")) == ["token_attributions.png"]
+    pixels = np.asarray(Image.open(result.images / "token_attributions.png").convert("RGB"))
+    assert min(pixels.shape[:2]) >= 200 and pixels.std() > 5
