@@ -13,7 +13,7 @@ the model left as it came:
   returns no weights; the hook changes no argument and returns nothing, so the forward runs
   bit for bit as without it, and `hooked` removes every hook on every exit path.
 
-`layers(...)` hands each layer's probabilities (N, heads, T, T) to `take`, in the order the
+`run_attention(...)` hands each layer's probabilities (N, heads, T, T) to `take`, in the order the
 layers ran, so a caller can fuse a layer's heads before the next layer's are formed.
 """
 
@@ -31,7 +31,7 @@ from hookrun.errors import HookrunError
 from hookrun.models.adapter import adapt
 from hookrun.runtime.handles import ModuleHook, hooked
 
-__all__ = ["attention_kind", "attention_modules", "run_attention", "NO_ATTENTION"]
+__all__ = ["attention_kind", "attention_modules", "run_attention", "self_attention", "NO_ATTENTION"]
 
 # What the refusal of a model without any says it could read instead.
 NO_ATTENTION = (
