@@ -83,6 +83,8 @@ class Method:
     explains_input: ClassVar[bool] = False
     # A method that stores a completeness gap: what makes it smaller, said in the summary.
     gap_note: ClassVar[str] = ""
+    # What its gap is, said in the summary (integrated gradients': against f(x) - f(x')).
+    gap_meaning: ClassVar[str] = "sum of attributions minus f(x) - f(baseline)"
     # The experiment whose hooks capture what the method reads (named when they are missing).
     example: ClassVar[str] = "grad_cam"
 
@@ -97,6 +99,16 @@ class Method:
         Raises:
             HookrunError: An argument is out of range or conflicts with another.
         """
+
+    @classmethod
+    def complete(cls, args: Any, dataset: Any) -> Any:
+        """`args` with what the dataset's config (its `mean`, `std`, ...; None when there is
+        none) decides filled in, before `check`; by default `args` as they are."""
+        return args
+
+    def describe(self, args: Any, state: Any) -> list[str]:
+        """Lines of the dry run beyond its datasets (what it applies where); none by default."""
+        return []
 
     def requires(self, args: Any) -> list[str]:
         """The capture datasets this method reads.

@@ -19,7 +19,13 @@ from hookrun.runtime.hooks import run_mode
 from hookrun.runtime.targets import TargetConfig, TargetKind
 from hookrun.stage import ParseContext, Plan, Setup, Stage, Stored, Work, register_stage
 from hookrun.stages.derive.bounds import check_pass_rows
-from hookrun.stages.derive.registry import METHODS, Derivation, derive, plan_derivations
+from hookrun.stages.derive.registry import (
+    METHODS,
+    Derivation,
+    Method,
+    derive,
+    plan_derivations,
+)
 from hookrun.stages.derive.rise import CELLS_KEY, SHIFTS_KEY
 from hookrun.stages.derive.segments import segments_key
 from hookrun.typed import parse_typed
@@ -35,14 +41,17 @@ def method_schemas(prefix: str) -> dict[str, type]:
     return {f"{prefix}.{name}": method.Args for name, method in METHODS.items()}
 
 
-def parse_derive(raw: Any, target: TargetConfig, prefix: str = "derive") -> dict[str, Any]:
+def parse_derive(
+    raw: Any, target: TargetConfig, prefix: str = "derive", dataset: Any = None
+) -> dict[str, Any]:
     """Method name → its parsed, checked Args, in the node's order; errors name
-    `<prefix>.<method>.<key>` (the sanity check parses its methods' nodes here too)."""
+    `<prefix>.<method>.<key>` (the sanity check parses its methods' nodes here too);
+    `dataset`, the parsed dataset config, completes what a method takes from it."""
     out = {}
     for name, node in (raw or {}).items():
         key = f"{prefix}.{name}"
         method = METHODS.get(name, key)
-        args = parse_typed(node, method.Args, key)
+        args = method.complete(parse_typed(node, method.Args, key), dataset)
         if hasattr(args, "layer") and not args.layer:
             raise HookrunError(
                 f"{key}.layer: {node!r} names no layer; set model.cam_layer=NAME (the model "
@@ -136,6 +145,12 @@ class DerivePlan(Plan):
         capture of that shape is."""
         return {d.key: d.explained for d in self.derivations if d.explained}
 
+    def describe(self, itemsize: int) -> str:
+        """Its datasets, then what each method says it applies where (LRP's rules)."""
+        lines = [super().describe(itemsize)]
+        lines += [line for d in self.derivations for line in d.method.describe(d.args, d.state)]
+        return "\n".join(line for line in lines if line)
+
     def reads(self) -> frozenset[str]:
         """Every capture a method computes from: the run's own tensors, not the file's."""
         return frozenset(
@@ -177,7 +192,7 @@ class DeriveStage(Stage):
 
     @classmethod
     def parse(cls, raw: Any, ctx: ParseContext) -> Any:
-        derive = parse_derive(raw, ctx.target)
+        derive = parse_derive(raw, ctx.target, dataset=ctx.dataset)
         if not derive:
             return None
         shape = getattr(ctx.dataset, "sample_shape", None)
@@ -227,23 +242,29 @@ class DeriveStage(Stage):
         found = [(m, k, ds) for m, group in walk.derived_of(f).items() for k, ds in group.items()]
         index = f[layout.SAMPLES_INDEX][:rows] if layout.SAMPLES_INDEX in f else np.arange(rows)
         return [
-            _worst_gap(f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}", ds[:rows], index, _gap_note(m))
+            _worst_gap(f"{m}/{k.removesuffix(layout.GAP_SUFFIX)}", ds[:rows], index, *_gap_words(m))
             for m, k, ds in found
             if k.endswith(layout.GAP_SUFFIX)
         ]
 
 
-def _gap_note(method: str) -> str:
-    """What the method says makes its gap smaller (a file's method may be unknown here)."""
-    return METHODS.get(method, "derive").gap_note if method in METHODS else ""
+def _gap_words(method: str) -> tuple[str, str]:
+    """What the method says makes its gap smaller, and what its gap is (a file's method may
+    be unknown here)."""
+    if method not in METHODS:
+        return "", Method.gap_meaning
+    found = METHODS.get(method, "derive")
+    return found.gap_note, found.gap_meaning
 
 
-def _worst_gap(name: str, gap: np.ndarray, index: np.ndarray, note: str) -> str:
+def _worst_gap(
+    name: str, gap: np.ndarray, index: np.ndarray, note: str, meaning: str = Method.gap_meaning
+) -> str:
     """`integrated_gradients/input: worst completeness gap ... (sample #i; ...)`."""
     if not len(gap):
         return f"{name}: no rows"
     worst = int(np.abs(gap).argmax())
     return (
         f"{name}: worst completeness gap {float(gap[worst]):+.3g} (sample {int(index[worst])}; "
-        f"sum of attributions minus f(x) - f(baseline){'; ' + note if note else ''})"
+        f"{meaning}{'; ' + note if note else ''})"
     )

@@ -167,7 +167,7 @@ def sanity_spec(raw: Any, ctx: ParseContext) -> SanitySpec | None:
             if method in overrides:
                 derive_raw[method] = {**(derive_raw[method] or {}), **(overrides[method] or {})}
         hooks = parse_hooks(hooks_raw, ctx.target)
-        derive = parse_derive(derive_raw, ctx.target, prefix="sanity.derive")
+        derive = parse_derive(derive_raw, ctx.target, prefix="sanity.derive", dataset=ctx.dataset)
         methods.append(SanityMethod(name, hooks, freeze(derive)))
     for method in overrides:  # the preset's arguments for a method left out do nothing
         METHODS.get(method, f"sanity.derive.{method}")
