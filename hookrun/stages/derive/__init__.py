@@ -6,6 +6,7 @@ from hookrun.stages.derive import (
     cam_plus,  # noqa: F401  (registers grad_cam_pp, layer_cam)
     cam_scores,  # noqa: F401  (registers score_cam, ablation_cam)
     integrated,  # noqa: F401  (registers integrated_gradients)
+    lrp,  # noqa: F401  (registers lrp)
     perturb,  # noqa: F401  (registers occlusion)
     rise,  # noqa: F401  (registers rise)
     rollout,  # noqa: F401  (registers attention_rollout)
