@@ -134,12 +134,22 @@ def composite_entries(
     return out
 
 
+def _thaw(value: Any) -> Any:
+    """A frozen config node (read-only mappings, tuples) as plain dicts and lists again."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
 def user_entries(rules: Mapping[str, Any], key: str, low: Any, high: Any) -> list[Entry]:
     """`derive.lrp.rules` parsed and checked, in their order (a zbox's box defaults to the
     method's `low` / `high`)."""
     out = []
     for name, node in rules.items():
         where = f"{key}.{name}"
+        node = _thaw(node)
         config = parse_typed(node, RuleConfig, where)
         if not any(getattr(config.select, k) for k in ("name", "regex", "type")):
             raise HookrunError(
