@@ -44,7 +44,6 @@ class SanityConfig(Frozen):
             "grad_cam",
             "integrated_gradients",
             "smoothgrad",
-            "lrp",
         ]
     )
     """Experiments whose attribution is checked (each makes one: a derived result or the input

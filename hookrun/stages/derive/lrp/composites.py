@@ -211,7 +211,7 @@ def assign(model: nn.Module, entries: list[Entry], key: str) -> dict[str, tuple[
             raise HookrunError(
                 f"{key}: no rule covers {name} ({type(module).__name__}, a layer with "
                 "parameters); valid: add one in derive.lrp.rules (e.g. {select: {name: "
-                f"{name}}}, rule: epsilon}}), or a composite that covers "
+                f"{name}}}, rule: pass}}), or a composite that covers "
                 f"{type(module).__name__}"
             )
     return chosen
