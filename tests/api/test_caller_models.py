@@ -47,6 +47,8 @@ REFUSED = {
     ("vit", "features"): "matches no module",
     # Attention rollout reads self-attention: resnet18 has none (the ViT's map is tested).
     ("resnet18", "attention_rollout"): "has no attention modules found",
+    # No LRP composite has a rule for a transformer's LayerNorm (AttnLRP's are another's).
+    ("vit", "lrp"): r"derive.lrp: no rule covers encoder.layers.encoder_layer_0.ln_1 \(LayerNorm",
 }
 
 

@@ -105,6 +105,7 @@ def test_every_experiment_file_is_tested():
                 "generate",  # tests/lm/test_generate.py
                 "lm_patching",  # tests/lm/test_lm_patching.py
                 "logit_lens",  # tests/lm/test_logit_lens.py
+                "lrp",  # tests/lrp/test_lrp_zennit.py (against Zennit on this preset too)
                 "occlusion",
                 "patch",
                 "rise",
