@@ -70,14 +70,37 @@ def _call(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         module.weight, module.bias = kept
 
 
+def _transposable(module: nn.Module) -> bool:
+    """Whether the input gradient of the module's linear map has a direct op here."""
+    if type(module) is nn.Linear:
+        return True
+    conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    return conv and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+
+def _transposed(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor):
+    """Wᵀ grad for the module's layer with `weight` at an input shaped like x: the op its
+    autograd backward runs, without building a graph for it."""
+    if type(module) is nn.Linear:
+        return grad.matmul(weight)
+    return torch.ops.aten.convolution_backward(
+        grad, x.new_empty(1).expand(x.shape), weight, None, module.stride, module.padding,
+        module.dilation, False, [0], module.groups, (True, False, False),
+    )[0]  # fmt: skip
+
+
 def _vjp(
     module: nn.Module,
     points: Sequence[torch.Tensor],
     params: Sequence[Params],
     grads: Sequence[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """For each branch i: the modified layer (weights params[i]) at points[i], and the
-    vector-Jacobian product of grads[i] with respect to its input (the bias drops out)."""
+    """For each branch i: the vector-Jacobian product of grads[i] with respect to the input
+    of the modified layer (weights params[i]) at points[i] (the bias drops out)."""
+    if _transposable(module):
+        return [
+            _transposed(module, x, w, g) for x, (w, _), g in zip(points, params, grads, strict=True)
+        ]
     inputs = [p.detach().requires_grad_(True) for p in points]
     with torch.enable_grad():
         outputs = [_call(module, x, w, b) for x, (w, b) in zip(inputs, params, strict=True)]
