@@ -137,3 +137,40 @@ def test_each_composite_matches_zennit_on_the_shipped_mobilenet(
     )
     _close(data["derived/lrp/input"], expected)
     assert data["samples/target"][0] in range(281, 286)  # the cat
+
+
+class _Transposed(nn.Module):
+    """Batch norms after a conv without bias and after a transposed conv (whose weight is
+    (in, out, …): the merge scales its second axis), an average pool and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+            nn.ConvTranspose2d(6, 4, 3, stride=2), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+            nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+
+@pytest.mark.parametrize("composite", COMPOSITES)
+def test_transposed_convolutions_and_their_batch_norms_match_zennit(composite, tmp_path):
+    torch.manual_seed(2)
+    net = _Transposed().eval()
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    x = _images(2, 10)
+    args = ["experiment=lrp", f"derive.lrp.composite={composite}", *BOX, "render=false"]
+    run = hookrun.run([*args, "progress=false"], model=net, dataset=list(x), run_dir=tmp_path)
+    composite_ = zennit_composite(composite, SequentialMergeBatchNorm(), tuple(x.shape))
+    expected, _ = zennit_lrp(net, x, composite_)
+    _close(read(run.path)["derived/lrp/input"], expected)

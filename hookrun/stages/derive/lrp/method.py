@@ -78,7 +78,7 @@ class LRPArgs(Frozen):
 
 @dataclass(frozen=True)
 class LRPState:
-    """The rules resolved on the run's model: module name → (entry, rule), and the lines."""
+    """The rules resolved on the run's model (module name → its rule) and the plan's lines."""
 
     rules: dict[str, Rule]
     lines: tuple[str, ...]

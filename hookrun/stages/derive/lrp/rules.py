@@ -15,7 +15,7 @@ the valid range in one line.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -381,6 +381,3 @@ def check_rule(args: RuleArgs, key: str) -> None:
 def make_rule(args: RuleArgs) -> Rule:
     """The rule `args.rule` with its arguments (checked already)."""
     return RULES[args.rule](args)
-
-
-RuleFactory = Callable[[RuleArgs], Rule]
