@@ -170,6 +170,25 @@ class Epsilon(Rule):
         return x * g
 
 
+def _split(x: torch.Tensor) -> list[torch.Tensor]:
+    """[x⁺, x⁻], or [x⁺] alone where x has no negative entry (a rectified input: x⁻ = 0
+    adds exactly nothing to any branch, so its forward and backward are skipped)."""
+    if bool((x < 0).any()):
+        return [x.clamp(min=0), x.clamp(max=0)]
+    return [x.clamp(min=0)]
+
+
+def _through(
+    module: nn.Module, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    grad: torch.Tensor, stabilizer: float,
+) -> torch.Tensor:  # fmt: skip
+    """Σ_i x_i ⊙ W_iᵀ (R / (Σ_i z_i ± stabilizer)), z_i the layer with W_i (and b_i) at x_i."""
+    z = sum(_call(module, x, weight, bias) for x, weight, bias in parts)
+    s = grad / stabilize(z, stabilizer)
+    g = _vjp(module, [x for x, _, _ in parts], [(w, None) for _, w, _ in parts], [s] * len(parts))
+    return sum(x * gi for (x, _, _), gi in zip(parts, g, strict=True))
+
+
 class ZPlus(Rule):
     """z⁺ (α=1, β=0 on positive and negative inputs): x⁺ through W⁺ (bias⁺), x⁻ through W⁻."""
 
@@ -177,11 +196,9 @@ class ZPlus(Rule):
 
     def relevance(self, module, x, output, grad):
         w, b = _weights(module)
-        xp, xn = x.clamp(min=0), x.clamp(max=0)
-        z = _call(module, xp, _pos(w), _pos(b)) + _call(module, xn, _neg(w), None)
-        s = grad / stabilize(z, self.args.stabilizer)
-        gp, gn = _vjp(module, [xp, xn], [(_pos(w), None), (_neg(w), None)], [s, s])
-        return xp * gp + xn * gn
+        wp, wn = _pos(w), _neg(w)
+        parts = list(zip(_split(x), (wp, wn), (_pos(b), None), strict=False))
+        return _through(module, parts, grad, self.args.stabilizer)
 
 
 class AlphaBeta(Rule):
@@ -192,14 +209,12 @@ class AlphaBeta(Rule):
     def relevance(self, module, x, output, grad):
         w, b = _weights(module)
         a = self.args
-        xp, xn = x.clamp(min=0), x.clamp(max=0)
         wp, wn = _pos(w), _neg(w)
-        zp = _call(module, xp, wp, _pos(b)) + _call(module, xn, wn, None)
-        zn = _call(module, xp, wn, _neg(b)) + _call(module, xn, wp, None)
-        sp, sn = grad / stabilize(zp, a.stabilizer), grad / stabilize(zn, a.stabilizer)
-        g = _vjp(module, [xp, xn, xp, xn], [(wp, None), (wn, None), (wn, None), (wp, None)],
-                 [sp, sp, sn, sn])  # fmt: skip
-        return a.alpha * (xp * g[0] + xn * g[1]) - a.beta * (xp * g[2] + xn * g[3])
+        split = _split(x)
+        up = list(zip(split, (wp, wn), (_pos(b), None), strict=False))
+        down = list(zip(split, (wn, wp), (_neg(b), None), strict=False))
+        positive = _through(module, up, grad, a.stabilizer)
+        return a.alpha * positive - a.beta * _through(module, down, grad, a.stabilizer)
 
 
 class Gamma(Rule):
@@ -210,18 +225,16 @@ class Gamma(Rule):
     def relevance(self, module, x, output, grad):
         w, b = _weights(module)
         a = self.args
-        xp, xn = x.clamp(min=0), x.clamp(max=0)
         wp, wn = w + a.gamma * w.clamp(min=0), w + a.gamma * w.clamp(max=0)
         bp = None if b is None else b + a.gamma * b.clamp(min=0)
         bn = None if b is None else b + a.gamma * b.clamp(max=0)
-        z = _call(module, x, w, b)
-        up = _call(module, xp, wp, bp) + _call(module, xn, wn, None)
-        down = _call(module, xp, wn, bn) + _call(module, xn, wp, None)
-        sp = (z > 0.0) * grad / stabilize(up, a.stabilizer)
-        sn = (z < 0.0) * grad / stabilize(down, a.stabilizer)
-        g = _vjp(module, [xp, xn, xp, xn], [(wp, None), (wn, None), (wn, None), (wp, None)],
-                 [sp, sp, sn, sn])  # fmt: skip
-        return xp * g[0] + xn * g[1] + xp * g[2] + xn * g[3]
+        z = output  # the layer as it is: which sign each output has
+        split = _split(x)
+        up = list(zip(split, (wp, wn), (bp, None), strict=False))
+        down = list(zip(split, (wn, wp), (bn, None), strict=False))
+        return _through(module, up, (z > 0.0) * grad, a.stabilizer) + _through(
+            module, down, (z < 0.0) * grad, a.stabilizer
+        )
 
 
 class ZBox(Rule):
