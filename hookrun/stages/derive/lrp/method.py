@@ -118,7 +118,7 @@ def _entries(args: LRPArgs, model: nn.Module | None) -> list[Entry]:
 class LRP(Method):
     Args = LRPArgs
     runs_passes = True
-    gap_note = "biases and stabilisers absorb relevance; epsilon_plus keeps more of it"
+    gap_note = "biases, epsilon and the stabilisers absorb relevance"
     gap_meaning = "input relevance summed minus the output relevance"
 
     @classmethod
