@@ -255,3 +255,30 @@ def test_a_weighted_rule_on_a_layer_without_weights_is_refused(tmp_path):
             ["experiment=lrp", rule, *QUIET], model=_Normed(), dataset=[torch.zeros(3, 8, 8)],
             run_dir=tmp_path,
         )  # fmt: skip
+
+
+class _Boom(nn.Module):
+    """Raises inside the LRP pass only: the one forward whose input carries a gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("boom inside the LRP pass")
+        return x
+
+
+@pytest.mark.slow
+def test_a_pass_that_fails_leaves_the_model_whole(tmp_path):
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=3).eval()
+    net.fc = nn.Sequential(_Boom(), nn.Linear(512, 3))
+    before = _snapshot(net)
+    with pytest.raises(RuntimeError, match="boom inside the LRP pass"):
+        hookrun.run(
+            ["experiment=lrp", *QUIET], model=net, dataset=[torch.randn(3, 32, 32)],
+            run_dir=tmp_path,
+        )  # fmt: skip
+    after = _snapshot(net)
+    assert after["objects"] == before["objects"] and after["names"] == before["names"]
+    for key, value in before["tensors"].items():
+        assert torch.equal(after["tensors"][key], value), key
+    assert _no_hooks(net) and not hasattr(net.layer1[0], "canonizer_sum")
