@@ -174,3 +174,25 @@ def test_transposed_convolutions_and_their_batch_norms_match_zennit(composite, t
     composite_ = zennit_composite(composite, SequentialMergeBatchNorm(), tuple(x.shape))
     expected, _ = zennit_lrp(net, x, composite_)
     _close(read(run.path)["derived/lrp/input"], expected)
+
+
+def test_canonize_false_matches_zennit_without_canonizers(tmp_path):
+    # The batch norms stay as they are and pass the relevance on (Zennit's BatchNorm → Pass).
+    torch.manual_seed(4)
+    net = _Transposed().eval()
+    with torch.no_grad():  # negative scales swap W⁺ and W⁻ of the merged layer: z⁺ sees them
+        net.features[1].weight.uniform_(-1.5, 1.5)
+        net.features[1].bias.uniform_(-1, 1)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    x = _images(2, 10)
+    args = ["experiment=lrp", "derive.lrp.composite=epsilon_plus", "derive.lrp.canonize=false"]
+    run = hookrun.run(
+        [*args, "render=false", "progress=false"], model=net, dataset=list(x), run_dir=tmp_path
+    )
+    expected, _ = zennit_lrp(net, x, zennit_composites.EpsilonPlus(canonizers=[]))
+    _close(read(run.path)["derived/lrp/input"], expected)
+    merged, _ = zennit_lrp(
+        net, x, zennit_composites.EpsilonPlus(canonizers=[SequentialMergeBatchNorm()])
+    )
+    assert not torch.allclose(merged, expected)  # the merge does change the map
