@@ -102,8 +102,15 @@ class Method:
 
     @classmethod
     def complete(cls, args: Any, dataset: Any) -> Any:
-        """`args` with what the dataset's config (its `mean`, `std`, ...; None when there is
-        none) decides filled in, before `check`; by default `args` as they are."""
+        """`args` with what the dataset's config decides filled in, before `check`.
+
+        Args:
+            args: The parsed `Args`.
+            dataset: The parsed dataset kind's config (its `mean`, `std`, ...), or None.
+
+        Returns:
+            The arguments to use; by default `args` as they are.
+        """
         return args
 
     def describe(self, args: Any, state: Any) -> list[str]:
