@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from hookrun.api import conf_dir
 from hookrun.config.groups import refuse_null_groups
 from hookrun.config.schema import register_configs
+from hookrun.config.shorthands import expanded
 from hookrun.errors import HookrunError, Interrupted, one_line
 from hookrun.extras import refuse_missing_launcher
 from hookrun.quick_exit import QuickExit
@@ -99,6 +100,7 @@ def _describe(err: Exception | Interrupted) -> str:
 def cli() -> None:
     """The `hookrun` console script and `python -m hookrun`: the same start, the same exits."""
     quick = QuickExit()  # before the run: what start-up loaded is hookrun's own
+    sys.argv[1:] = expanded(sys.argv[1:])  # lrp.composite=... is derive.lrp.composite=...
     try:
         refuse_null_groups(sys.argv[1:], conf_dir())  # Hydra's own refusal is a traceback
         refuse_missing_launcher(sys.argv[1:])  # Hydra's own: "Could not find ..." and a list

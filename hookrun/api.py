@@ -25,6 +25,7 @@ import hookrun.stages  # noqa: F401  (registers every stage before a config is b
 from hookrun.config.build import RunSpec, build_spec, release_model_keys
 from hookrun.config.groups import refuse_null_groups
 from hookrun.config.schema import conf_dir, register_configs
+from hookrun.config.shorthands import expanded
 from hookrun.data.inline import INLINE_FILE, inline_rows, token_tensors, write_rows
 from hookrun.errors import HookrunError
 from hookrun.models.config import ModelConfig
@@ -43,12 +44,13 @@ def _compose(overrides: Sequence[str] | None) -> tuple[DictConfig, str | None, P
             f"overrides: {overrides!r}; valid: a list of strings, e.g. ['experiment=saliency']"
         )
     register_configs()
-    refuse_null_groups(list(overrides or []), conf_dir())
+    overrides = expanded(overrides or [])  # lrp.composite=... is derive.lrp.composite=...
+    refuse_null_groups(overrides, conf_dir())
     try:
         with initialize_config_dir(
             config_dir=str(conf_dir()), version_base="1.3", job_name="hookrun"
         ):
-            cfg = hydra_compose("config", overrides=list(overrides or []), return_hydra_config=True)
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         raise HookrunError("; ".join(str(err).split("\n"))) from None
     experiment = cfg.hydra.runtime.choices.get("experiment")
