@@ -14,7 +14,12 @@ builds a second venv the same way, `<repo>/.venv-saedashboard`, with sae-lens pi
 same 6.54.0. transformer-lens 2.x pins numpy<2, and the main venv's pyarrow (which
 `datasets` imports) refuses a numpy 1: pyarrow<22 (built for numpy 1 and 2) goes there too.
 
-Run as a script (`python tests/reference_venvs.py`), it builds both venvs and prints their
+LXT 2.1 (AttnLRP's reference, tests/lm/test_attnlrp.py) installs from an sdist and adds only
+bitsandbytes, open_clip_torch, tabulate, ftfy and wcwidth next to the main venv's torch and
+transformers: `lxt_python()` builds `<repo>/.venv-lxt` the same way, so it never enters the
+main venv.
+
+Run as a script (`python tests/reference_venvs.py`), it builds the venvs and prints their
 pythons: .ci/run does that before pytest, so CI pays the builds once, visibly.
 """
 
@@ -27,13 +32,16 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["SAEDASHBOARD", "SAELENS", "saedashboard_python", "saelens_python"]
+__all__ = [
+    "LXT", "SAEDASHBOARD", "SAELENS", "lxt_python", "saedashboard_python", "saelens_python",
+]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
 SAELENS = "sae-lens==6.54.0"
 # What .venv-saedashboard installs: SAEDashboard with the SAELens the other venv holds, and a
 # pyarrow that accepts the numpy 1 transformer-lens 2.x pins (the main venv's wants numpy 2).
 SAEDASHBOARD = ("sae-dashboard==0.8.0", SAELENS, "pyarrow<22")
+LXT = "lxt==2.1"
 # Written last, once the checks passed: a venv without it was left half built (a killed
 # build, a failed pip) and is built again.
 _READY = ".hookrun-ready"
@@ -129,6 +137,20 @@ def saedashboard_python() -> Path:
     return _venv_python(".venv-saedashboard", SAEDASHBOARD, "sae_dashboard.sae_vis_runner")
 
 
+def lxt_python() -> Path:
+    """The python of `<repo>/.venv-lxt`, with lxt 2.1 importable; built on first use as
+    `saelens_python`'s.
+
+    Returns:
+        The path of the venv's python.
+
+    Raises:
+        RuntimeError: a build step failed (its output in the message).
+    """
+    return _venv_python(".venv-lxt", (LXT,), "lxt")
+
+
 if __name__ == "__main__":
     print(saelens_python())
     print(saedashboard_python())
+    print(lxt_python())
