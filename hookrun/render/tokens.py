@@ -120,7 +120,7 @@ def render_token_attributions(f: h5py.File, out_dir: Path, rows: int, config: di
             if value.ndim == 1:  # one number per token already (attention rollout)
                 cells.append(value.astype(np.float64))
                 continue
-            summed = method == "integrated_gradients"
+            summed = method in ("integrated_gradients", "lrp")  # sums that conserve
             cells.append(value.sum(-1) if summed else np.linalg.norm(value, axis=-1))
         # Each method on its own scale (its largest |value| = 1): their units differ.
         return np.stack([c / (float(np.abs(c).max()) or 1.0) for c in cells])

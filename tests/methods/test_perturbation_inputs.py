@@ -214,7 +214,7 @@ def test_a_perturbation_method_on_token_data_is_refused_for_what_it_perturbs(tmp
     assert message == (
         f"derive.{name}: {what}, and token data has no pixels (its input is token ids); "
         "valid: image data (C, H, W) with an image classifier, or on token data "
-        "integrated_gradients, smoothgrad, logit_lens"
+        "integrated_gradients, lrp, attention_rollout, smoothgrad, logit_lens"
     )
     assert "gradient" not in message.split(";")[0]
 

@@ -23,9 +23,21 @@ from hookrun.runtime.selectors import SelectConfig, select_layers
 from hookrun.stages.derive.lrp.rules import Rule, RuleArgs, check_rule, make_rule
 from hookrun.typed import Frozen, parse_typed
 
-__all__ = ["COMPOSITES", "RuleConfig", "Entry", "composite_entries", "user_entries", "assign"]
+__all__ = [
+    "ATTNLRP",
+    "COMPOSITES",
+    "RuleConfig",
+    "Entry",
+    "composite_entries",
+    "user_entries",
+    "assign",
+]
 
-COMPOSITES = ("epsilon_plus_flat", "epsilon_gamma_box", "epsilon_alpha2_beta1", "epsilon_plus")
+# attnlrp: LXT 2.1's AttnLRP on language models (attnlrp.py), no layer map of Zennit's.
+ATTNLRP = "attnlrp"
+COMPOSITES = (
+    "epsilon_plus_flat", "epsilon_gamma_box", "epsilon_alpha2_beta1", "epsilon_plus", ATTNLRP,
+)  # fmt: skip
 
 SUM_TYPE = "hookrun.stages.derive.lrp.canonize.Sum"
 # Zennit's types.Activation, by torch.nn name.

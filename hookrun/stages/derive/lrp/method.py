@@ -7,8 +7,13 @@ back its rule's relevance in place of its gradient (attach.py), on the model can
 The relevance at the output is the output times the score's gradient: for a target logit,
 Zennit's one-hot × logit (`Gradient(attr_output=...)`), whose sum is the logit itself.
 
+On a language model, `composite: attnlrp` (attnlrp.py): LXT 2.1's efficient AttnLRP, the
+relevance of each input embedding value as Gradient × Input with the rules' changed
+gradients, stored (N, T, D) as integrated gradients stores its attribution (the token
+picture sums it over D); the relevance at the output is the target score itself.
+
 `derive.lrp`: composite (epsilon_plus_flat | epsilon_gamma_box | epsilon_alpha2_beta1 |
-epsilon_plus | null), epsilon, stabilizer, gamma, low / high (the first layer's box for
+epsilon_plus | attnlrp | null), epsilon, stabilizer, gamma, low / high (the first layer's box for
 epsilon_gamma_box: null takes the images of pixel values 0 and 1 under the dataset's
 mean/std), rules (per-selector rules ahead of the composite's), canonize.
 
@@ -30,8 +35,10 @@ from hookrun.errors import HookrunError
 from hookrun.io import layout
 from hookrun.runtime.handles import hooked
 from hookrun.stages.derive.lrp.attach import rule_hooks
+from hookrun.stages.derive.lrp.attnlrp import AttnSites, attnlrp_hooks, attnlrp_sites
 from hookrun.stages.derive.lrp.canonize import canonized
 from hookrun.stages.derive.lrp.composites import (
+    ATTNLRP,
     Entry,
     assign,
     check_composite,
@@ -51,7 +58,8 @@ KEY = "derive.lrp"
 class LRPArgs(Frozen):
     composite: str | None = "epsilon_plus_flat"
     """epsilon_plus_flat | epsilon_gamma_box | epsilon_alpha2_beta1 | epsilon_plus (Zennit's
-    layer maps), or null: derive.lrp.rules alone.
+    layer maps), attnlrp (LXT 2.1's AttnLRP on a GPT-2, Llama or Qwen2 language model), or
+    null: derive.lrp.rules alone.
     """
     epsilon: float = 1e-6
     """The composite's ε for linear layers (> 0)."""
@@ -82,6 +90,7 @@ class LRPState:
 
     rules: dict[str, Rule]
     lines: tuple[str, ...]
+    sites: AttnSites | None = None  # composite attnlrp: where its rules stand
 
 
 def box_of(dataset: Any) -> tuple[list[float] | None, list[float] | None]:
@@ -118,6 +127,8 @@ def _entries(args: LRPArgs, model: nn.Module | None) -> list[Entry]:
 class LRP(Method):
     Args = LRPArgs
     runs_passes = True
+    # On token data (composite attnlrp): the input embeddings, results (N, T, D).
+    tokens_ok = explains_input = True
     gap_note = "biases, epsilon and the stabilisers absorb relevance"
     gap_meaning = "input relevance summed minus the output relevance"
 
@@ -157,11 +168,31 @@ class LRP(Method):
                 )
             check_rule(RuleArgs("zbox", low=args.low, high=args.high), key)
         user_entries(args.rules or {}, f"{key}.rules", args.low, args.high)
+        if args.composite == ATTNLRP and args.rules:
+            raise HookrunError(
+                f"{key}.rules: {sorted(args.rules)!r} with composite attnlrp, whose rules are "
+                "fixed; valid: {} with attnlrp, or a vision composite"
+            )
 
     def requires(self, args: LRPArgs) -> list[str]:
         return []
 
     def prepare(self, args: LRPArgs, model: nn.Module, sample: torch.Tensor) -> LRPState:
+        tokens = getattr(getattr(model, "config", None), "model_type", None) is not None
+        if args.composite == ATTNLRP:
+            sites = attnlrp_sites(model, f"{KEY}.composite")
+            lines = [
+                f"attnlrp ({sites.family}): identity on {len(sites.activations)} activations, "
+                f"constant denominators on {len(sites.norms)} norms, query/key gradients / 4 "
+                f"and value / 2 on {len(sites.qkv)} projections"
+                + (f", gated products / 2 on {len(sites.products)}" * bool(sites.products))
+            ]
+            return LRPState({}, tuple(lines), sites)
+        if tokens and sample.dim() == 2:  # a language model's embeddings (T, D)
+            raise HookrunError(
+                f"{KEY}.composite: {args.composite!r} is a vision composite and the model is a "
+                f"language model ({type(model).__name__}); valid here: {ATTNLRP}"
+            )
         with canonized(model, args.canonize) as done:
             entries = _entries(args, model)
             chosen = assign(model, entries, KEY)
@@ -186,7 +217,10 @@ class LRP(Method):
         return {key: sample, layout.gap_key(self.name, "input"): ()}
 
     def passes(self, args: LRPArgs, state: LRPState, batch: BatchContext) -> dict[str, Any]:
-        relevance, output = relevance_of(batch, state.rules, args.canonize)
+        if state.sites is not None:
+            relevance, output = attnlrp_of(batch, state.sites)
+        else:
+            relevance, output = relevance_of(batch, state.rules, args.canonize)
         gap = relevance.flatten(1).sum(1) - output.flatten(1).sum(1)
         return {
             layout.derived_key(self.name, "input"): relevance.float().cpu(),
@@ -209,3 +243,16 @@ def relevance_of(
         start = out.detach() * slope  # one-hot × logit for a target logit
         (relevance,) = torch.autograd.grad(out, x, start)
     return relevance.detach(), start
+
+
+def attnlrp_of(batch: BatchContext, sites: AttnSites) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input embeddings' relevance, the output's) for the batch by AttnLRP: one forward
+    pass and one backward pass under its hooks, the relevance Gradient × Input."""
+    x = batch.explained().detach().requires_grad_(True)
+    every = torch.arange(len(x), device=x.device)
+    with hooked(attnlrp_hooks(batch.model, sites)), torch.enable_grad():
+        out = batch.run(x, every)
+        score = batch.score(out, batch.targets)
+        (slope,) = torch.autograd.grad(score.sum(), out, retain_graph=True)
+        (grad,) = torch.autograd.grad(out, x, slope)
+    return (x * grad).detach(), (out.detach() * slope)
