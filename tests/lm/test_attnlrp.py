@@ -1,7 +1,7 @@
 """AttnLRP on language models (`derive.lrp.composite=attnlrp`): the relevance per input token
 of hookrun's hooks equals LXT 2.1's efficient AttnLRP (its monkey patches, run in
-.venv-lxt by lxt_script.py) on a GPT-2 and a Llama with random weights, to float32 rounding;
-the model leaves the run bit for bit as it came; a family the rules do not cover, a vision
+.venv-lxt by lxt_script.py) on a GPT-2, a Llama and a Qwen2 with random weights, to float32
+rounding; the model leaves the run bit for bit as it came; a family the rules do not cover, a vision
 composite on a language model and rules beside attnlrp are refused before any work; on the
 shipped tiny_lm the relevance is stored like integrated gradients' and drawn."""
 
@@ -31,7 +31,18 @@ ROWS = [
     {"prompt": "A quick brown fox jumps over", "answer": " the"},
     {"prompt": "def add(a, b):", "answer": " return"},
 ]
-EMBEDDINGS = {"gpt2": "transformer.wte", "llama": "model.embed_tokens"}
+EMBEDDINGS = {
+    "gpt2": "transformer.wte",
+    "llama": "model.embed_tokens",
+    "qwen2": "model.embed_tokens",
+}
+
+
+def _save(folder: Path, family: str):
+    """lm_models' model of the family; Qwen2 as its Llama's sizes in a Qwen2 config."""
+    if family == "qwen2":
+        return save_lm(folder, "llama", model_type="qwen2")
+    return save_lm(folder, family)
 
 
 def _args(folder: Path, data: Path) -> list[str]:
@@ -74,9 +85,9 @@ def _gradient_times_input(model, family: str, row: dict) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_the_relevance_per_token_equals_lxt(tmp_path, family):
-    model, _ = save_lm(tmp_path / "lm", family)
+    model, _ = _save(tmp_path / "lm", family)
     data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
     with h5py.File(run_config(tmp_path / "run", _args(tmp_path / "lm", data)).path) as f:
         relevance = f["derived/lrp/input"][:]
@@ -115,13 +126,13 @@ def _snapshot(model) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_the_model_leaves_the_run_bit_for_bit(tmp_path, family):
     from transformers import AutoTokenizer
 
     from hookrun.models.language import LanguageModel
 
-    model, kind = save_lm(tmp_path / "lm", family)
+    model, kind = _save(tmp_path / "lm", family)
     before = _snapshot(model)
     wrapped = LanguageModel(model, AutoTokenizer.from_pretrained(tmp_path / "lm"), kind)
     data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
