@@ -1,5 +1,5 @@
-"""LXT 2.1's efficient AttnLRP on a saved Hugging Face GPT-2, Llama or Qwen2, run in .venv-lxt
-(tests/reference_venvs.py) by tests/lm/test_attnlrp.py: each prompt's relevance per token,
+"""LXT 2.1's efficient AttnLRP on a saved Hugging Face GPT-2, Llama, Qwen2 or Gemma 3, run in
+.venv-lxt (tests/reference_venvs.py) by tests/lm/test_attnlrp.py: each prompt's relevance per token,
 (input embeddings × their gradient) summed over the hidden size, for the answer's logit at
 the last token, written as JSON.
 
@@ -40,6 +40,8 @@ def main() -> None:
 
     if family == "gpt2":
         from transformers.models.gpt2 import modeling_gpt2 as modeling
+    elif family == "gemma3_text":
+        from transformers.models.gemma3 import modeling_gemma3 as modeling
     elif family == "qwen2":
         from transformers.models.qwen2 import modeling_qwen2 as modeling
     else:

@@ -35,13 +35,24 @@ EMBEDDINGS = {
     "gpt2": "transformer.wte",
     "llama": "model.embed_tokens",
     "qwen2": "model.embed_tokens",
+    "gemma3_text": "model.embed_tokens",
 }
 
 
 def _save(folder: Path, family: str):
-    """lm_models' model of the family; Qwen2 as its Llama's sizes in a Qwen2 config."""
+    """lm_models' model of the family; Qwen2 and Gemma 3 as its Llama's sizes in their config
+    (Gemma's norm weights, zeros as built, set at random: its norms scale by 1 + weight)."""
     if family == "qwen2":
         return save_lm(folder, "llama", model_type="qwen2")
+    if family == "gemma3_text":
+        model, kind = save_lm(folder, "llama", model_type="gemma3_text", head_dim=16)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+        model.save_pretrained(folder)
+        return model, kind
     return save_lm(folder, family)
 
 
@@ -85,7 +96,7 @@ def _gradient_times_input(model, family: str, row: dict) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "gemma3_text"])
 def test_the_relevance_per_token_equals_lxt(tmp_path, family):
     model, _ = _save(tmp_path / "lm", family)
     data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
@@ -126,7 +137,7 @@ def _snapshot(model) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "gemma3_text"])
 def test_the_model_leaves_the_run_bit_for_bit(tmp_path, family):
     from transformers import AutoTokenizer
 
@@ -161,7 +172,7 @@ def test_a_family_the_rules_do_not_cover_is_refused_in_one_line(tmp_path):
     assert message.startswith(
         "derive.lrp.composite: 'attnlrp' does not cover model family 'gpt_neox'"
     )
-    assert "valid: a Hugging Face gpt2, llama, qwen2 model" in message
+    assert "valid: a Hugging Face gpt2, llama, qwen2, gemma3_text model" in message
     assert not (tmp_path / "run" / "captures.h5").exists()
 
 

@@ -8,12 +8,13 @@ one is off on any exit path), and the model's own forward computes every value:
 - the MLP's element-wise activation (`act`, `act_fn`): the identity rule, input gradient =
   gradient × output / (input + 1e-10) (LXT's `identity_rule_implicit`);
 - LayerNorm / RMSNorm: the denominator (the standard deviation, the root mean square) held
-  constant in the backward, the mean not (LXT's `layer_norm_forward`, `rms_norm_forward`);
+  constant in the backward, the mean not (LXT's `layer_norm_forward`, `rms_norm_forward`,
+  Gemma 3's `(1 + weight)` norm as LXT's `gemma3_norm`, its query and key norms included);
 - attention: the query's and the key's gradients divided by 4, the value's by 2 (LXT's
   `wrap_attention_forward`), taken at the projections' outputs — what lies between (the head
   reshape, rotary embeddings, the key/value heads' repeat) is linear, so the division
   commutes with it;
-- a gated MLP (Llama, Qwen2): the gradient of `act(gate) * up` divided by 2, at the down
+- a gated MLP (Llama, Qwen2, Gemma 3): the gradient of `act(gate) * up` divided by 2, at the down
   projection's input (LXT's `gated_mlp_forward`).
 
 A module that takes the identity or a norm rule gets its input detached by a pre-hook and
@@ -36,7 +37,7 @@ from hookrun.runtime.handles import ModuleHook
 __all__ = ["FAMILIES", "AttnSites", "attnlrp_hooks", "attnlrp_sites"]
 
 # Model families (Hugging Face `config.model_type`) whose structure the rules cover.
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "gemma3_text")
 _EPS = 1e-10  # LXT's identity_rule_implicit
 
 
@@ -142,6 +143,14 @@ def _rms_norm(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Callable
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     weight = module.weight
+    if type(module).__name__.startswith("Gemma"):
+        gain = 1.0 + weight.float()
+
+        def gemma(grad: torch.Tensor) -> torch.Tensor:
+            # Gemma 3: y = (x.float() * rms⁻¹ * (1 + w)).to(dtype) with rms⁻¹ constant.
+            return (grad.float() * gain * scale).to(x.dtype)
+
+        return gemma
 
     def rule(grad: torch.Tensor) -> torch.Tensor:
         # y = w * (x.float() * rms⁻¹).to(dtype) with rms⁻¹ constant.

@@ -58,7 +58,7 @@ KEY = "derive.lrp"
 class LRPArgs(Frozen):
     composite: str | None = "epsilon_plus_flat"
     """epsilon_plus_flat | epsilon_gamma_box | epsilon_alpha2_beta1 | epsilon_plus (Zennit's
-    layer maps), attnlrp (LXT 2.1's AttnLRP on a GPT-2, Llama or Qwen2 language model), or
+    layer maps), attnlrp (LXT 2.1's AttnLRP on a GPT-2, Llama, Qwen2 or Gemma 3 language model), or
     null: derive.lrp.rules alone.
     """
     epsilon: float = 1e-6
