@@ -1,10 +1,10 @@
 """The pictures of a language-model run, for the first rows, the tokens as the axis labels:
 the norm of each captured block output at each token (blocks × tokens) — where the residual
 stream grows, and which tokens stand out — and each gradient method's attribution per token
-(methods × tokens; integrated gradients summed over the embedding — the sums, before the
-picture scales each method to ±1, add up to f(input) − f(baseline) over a row — other
-methods' L2 norm over it, and a method of one number per token, attention rollout's, as
-it is)."""
+(methods × tokens; integrated gradients and AttnLRP summed over the embedding — the sums,
+before the picture scales each method to ±1, add up over a row to f(input) − f(baseline)
+(AttnLRP's to the target score), up to each one's gap — other methods' L2 norm over it, and
+a method of one number per token, attention rollout's, as it is)."""
 
 from __future__ import annotations
 
