@@ -66,14 +66,14 @@ EVALUATE = [
         (
             "++sanity.methods=[capture]",
             "sanity.methods[0]: 'capture' is not an experiment that makes one attribution; "
-            "valid: ablation_cam, cam, feature_ablation, grad_cam",
+            "valid: ablation_cam, attention_rollout, cam, feature_ablation, grad_cam",
         ),
         (
             "++sanity.methods=[logit_lens]",  # a table of tokens, not a map to randomise
             "sanity.methods[0]: 'logit_lens' is not an experiment that makes one attribution; "
-            "valid: ablation_cam, cam, feature_ablation, grad_cam, grad_cam_pp, grad_scale, "
-            "guided_bp, guided_grad_cam, integrated_gradients, kernel_shap, layer_cam, "
-            "occlusion, rise, saliency, score_cam, smoothgrad",
+            "valid: ablation_cam, attention_rollout, cam, feature_ablation, grad_cam, "
+            "grad_cam_pp, grad_scale, guided_bp, guided_grad_cam, integrated_gradients, "
+            "kernel_shap, layer_cam, lrp, occlusion, rise, saliency, score_cam, smoothgrad",
         ),
         ("++sanity.mode=sideways", "sanity.mode: 'sideways'; valid: cascading, independent"),
         ("++sanity.threshold=2", "sanity.threshold: 2.0; valid: a number in [-1, 1]"),
