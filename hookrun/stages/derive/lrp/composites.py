@@ -59,27 +59,14 @@ _LINEAR_TYPES = (*_CONV_TYPES, nn.Linear)
 
 
 @dataclass
-class RuleConfig(Frozen):
-    """One entry of `derive.lrp.rules`: the modules it selects and the rule they get."""
+class RuleConfig(RuleArgs, Frozen):
+    """One entry of `derive.lrp.rules`: the modules it selects and the rule they get (the
+    rule's arguments and defaults are RuleArgs's)."""
 
-    select: SelectConfig = field(default_factory=SelectConfig)
-    """Which modules (hookrun's selector grammar: name, regex, type, exclude)."""
     rule: str = ""
     """epsilon | zplus | gamma | alpha_beta | flat | wsquare | zbox | pass | norm"""
-    epsilon: float = 1e-6
-    """epsilon: the ε added to each denominator with its sign (> 0)."""
-    stabilizer: float = 1e-6
-    """The other rules: the small number that keeps each denominator off zero (> 0)."""
-    gamma: float = 0.25
-    """gamma: how much the positive (or negative) contributions are favoured (>= 0)."""
-    alpha: float = 2.0
-    """alpha_beta: the positive contributions' weight (alpha - beta = 1)."""
-    beta: float = 1.0
-    """alpha_beta: the negative contributions' weight (>= 0)."""
-    low: Any = None
-    """zbox: the input's lowest value (a number, or one per channel); null: derive.lrp.low."""
-    high: Any = None
-    """zbox: the input's highest value; null: derive.lrp.high."""
+    select: SelectConfig = field(default_factory=SelectConfig)
+    """Which modules (hookrun's selector grammar: name, regex, type, exclude)."""
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,21 @@ class RuleArgs:
     them."""
 
     rule: str
+    """epsilon | zplus | gamma | alpha_beta | flat | wsquare | zbox | pass | norm"""
     epsilon: float = 1e-6
+    """epsilon: the ε added to each denominator with its sign (> 0)."""
     stabilizer: float = 1e-6
+    """The other rules: the small number that keeps each denominator off zero (> 0)."""
     gamma: float = 0.25
+    """gamma: how much the positive (or negative) contributions are favoured (>= 0)."""
     alpha: float = 2.0
+    """alpha_beta: the positive contributions' weight (alpha - beta = 1)."""
     beta: float = 1.0
+    """alpha_beta: the negative contributions' weight (>= 0)."""
     low: Any = None
+    """zbox: the input's lowest value (a number, or one per channel); null: derive.lrp.low."""
     high: Any = None
+    """zbox: the input's highest value; null: derive.lrp.high."""
 
 
 def stabilize(value: torch.Tensor, epsilon: float) -> torch.Tensor:
