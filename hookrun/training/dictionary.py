@@ -226,6 +226,7 @@ class Trainer:
         self.window_tokens = 0  # tokens in the current density window
         # batchtopk's running threshold; float64 as SAELens keeps it
         self.topk_threshold = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.scratch = gradients.Scratch()  # relu's B x S buffers, the same every step
 
     # -- parameters ---------------------------------------------------------------------
 
@@ -344,7 +345,7 @@ class Trainer:
         losses: dict[str, Tensor] = {}
         if h.architecture == "relu":
             core, l1, fired = gradients.ReluCode.apply(
-                x, p["W_enc"], p["b_enc"], p["W_dec"], p["b_dec"], h.b_dec_in
+                x, p["W_enc"], p["b_enc"], p["W_dec"], p["b_dec"], h.b_dec_in, self.scratch
             )
             out = self._skip(core, x)
             mse = (out - y).pow(2).sum(-1).mean()

@@ -14,7 +14,7 @@ import torch
 
 from hookrun.dictionaries import load_dictionaries
 from hookrun.training.dictionary import Hyper, Trainer, lr_factor, warmup_coefficient
-from hookrun.training.gradients import JumpReLU, ReluCode, Step
+from hookrun.training.gradients import JumpReLU, ReluCode, Scratch, Step
 
 
 def _trainer(architecture: str, d: int = 2, width: int = 3, **kw) -> Trainer:
@@ -53,36 +53,43 @@ def test_relu_loss_by_hand() -> None:
     assert m["explained_variance"] == pytest.approx(1 - mse / var, rel=1e-6)
 
 
+@pytest.mark.parametrize("scratch", [False, True])
 @pytest.mark.parametrize("b_dec_in", [True, False])
-def test_relu_written_out_gradients_equal_autograd_of_the_formula(b_dec_in: bool) -> None:
+def test_relu_written_out_gradients_equal_autograd_of_the_formula(
+    b_dec_in: bool, scratch: bool
+) -> None:
     """relu's hand-written backward (ReluCode) against autograd through the plain formula
     (pre = (x - b_dec) W_enc + b_enc, z = relu(pre), z W_dec + b_dec, L1 = sum z ||W_dec||),
-    in float64, some latents cut by the relu and one never firing."""
+    in float64, some latents cut by the relu and one never firing; with a Scratch, over
+    three steps whose buffers are the same memory (a batch of another size between)."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 4, generator=g, dtype=torch.float64)
-    w_enc = torch.randn(4, 6, generator=g, dtype=torch.float64)
-    b_enc = torch.randn(6, generator=g, dtype=torch.float64)
-    b_enc[2] = -100.0  # a latent that never fires
-    w_dec = torch.randn(6, 4, generator=g, dtype=torch.float64)
-    b_dec = torch.randn(4, generator=g, dtype=torch.float64)
-    target = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    kept = Scratch() if scratch else None
+    for rows in (7, 5, 7):
+        x = torch.randn(rows, 4, generator=g, dtype=torch.float64)
+        w_enc = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        b_enc = torch.randn(6, generator=g, dtype=torch.float64)
+        b_enc[2] = -100.0  # a latent that never fires
+        w_dec = torch.randn(6, 4, generator=g, dtype=torch.float64)
+        b_dec = torch.randn(4, generator=g, dtype=torch.float64)
+        target = torch.randn(rows, 4, generator=g, dtype=torch.float64)
 
-    def loss(core: torch.Tensor, l1: torch.Tensor) -> torch.Tensor:
-        return (core - target).pow(2).sum() + 0.7 * l1
+        def loss(core: torch.Tensor, l1: torch.Tensor, target=target) -> torch.Tensor:
+            return (core - target).pow(2).sum() + 0.7 * l1
 
-    leaves = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
-    core, l1, fired = ReluCode.apply(x, *leaves, b_dec_in)
-    loss(core, l1).backward()
-    ours = [t.grad for t in leaves]
+        leaves = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
+        core, l1, fired = ReluCode.apply(x, *leaves, b_dec_in, kept)
+        loss(core, l1).backward()
+        ours = [t.grad for t in leaves]
 
-    ref = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
-    we, be, wd, bd = ref
-    z = torch.relu(((x - bd) if b_dec_in else x) @ we + be)
-    loss(z @ wd + bd, (z * wd.norm(dim=1)).sum()).backward()
-    for name, a, b in zip(("W_enc", "b_enc", "W_dec", "b_dec"), ours, ref, strict=True):
-        torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=name)
-    assert torch.equal(fired, (z > 0).sum(0))
-    assert fired[2] == 0
+        ref = [t.clone().requires_grad_() for t in (w_enc, b_enc, w_dec, b_dec)]
+        we, be, wd, bd = ref
+        z = torch.relu(((x - bd) if b_dec_in else x) @ we + be)
+        loss(z @ wd + bd, (z * wd.norm(dim=1)).sum()).backward()
+        for name, a, b in zip(("W_enc", "b_enc", "W_dec", "b_dec"), ours, ref, strict=True):
+            torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(core, z @ wd + bd, rtol=1e-12, atol=1e-12)
+        assert torch.equal(fired, (z > 0).sum(0))
+        assert fired[2] == 0
 
 
 def test_l1_warmup_and_lr_schedule_by_hand() -> None:
