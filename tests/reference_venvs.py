@@ -19,6 +19,13 @@ bitsandbytes, open_clip_torch, tabulate, ftfy and wcwidth next to the main venv'
 transformers: `lxt_python()` builds `<repo>/.venv-lxt` the same way, so it never enters the
 main venv.
 
+circuit-tracer 0.5.0 (the attribution graphs' reference, tests/graph) pins
+transformers<=4.57.3 and huggingface-hub<1 against the main venv's transformers 5:
+`circuit_tracer_python()` builds `<repo>/.venv-circuit-tracer` the same way, with
+transformer-lens held below 4 (the main venv's 4.3 wants transformers 5, so pip would pick a
+3.x anyway; the pin keeps the pick from drifting). numpy 2 and pyarrow are the main venv's:
+transformer-lens 3 accepts numpy 2, so no pyarrow pin is needed here.
+
 Run as a script (`python tests/reference_venvs.py`), it builds the venvs and prints their
 pythons: .ci/run does that before pytest, so CI pays the builds once, visibly.
 """
@@ -33,7 +40,8 @@ import sysconfig
 from pathlib import Path
 
 __all__ = [
-    "LXT", "SAEDASHBOARD", "SAELENS", "lxt_python", "saedashboard_python", "saelens_python",
+    "CIRCUIT_TRACER", "LXT", "SAEDASHBOARD", "SAELENS", "circuit_tracer_python", "lxt_python",
+    "saedashboard_python", "saelens_python",
 ]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +50,9 @@ SAELENS = "sae-lens==6.54.0"
 # pyarrow that accepts the numpy 1 transformer-lens 2.x pins (the main venv's wants numpy 2).
 SAEDASHBOARD = ("sae-dashboard==0.8.0", SAELENS, "pyarrow<22")
 LXT = "lxt==2.1"
+# What .venv-circuit-tracer installs: circuit-tracer with a transformer-lens that still takes
+# transformers 4 (circuit-tracer needs >=2.16; 4.x needs transformers 5).
+CIRCUIT_TRACER = ("circuit-tracer==0.5.0", "transformer-lens>=2.16,<4")
 # Written last, once the checks passed: a venv without it was left half built (a killed
 # build, a failed pip) and is built again.
 _READY = ".hookrun-ready"
@@ -150,7 +161,21 @@ def lxt_python() -> Path:
     return _venv_python(".venv-lxt", (LXT,), "lxt")
 
 
+def circuit_tracer_python() -> Path:
+    """The python of `<repo>/.venv-circuit-tracer`, with circuit-tracer 0.5.0 (transformers
+    4.57, transformer-lens 3.x, nnsight) importable; built on first use as `saelens_python`'s.
+
+    Returns:
+        The path of the venv's python.
+
+    Raises:
+        RuntimeError: a build step failed (its output in the message).
+    """
+    return _venv_python(".venv-circuit-tracer", CIRCUIT_TRACER, "circuit_tracer")
+
+
 if __name__ == "__main__":
     print(saelens_python())
     print(saedashboard_python())
     print(lxt_python())
+    print(circuit_tracer_python())
