@@ -97,7 +97,9 @@ layer's hook_mlp_out at pos; later layers react through their real MLPs.
 **graph_json** (create_graph_files): nodes kept by node_mask that touch a kept edge, plus all
 token and logit nodes; node ids: feature `"{layer}_{feature}_{pos}"`, error
 `"0_{layer}_{pos}"`, token `"E_{token_id}_{pos}"`, logit `"{L+1}_{token_id}_{T-1}"`; links
-`{source, target, weight = A[target, source]}` for kept edges.
+`{source, target, weight = A[target, source]}` for kept edges. The ids are ambiguous: error
+(l, p) and layer 0's feature l at p are both `"0_{l}_{p}"` (create_graph_files keys its nodes by
+index, so both appear; a link names either).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def save_gpt2(
     n_positions: int = 64,
     seed: int = 0,
     ln_affine: bool = False,
+    ln_f_scale: float = 1.0,
 ):
     """A GPT2LMHeadModel with seeded random weights and the tiny_lm tokenizer, saved to
     `folder` (save_pretrained plus tokenizer.json and a tokenizer_config.json transformers 4
@@ -138,6 +141,9 @@ def save_gpt2(
 
     `ln_affine`: random LayerNorm weights and biases instead of HF's 1 and 0 (then the
     transcoder input ln2.hook_normalized differs from the ln_2 output; see above).
+    `ln_f_scale`: ln_f's weight multiplied by it, sharpening the next-token distribution
+    (random weights give a near-uniform one, where the logit nodes are always the top
+    max_n_logits; about 40 makes desired_logit_prob cut earlier).
 
     Returns:
         The model (eval mode, float32).
@@ -167,6 +173,7 @@ def save_gpt2(
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif ln_affine and is_ln:
                 p.normal_(0.0, 0.1)
+        model.transformer.ln_f.weight.mul_(ln_f_scale)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
