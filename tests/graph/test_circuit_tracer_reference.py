@@ -336,3 +336,29 @@ def test_intervention_is_frozen_patterns_plus_the_decoder_delta(case):
     got = case["out"]["intervention_logits"]
     np.testing.assert_allclose(got.numpy(), rec["logits"][-1].numpy(), atol=1e-4)
     assert (got - plain["logits"][-1]).abs().max() > 1e-3  # the intervention did something
+
+
+def test_max_feature_nodes_takes_the_most_influential_features_first(case, tmp_path):
+    """40 of the features, in batches of 8: the first 4 * 8 = 32 are the top features by
+    influence through the logit rows alone; every row and column kept is the full graph's
+    (a direct effect does not depend on which other nodes are in the graph)."""
+    spec = {k: v for k, v in case["spec"].items() if k != "interventions"}
+    part = run_reference(spec | {"max_feature_nodes": 40, "batch_size": 8}, tmp_path)
+    full = case["out"]
+    n = len(full["active_features"])
+    n_logits = len(full["logit_tokens"])
+    selected = part["selected_features"]
+    assert len(selected) == 40 and selected.tolist() == sorted(set(selected.tolist()))
+    assert torch.equal(part["active_features"], full["active_features"])
+    a_full = full["adjacency_matrix"]
+    cols = torch.cat([selected, torch.arange(n, a_full.shape[1])])
+    got = part["adjacency_matrix"]
+    assert got.shape == (len(cols), len(cols))
+    torch.testing.assert_close(got[:40], a_full[selected][:, cols], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got[-n_logits:], a_full[-n_logits:][:, cols], rtol=1e-4, atol=1e-6)
+    assert not got[40:-n_logits].any()
+    logit_rows = a_full[-n_logits:].abs()
+    logit_rows = logit_rows / logit_rows.sum(1, keepdim=True)
+    influence = full["logit_probabilities"] @ logit_rows
+    first = influence[:n].argsort(descending=True)[:32]
+    assert set(first.tolist()) <= set(selected.tolist())
