@@ -107,9 +107,10 @@ transcoder input and active features (with random LN affines, JumpReLU and W_ski
 and token source vectors, whole logit rows and a feature row, the logit selection (both the
 cap and the 0.95 cut), the scores and cumulative_scores, the JSON links, the intervention, and
 that with max_feature_nodes the first 4 * batch_size features are the top ones by
-logit-row influence. Read from the code only: find_threshold's exact cut and the pruning
-fixpoint (the test checks the masks' invariants, not every bit). The script runs float32 on
-the CPU: rows agree with autograd to about 1e-6 of their largest entry.
+logit-row influence; prune_graph's node and edge masks equal a numpy reimplementation of the
+rule above, bit for bit. Read from the code only: the later batches' re-ranking with
+max_feature_nodes. The script runs float32 on the CPU: rows agree with autograd to about 1e-6
+of their largest entry.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ transcoders encoding the normalised ln_2 input taken from HF by a hook; its logi
 top tokens of HF's next-token distribution to 0.95 capped at 10; whole adjacency rows (every
 logit node's, and a feature's) equal gradients through a frozen forward written here from the
 HF weights (attention patterns and LN scales detached, MLP outputs constant, W_skip's path
-kept); the scores follow from the adjacency by the formulas graph_models.py documents; the
-graph JSON's links are adjacency entries; and the intervention equals a forward with frozen
-patterns and the decoder delta added. Nothing of hookrun is used.
+kept); the scores and prune masks follow from the adjacency by the rules graph_models.py
+documents; the graph JSON's links are adjacency entries; the intervention equals a forward
+with frozen patterns and the decoder delta added; max_feature_nodes keeps the full graph's rows
+and takes the most logit-influential features first. Nothing of hookrun is used.
 """
 
 from __future__ import annotations
@@ -362,3 +363,40 @@ def test_max_feature_nodes_takes_the_most_influential_features_first(case, tmp_p
     influence = full["logit_probabilities"] @ logit_rows
     first = influence[:n].argsort(descending=True)[:32]
     assert set(first.tolist()) <= set(selected.tolist())
+
+
+def _threshold(scores: np.ndarray, share: float) -> float:
+    """The score at which the sorted scores' running share first reaches `share`."""
+    ordered = np.sort(scores)[::-1]
+    running = np.cumsum(ordered) / ordered.sum()
+    return ordered[min(int(np.searchsorted(running, share)), len(ordered) - 1)]
+
+
+def test_prune_masks_are_the_documented_rule(case):
+    """prune_graph's masks recomputed in numpy (float64) from the adjacency by the rule in
+    graph_models.py: node share, edge share on the pruned graph, then the fixpoint."""
+    out, spec = case["out"], case["spec"]
+    n_logits, n_pos = len(out["logit_tokens"]), len(PROMPT)
+    n_f = len(out["selected_features"])
+    probs = out["logit_probabilities"].numpy()
+    adjacency = out["adjacency_matrix"].numpy().astype(np.float64)
+    _, w, influence = _influence(adjacency, n_logits, probs)
+    node = influence >= _threshold(influence, spec["node_threshold"])
+    node[-n_logits - n_pos :] = True
+    pruned = adjacency.copy()
+    pruned[~node] = 0
+    pruned[:, ~node] = 0
+    pruned_hat, _, pruned_influence = _influence(pruned, n_logits, probs)
+    scores = pruned_hat * (pruned_influence + w)[:, None]
+    edge = scores >= _threshold(scores.ravel(), spec["edge_threshold"])
+    inner = slice(0, len(node) - n_logits - n_pos)  # features and errors
+    while True:
+        before = node.copy()
+        node[inner] &= edge[:, inner].any(0)
+        node[:n_f] &= edge[:n_f].any(1)
+        edge[~node] = False
+        edge[:, ~node] = False
+        if (node == before).all():
+            break
+    assert (out["node_mask"].numpy() == node).all()
+    assert (out["edge_mask"].numpy() == edge).all()
