@@ -106,11 +106,10 @@ independent computations (HF hooks, numpy, autograd through a hand-written froze
 transcoder input and active features (with random LN affines, JumpReLU and W_skip), the error
 and token source vectors, whole logit rows and a feature row, the logit selection (both the
 cap and the 0.95 cut), the scores and cumulative_scores, the JSON links, the intervention, and
-that with max_feature_nodes the first 4 * batch_size features are the top ones by
-logit-row influence; prune_graph's node and edge masks equal a numpy reimplementation of the
-rule above, bit for bit. Read from the code only: the later batches' re-ranking with
-max_feature_nodes. The script runs float32 on the CPU: rows agree with autograd to about 1e-6
-of their largest entry.
+the max_feature_nodes selection (replayed: 40 features in batches of 8 pick 1-3 features
+other than the plain top 40 by logit-row influence, so the re-ranking matters); prune_graph's
+node and edge masks equal a numpy reimplementation of the rule above, bit for bit. The script
+runs float32 on the CPU: rows agree with autograd to about 1e-6 of their largest entry.
 """
 
 from __future__ import annotations
