@@ -1,0 +1,298 @@
+"""One prompt's attribution graph: its nodes and the direct effects between them.
+
+The semantics are circuit-tracer 0.5's (tests/graph/graph_models.py writes them out, and
+tests/graph compares the two): node order [selected features (layer, position, feature in
+that order), errors (layer, position), tokens (position), logits (descending probability)];
+`A[target, source]` the direct effect — the target's input direction carried back through
+the frozen model (replacement.py) to the source's write point, dotted with what the source
+wrote there (a feature: activation × decoder row; an error: the error vector; a token: its
+embedding). A logit's direction is its unembedding row minus the vocabulary's mean, at
+ln_f's output; a feature's is its encoder row at the transcoder's input. Position 0 is the
+beginning of the text: its features and errors are zero, as circuit-tracer zeroes them.
+
+The rows are computed `batch` targets a pass, and kept sparse (CSR: each row's non-zero
+columns and values), so memory is one batch of dense rows plus the non-zero entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hookrun.stages.graph.replacement import Block, Replacement
+
+__all__ = ["Graph", "Nodes", "active_features", "logit_targets", "attribute"]
+
+# Entries of a (batch, features, d) gather per chunk of a layer's feature edges.
+_CHUNK_ENTRIES = 1 << 24
+
+
+@dataclass
+class Nodes:
+    """What the graph's nodes are: the features active on the prompt and the sizes."""
+
+    features: Tensor  # (n, 3) long: layer, position, feature (lexicographic)
+    activations: Tensor  # (n,)
+    errors: Tensor  # (L, T, d): MLP output minus the transcoder's reconstruction
+    layers: int
+    positions: int
+
+
+@dataclass
+class Graph:
+    """The attribution graph of one prompt (see the module docstring for the order)."""
+
+    tokens: Tensor  # (T,)
+    features: Tensor  # (n, 3) every active feature
+    activations: Tensor  # (n,)
+    selected: Tensor  # (F,) indices into features that are nodes
+    logit_tokens: Tensor  # (K,)
+    logit_probabilities: Tensor  # (K,)
+    crow: Tensor  # (N + 1,) CSR row pointers of the adjacency, N = F + L*T + T + K
+    col: Tensor  # (nnz,) int64
+    val: Tensor  # (nnz,) float32
+    layers: int
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.crow.numel() - 1)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def dense(self) -> Tensor:
+        """The adjacency as a dense (N, N) tensor (for small graphs and tests)."""
+        return torch.sparse_csr_tensor(
+            self.crow, self.col, self.val, (self.n_nodes, self.n_nodes)
+        ).to_dense()
+
+    def rows(self) -> Tensor:
+        """Each stored entry's row (target), aligned with col and val."""
+        counts = self.crow[1:] - self.crow[:-1]
+        return torch.repeat_interleave(torch.arange(self.n_nodes), counts)
+
+
+def _encode(block: Block) -> Tensor:
+    """The transcoder's activations at every position (T, S), position 0 zeroed."""
+    tc = block.transcoder
+    t = {k: v.to(block.x_hat.dtype) for k, v in tc.tensors.items()}
+    pre = block.tc_input() @ t["W_enc"] + t["b_enc"]
+    acts = pre * (pre > t["threshold"]) if "threshold" in t else pre.relu()
+    acts[0] = 0
+    return acts
+
+
+def active_features(model: Replacement) -> Nodes:
+    """The features active on the prompt and every error vector."""
+    found, values, errors = [], [], []
+    for layer, block in enumerate(model.blocks):
+        acts = _encode(block)
+        t = block.transcoder.tensors
+        recon = acts @ t["W_dec"].to(acts.dtype) + t["b_dec"].to(acts.dtype)
+        if "W_skip" in t:
+            recon = recon + block.tc_input() @ t["W_skip"].to(acts.dtype)
+        error = block.mlp_out - recon
+        error[0] = 0
+        errors.append(error)
+        pos, feat = torch.nonzero(acts, as_tuple=True)
+        found.append(torch.stack([torch.full_like(pos, layer), pos, feat], 1))
+        values.append(acts[pos, feat])
+    t_len = model.blocks[0].x_hat.shape[0]
+    return Nodes(torch.cat(found), torch.cat(values), torch.stack(errors), len(model.blocks), t_len)
+
+
+def logit_targets(logits: Tensor, max_logits: int, probability: float) -> tuple[Tensor, Tensor]:
+    """The most probable next tokens until their probabilities sum to `probability`, at
+    most `max_logits` of them: (ids, probabilities), most probable first."""
+    probs = torch.softmax(logits, dim=-1)
+    top_p, top_idx = torch.topk(probs, min(max_logits, probs.numel()))
+    cut = int(torch.searchsorted(torch.cumsum(top_p, 0), probability)) + 1
+    return top_idx[:cut], top_p[:cut]
+
+
+class _Rows:
+    """Computes adjacency rows for batches of targets through the replacement model."""
+
+    def __init__(self, model: Replacement, nodes: Nodes, selected: Tensor, unembed: Tensor):
+        self.model, self.nodes = model, nodes
+        self.selected = selected
+        n_sel = selected.numel()
+        self.n_sources = n_sel + nodes.layers * nodes.positions + nodes.positions
+        # which column each active feature is (-1: not a node)
+        column = torch.full((nodes.features.shape[0],), -1, dtype=torch.long)
+        column[selected] = torch.arange(n_sel)
+        self.by_layer = []
+        for layer in range(nodes.layers):
+            mine = torch.nonzero((nodes.features[:, 0] == layer) & (column >= 0)).flatten()
+            f = nodes.features[mine]
+            w_dec = model.blocks[layer].transcoder.tensors["W_dec"].to(nodes.activations.dtype)
+            vectors = nodes.activations[mine, None] * w_dec[f[:, 2]]
+            self.by_layer.append((column[mine], f[:, 1], vectors))
+        self.unembed = unembed
+
+    def compute(self, logit_vectors: Tensor | None, features: Tensor | None) -> Tensor:
+        """Dense rows (B, sources) for logit targets (K, d directions at ln_f's output) or
+        feature targets (indices into nodes.features)."""
+        model, nodes = self.model, self.nodes
+        t_len = nodes.positions
+        d = model.embeds.shape[-1]
+        b = logit_vectors.shape[0] if logit_vectors is not None else features.numel()
+        dtype = model.embeds.dtype
+        rows = torch.zeros(b, self.n_sources, dtype=dtype)
+        g = torch.zeros(b, t_len, d, dtype=dtype)
+        if logit_vectors is not None:
+            g[:, -1] = model.logit_grad(logit_vectors.to(dtype))
+            at_layer = None
+        else:
+            f = nodes.features[features]
+            at_layer = f[:, 0]
+        n_sel = self.selected.numel()
+
+        def inject(layer: int, mid: Tensor) -> None:
+            if at_layer is None:
+                return
+            mine = torch.nonzero(at_layer == layer).flatten()
+            if mine.numel() == 0:
+                return
+            block = model.blocks[layer]
+            feats = f[mine]
+            w_enc = block.transcoder.tensors["W_enc"].to(dtype)[:, feats[:, 2]].T  # (m, d)
+            pos = feats[:, 1]
+            # the encoder row at the transcoder's input, to the residual before ln_2
+            u = w_enc
+            if block.reads != "pre_affine":
+                u = u * block.ln2_w
+            u = (u - u.mean(-1, keepdim=True)) / block.s2[pos, None]
+            mid[mine, pos] += u
+
+        def read(layer: int, grad: Tensor) -> None:
+            columns, pos, vectors = self.by_layer[layer]
+            if columns.numel():
+                step = max(1, _CHUNK_ENTRIES // max(1, b * d))
+                for at in range(0, columns.numel(), step):
+                    part = slice(at, at + step)
+                    gathered = grad[:, pos[part]]  # (B, c, d)
+                    rows[:, columns[part]] = torch.einsum("bcd,cd->bc", gathered, vectors[part])
+            start = n_sel + layer * t_len
+            rows[:, start : start + t_len] = (grad * nodes.errors[layer]).sum(-1)
+
+        g = model.sweep(g, inject, read)
+        start = n_sel + nodes.layers * t_len
+        rows[:, start:] = (g * model.embeds).sum(-1)
+        return rows
+
+
+def _partial_influence(
+    entries: list[tuple[int, Tensor, Tensor]], n_total: int, logit_p: Tensor
+) -> Tensor:
+    """circuit-tracer's compute_partial_influences over the rows computed so far: each
+    row's |weights| normalised to sum 1, propagated from the logits' probabilities until
+    nothing is left (at most 128 steps)."""
+    node = torch.cat([torch.full_like(c, r) for r, c, _ in entries])
+    col = torch.cat([c for _, c, _ in entries])
+    weight = torch.cat([(v.abs() / v.abs().sum().clamp(min=1e-8)) for _, _, v in entries])
+    prod = torch.zeros(n_total)
+    prod[-logit_p.numel() :] = logit_p
+    influences = torch.zeros(n_total)
+    for _ in range(128):
+        prod = torch.zeros(n_total).index_add_(0, col, weight * prod[node])
+        if not prod.any():
+            break
+        influences += prod
+    return influences
+
+
+def attribute(
+    model: Replacement,
+    tokens: Tensor,
+    logits: Tensor,
+    *,
+    max_logits: int,
+    probability: float,
+    batch: int,
+    max_features: int | None,
+) -> Graph:
+    """The prompt's graph: every logit's row, then the selected features' rows.
+
+    With `max_features` below the active features, the features are chosen as
+    circuit-tracer chooses them: after the logit rows, repeatedly the unvisited features of
+    most influence on the logits through the rows so far, 4 × `batch` at a time.
+    """
+    nodes = active_features(model)
+    n = nodes.features.shape[0]
+    ids, probs = logit_targets(logits, max_logits, probability)
+    unembed = model.unembed
+    vectors = unembed[ids] - unembed.mean(0, keepdim=True)
+    take = n if max_features is None else min(max_features, n)
+    rows = _Rows(model, nodes, torch.arange(n), unembed)  # columns: every active feature
+    k = ids.numel()
+    n_total = rows.n_sources + k
+    entries: list[tuple[int, Tensor, Tensor]] = []  # (node, columns, values)
+
+    def keep(first: Tensor, dense: Tensor) -> None:
+        for i in range(dense.shape[0]):
+            nz = torch.nonzero(dense[i]).flatten()
+            entries.append((int(first[i]), nz, dense[i, nz].float()))
+
+    for at in range(0, k, batch):
+        keep(
+            torch.arange(at, min(at + batch, k)) + rows.n_sources,
+            rows.compute(vectors[at : at + batch], None),
+        )
+    visited = torch.zeros(n, dtype=torch.bool)
+    done = 0
+    while done < take:
+        if take == n:
+            pending = torch.arange(n)
+        else:
+            influence = _partial_influence(entries, n_total, probs.float())
+            rank = torch.argsort(influence[:n], descending=True)
+            pending = rank[~visited[rank]][: min(4 * batch, take - done)]
+        for at in range(0, pending.numel(), batch):
+            part = pending[at : at + batch]
+            keep(part, rows.compute(None, part))
+            visited[part] = True
+            done += part.numel()
+    selected = torch.nonzero(visited).flatten()
+    return _assemble(entries, selected, nodes, tokens, ids, probs, rows.n_sources, n)
+
+
+def _assemble(entries, selected, nodes, tokens, ids, probs, n_sources, n) -> Graph:
+    """The rows in node order, their columns narrowed to the selected features."""
+    n_sel = selected.numel()
+    k = ids.numel()
+    column = torch.full((n_sources,), -1, dtype=torch.long)
+    column[selected] = torch.arange(n_sel)
+    column[n:] = torch.arange(n_sel, n_sel + n_sources - n)
+    row_of = torch.full((n,), -1, dtype=torch.long)
+    row_of[selected] = torch.arange(n_sel)
+    n_nodes = n_sel + (n_sources - n) + k
+    placed = []
+    for node, cols, vals in entries:
+        row = int(row_of[node]) if node < n else n_sel + (node - n)
+        mapped = column[cols]
+        kept = mapped >= 0
+        placed.append((row, mapped[kept], vals[kept]))
+    placed.sort(key=lambda p: p[0])
+    counts = torch.zeros(n_nodes, dtype=torch.long)
+    for row, cols, _ in placed:
+        counts[row] = cols.numel()
+    crow = torch.zeros(n_nodes + 1, dtype=torch.long)
+    crow[1:] = torch.cumsum(counts, 0)
+    col = torch.cat([p[1] for p in placed]) if placed else torch.zeros(0, dtype=torch.long)
+    val = torch.cat([p[2] for p in placed]) if placed else torch.zeros(0)
+    return Graph(
+        tokens=tokens,
+        features=nodes.features,
+        activations=nodes.activations.float(),
+        selected=selected,
+        logit_tokens=ids,
+        logit_probabilities=probs.float(),
+        crow=crow,
+        col=col,
+        val=val,
+        layers=nodes.layers,
+    )
