@@ -6,6 +6,7 @@ from hookrun.stages import derive as derive
 from hookrun.stages import evaluate as evaluate
 from hookrun.stages import features as features
 from hookrun.stages import generate as generate
+from hookrun.stages import graph as graph
 from hookrun.stages import induction as induction
 from hookrun.stages import lens as lens
 from hookrun.stages import metrics as metrics

@@ -48,6 +48,9 @@ REFUSED = {
     # Attention rollout reads self-attention: resnet18 has none (the ViT's map is tested).
     ("resnet18", "attention_rollout"): "has no attention modules found",
     # No LRP composite has a rule for a transformer's LayerNorm (AttnLRP's are another's).
+    # Attribution graphs run over a GPT-2's transcoders.
+    ("resnet18", "attribution_graph"): "valid: a Hugging Face GPT-2",
+    ("vit", "attribution_graph"): "valid: a Hugging Face GPT-2",
     ("vit", "lrp"): r"derive.lrp: no rule covers encoder.layers.encoder_layer_0.ln_1 \(LayerNorm",
 }
 

@@ -64,5 +64,12 @@ def test_every_dataset_kind_and_experiment_has_a_preset_that_composes():
         spec = build_spec(compose_config([f"experiment={experiment.stem}"]), experiment.stem)
         # lm_patching's work is its patching grid (the `patching:` node), generate's its
         # generation, circuit's its edges: a stage's node, not hooks (features reads hooks).
-        acts = spec.hooks or spec.patching or spec.generate or spec.circuit or spec.stage("sae")
+        acts = (
+            spec.hooks
+            or spec.patching
+            or spec.generate
+            or spec.circuit
+            or spec.stage("sae")
+            or spec.stage("graph")
+        )
         assert acts, experiment.stem

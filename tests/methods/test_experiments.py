@@ -86,6 +86,7 @@ def test_every_experiment_file_is_tested():
             [
                 "ablation_cam",
                 "attention_rollout",  # tests/methods/test_attention_rollout.py
+                "attribution_graph",  # tests/graph/test_attribution_graph.py
                 "cam",
                 "capture",
                 "circuit",  # tests/lm/test_circuit.py
@@ -307,6 +308,7 @@ def test_grad_scale_matches_a_scaled_relu6(runs):
 # The language-model experiments draw their own pictures (tests/lm/); generate writes text.
 LANGUAGE = (
     "attention_rollout",  # tiny_lm by default (the ViT map: test_attention_rollout.py)
+    "attribution_graph",
     "circuit",
     "generate",
     "features",

@@ -65,9 +65,9 @@ class Graph:
 
     def dense(self) -> Tensor:
         """The adjacency as a dense (N, N) tensor (for small graphs and tests)."""
-        return torch.sparse_csr_tensor(
-            self.crow, self.col, self.val, (self.n_nodes, self.n_nodes)
-        ).to_dense()
+        dense = torch.zeros(self.n_nodes, self.n_nodes)
+        dense[self.rows(), self.col] = self.val
+        return dense
 
     def rows(self) -> Tensor:
         """Each stored entry's row (target), aligned with col and val."""

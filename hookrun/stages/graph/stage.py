@@ -1,0 +1,70 @@
+"""The `attribution_graph` stage (`graph:`, experiment=attribution_graph): the node parsed, the
+job run instead of the rows' pipeline (Stage.job); the summary of its file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h5py
+
+import hookrun.stages.graph.keys as keys
+from hookrun.errors import HookrunError
+from hookrun.io.layout import JOB_ATTR, attr
+from hookrun.stage import JobContext, JobResult, ParseContext, Stage, register_stage
+from hookrun.stages.graph.config import GraphConfig, parse_graph
+
+__all__ = ["GraphStage"]
+
+
+@register_stage
+class GraphStage(Stage):
+    name = "attribution_graph"
+    node = "graph"
+    order = 7
+    axes = {
+        "graph/*/features": "feature field",
+        "graph/*/adjacency_*": "entry",
+        "graph/*/*": "node",
+    }
+
+    @classmethod
+    def schema(cls) -> dict[str, type]:
+        return {"graph": GraphConfig}
+
+    @classmethod
+    def parse(cls, raw: Any, ctx: ParseContext) -> GraphConfig | None:
+        config = parse_graph(raw)
+        if config is not None and ctx.target.kind.value != "none":
+            raise HookrunError(
+                f"target.kind: {ctx.target.kind.value!r} with graph: its targets are the top "
+                "logits of each prompt; valid: none"
+            )
+        return config
+
+    @classmethod
+    def job(cls, config: GraphConfig, spec: Any, ctx: JobContext) -> JobResult:
+        from hookrun.stages.graph.job import run_graphs
+
+        if spec.dry_run:
+            raise HookrunError(
+                "dry_run: true with graph: the job writes no rows to size; valid: dry_run=false"
+            )
+        done = run_graphs(spec, config, ctx)
+        images = None
+        lines = list(done.summary)
+        if spec.render:
+            from hookrun.stages.graph.draw import draw_graphs
+
+            images = ctx.run_dir / "images" / (spec.experiment or "run")
+            drawn = draw_graphs(done.path, images)
+            lines.append(f"pictures: {images} ({len(drawn)} files)")
+        lines.append(f"graph JSON: {ctx.run_dir / 'graph'} (circuit-tracer's viewer opens it)")
+        if done.seconds:
+            lines.append(f"time: {done.seconds:.1f} s")
+        return JobResult(done.path, "\n".join(lines), images, done.rows)
+
+    @classmethod
+    def summary(cls, f: h5py.File, rows: int) -> list[str]:
+        if attr(f, JOB_ATTR) != keys.JOB:
+            return []
+        return [f"attribution graphs: {f.filename} ({len(f.get(keys.GROUP, {}))} prompts)"]
