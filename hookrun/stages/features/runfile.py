@@ -4,8 +4,6 @@ each readable. The layout is io/features.py's (docs/architecture.md lists it).""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from hookrun.io.layout import (
     vocabulary_arrays,
     write_header,
 )
+from hookrun.io.whole_file import replaced_whole
 
 __all__ = ["Written", "write", "is_features_file", "damage", "REQUIRED"]
 
@@ -67,38 +66,28 @@ def write(
     rows: int,
 ) -> None:
     """The whole file, replacing the old one only once it is on disk."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    try:
-        with h5py.File(temp, "w", track_order=True) as f:
-            write_header(f, header)
-            set_attrs(f, {JOB_ATTR: JOB, "status": status, "error": error, "completed": 0})
-            set_attrs(f, {"rows": rows})
-            group = f.create_group(GROUP)
-            if vocab is not None:  # stored as /model/vocabulary is (a NUL token, checksums)
-                arrays = vocabulary_arrays(vocab)
-                group.create_dataset(
-                    VOCAB.rpartition("/")[2], data=arrays[MODEL_VOCABULARY], fletcher32=True
-                )
-                group.create_dataset(
-                    VOCAB_LENGTH.rpartition("/")[2],
-                    data=arrays[MODEL_VOCABULARY_LENGTH],
-                    fletcher32=True,
-                )
-            for s in sites:
-                g = f.require_group(site_group(s.module, s.site))
-                set_attrs(g, dict(s.attrs))
-                for name, value in s.arrays.items():
-                    checked = value.size > 0  # an empty dataset takes no filter
-                    g.create_dataset(name, data=value, fletcher32=checked, track_times=False)
-            name_dimensions(f, AxisFacts())
-        with open(temp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    with replaced_whole(path) as temp, h5py.File(temp, "w", track_order=True) as f:
+        write_header(f, header)
+        set_attrs(f, {JOB_ATTR: JOB, "status": status, "error": error, "completed": 0})
+        set_attrs(f, {"rows": rows})
+        group = f.create_group(GROUP)
+        if vocab is not None:  # stored as /model/vocabulary is (a NUL token, checksums)
+            arrays = vocabulary_arrays(vocab)
+            group.create_dataset(
+                VOCAB.rpartition("/")[2], data=arrays[MODEL_VOCABULARY], fletcher32=True
+            )
+            group.create_dataset(
+                VOCAB_LENGTH.rpartition("/")[2],
+                data=arrays[MODEL_VOCABULARY_LENGTH],
+                fletcher32=True,
+            )
+        for s in sites:
+            g = f.require_group(site_group(s.module, s.site))
+            set_attrs(g, dict(s.attrs))
+            for name, value in s.arrays.items():
+                checked = value.size > 0  # an empty dataset takes no filter
+                g.create_dataset(name, data=value, fletcher32=checked, track_times=False)
+        name_dimensions(f, AxisFacts())
 
 
 def is_features_file(f: h5py.File) -> bool:

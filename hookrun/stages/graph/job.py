@@ -12,9 +12,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +27,11 @@ import hookrun.stages.graph.keys as keys
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.dictionaries.load import load_dictionaries
 from hookrun.errors import HookrunError
+from hookrun.io.dimensions import AxisFacts, name_dimensions
 from hookrun.io.layout import JOB_ATTR, set_attrs, write_header
 from hookrun.io.lock import WriterLock
 from hookrun.io.sink import check_sink_path
+from hookrun.io.whole_file import replaced_whole
 from hookrun.models.adapter import adapt
 from hookrun.stage import JobContext
 from hookrun.stages.graph.attribution import Graph, attribute
@@ -165,56 +165,48 @@ def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
 
 
 def _write(path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple, Tensor]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    try:
-        with h5py.File(temp, "w", track_order=True) as f:
-            write_header(f, header)
+    """The run's file, written whole (a kill leaves the old file or the new one)."""
+    with replaced_whole(path) as temp, h5py.File(temp, "w", track_order=True) as f:
+        write_header(f, header)
+        set_attrs(
+            f,
+            {
+                JOB_ATTR: keys.JOB,
+                "status": "complete",
+                "error": "",
+                "completed": len(graphs),
+                "rows": len(graphs),
+            },
+        )
+        for row, (g, p, (replacement, completeness), influence) in enumerate(graphs):
+            group = f.create_group(keys.row_group(row))
+            arrays = {
+                keys.TOKENS: g.tokens.numpy(),
+                keys.FEATURES: g.features.numpy(),
+                keys.ACTIVATIONS: g.activations.numpy(),
+                keys.SELECTED: g.selected.numpy(),
+                keys.LOGIT_TOKENS: g.logit_tokens.numpy(),
+                keys.LOGIT_PROBABILITIES: g.logit_probabilities.numpy(),
+                keys.CROW: g.crow.numpy(),
+                keys.COL: g.col.numpy(),
+                keys.VAL: g.val.numpy(),
+                keys.INFLUENCE: influence.numpy(),
+                keys.CUMULATIVE: p.cumulative.numpy(),
+                keys.NODE_MASK: p.node_mask.numpy(),
+                keys.EDGE_MASK: p.edge_mask.numpy(),
+            }
+            for name, value in arrays.items():
+                group.create_dataset(name, data=np.asarray(value), fletcher32=value.size > 0)
             set_attrs(
-                f,
+                group,
                 {
-                    JOB_ATTR: keys.JOB,
-                    "status": "complete",
-                    "error": "",
-                    "completed": len(graphs),
-                    "rows": len(graphs),
+                    "replacement_score": replacement,
+                    "completeness_score": completeness,
+                    "layers": g.layers,
+                    "nodes": g.n_nodes,
                 },
             )
-            for row, (g, p, (replacement, completeness), influence) in enumerate(graphs):
-                group = f.create_group(keys.row_group(row))
-                arrays = {
-                    keys.TOKENS: g.tokens.numpy(),
-                    keys.FEATURES: g.features.numpy(),
-                    keys.ACTIVATIONS: g.activations.numpy(),
-                    keys.SELECTED: g.selected.numpy(),
-                    keys.LOGIT_TOKENS: g.logit_tokens.numpy(),
-                    keys.LOGIT_PROBABILITIES: g.logit_probabilities.numpy(),
-                    keys.CROW: g.crow.numpy(),
-                    keys.COL: g.col.numpy(),
-                    keys.VAL: g.val.numpy(),
-                    keys.INFLUENCE: influence.numpy(),
-                    keys.CUMULATIVE: p.cumulative.numpy(),
-                    keys.NODE_MASK: p.node_mask.numpy(),
-                    keys.EDGE_MASK: p.edge_mask.numpy(),
-                }
-                for name, value in arrays.items():
-                    group.create_dataset(name, data=np.asarray(value), fletcher32=value.size > 0)
-                set_attrs(
-                    group,
-                    {
-                        "replacement_score": replacement,
-                        "completeness_score": completeness,
-                        "layers": g.layers,
-                        "nodes": g.n_nodes,
-                    },
-                )
-        with open(temp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+        name_dimensions(f, AxisFacts())
 
 
 def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:

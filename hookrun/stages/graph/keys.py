@@ -29,3 +29,21 @@ EDGE_MASK = "edge_mask"
 
 def row_group(row: int) -> str:
     return f"{GROUP}/{row}"
+
+
+# What every row's group holds in a complete file.
+REQUIRED = (
+    TOKENS,
+    FEATURES,
+    ACTIVATIONS,
+    SELECTED,
+    LOGIT_TOKENS,
+    LOGIT_PROBABILITIES,
+    CROW,
+    COL,
+    VAL,
+    INFLUENCE,
+    CUMULATIVE,
+    NODE_MASK,
+    EDGE_MASK,
+)

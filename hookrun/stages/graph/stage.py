@@ -9,11 +9,15 @@ import h5py
 
 import hookrun.stages.graph.keys as keys
 from hookrun.errors import HookrunError
+from hookrun.io import layout
 from hookrun.io.layout import JOB_ATTR, attr
 from hookrun.stage import JobContext, JobResult, ParseContext, Stage, register_stage
 from hookrun.stages.graph.config import GraphConfig, parse_graph
 
 __all__ = ["GraphStage"]
+
+# Each prompt's graph is a group of its own: its datasets are nodes and entries, no sample axis.
+layout.whole_run(f"{keys.GROUP}/*")
 
 
 @register_stage
@@ -68,3 +72,17 @@ class GraphStage(Stage):
         if attr(f, JOB_ATTR) != keys.JOB:
             return []
         return [f"attribution graphs: {f.filename} ({len(f.get(keys.GROUP, {}))} prompts)"]
+
+    @classmethod
+    def damage(cls, f: h5py.File, complete: bool) -> list[str]:
+        if attr(f, JOB_ATTR) != keys.JOB or not complete:
+            return []
+        rows = int(attr(f, "rows", 0))
+        found = []
+        for row in range(rows):
+            name = keys.row_group(row)
+            if name not in f:
+                found.append(f"/{name}: missing (a complete file holds every prompt's graph)")
+                continue
+            found += [f"/{name}/{part}: missing" for part in keys.REQUIRED if part not in f[name]]
+        return found
