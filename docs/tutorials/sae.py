@@ -1,7 +1,7 @@
 """Tutorial 6: from a language model's cache to a sparse autoencoder spliced back in.
 
 Caches tiny_lm's second block's output over 64 rows of its corpus, trains a small SAE on it
-in plain PyTorch (hookrun trains dictionaries itself in a later release), saves it in
+in plain PyTorch (to show the math; `experiment=train_sae` trains them at scale), saves it in
 SAELens's format, then splices it into the model with `experiment=sae`: its latents stored
 sparse, and its scores (L0, explained variance, CE loss recovered, ...) over the run's
 tokens.

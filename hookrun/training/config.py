@@ -253,6 +253,14 @@ def _dictionary(config: TrainConfig, entry: dict, site: Site, key: str) -> Dicti
             f"{key}.architecture: {arch!r}; valid: {', '.join(ARCHITECTURES)}"
             + did_you_mean(arch, ARCHITECTURES)
         )
+    if site.transcoder and arch == "topk":
+        # SAELens 6.54 has no topk transcoder class: the saved folder could not be loaded
+        valid = ", ".join(a for a in ARCHITECTURES if a != "topk")
+        raise HookrunError(
+            f"{key}.architecture: 'topk' for the transcoder {':'.join(site.source)} -> "
+            f"{':'.join(site.target)}; valid: {valid} "
+            "(SAELens has no topk transcoder to save it as)"
+        )
     width, k = values["width"], values["k"]
     if width is not None:
         _positive(f"{key}.width", width)

@@ -157,6 +157,13 @@ def test_training_from_an_earlier_runs_file(tmp_path: Path):
         (["sae.tokens=100"], "sae.tokens: 100 is fewer than one batch"),
         (["sae.architecture=topkk"], "did you mean 'topk'"),
         (["sae.prefetch=sometimes"], "sae.prefetch: 'sometimes'; valid: auto, true, false"),
+        (
+            [
+                "sae.architecture=topk",
+                "sae.sites=[{in: transformer.h.0.mlp:input, out: transformer.h.0.mlp:output}]",
+            ],
+            "sae.architecture: 'topk' for the transcoder transformer.h.0.mlp:input",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_work(tmp_path: Path, overrides: list[str], said: str):
