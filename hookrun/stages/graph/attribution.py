@@ -25,7 +25,7 @@ from hookrun.stages.graph.replacement import Block, Replacement
 
 __all__ = ["Graph", "Nodes", "active_features", "logit_targets", "attribute"]
 
-# Entries of a (batch, features, d) gather per chunk of a layer's feature edges.
+# Entries of a (batch, positions, latents) product per block of a layer's feature edges.
 _CHUNK_ENTRIES = 1 << 24
 
 
@@ -124,14 +124,15 @@ class _Rows:
         # which column each active feature is (-1: not a node)
         column = torch.full((nodes.features.shape[0],), -1, dtype=torch.long)
         column[selected] = torch.arange(n_sel)
+        # per layer: the features' columns, positions (ascending), latents, activations
         self.by_layer = []
         for layer in range(nodes.layers):
             mine = torch.nonzero((nodes.features[:, 0] == layer) & (column >= 0)).flatten()
             f = nodes.features[mine]
-            w_dec = model.blocks[layer].transcoder.tensors["W_dec"].to(nodes.activations.dtype)
-            vectors = nodes.activations[mine, None] * w_dec[f[:, 2]]
-            self.by_layer.append((column[mine], f[:, 1], vectors))
-        self.unembed = unembed
+            self.by_layer.append((column[mine], f[:, 1], f[:, 2], nodes.activations[mine]))
+        self.w_dec = [
+            b.transcoder.tensors["W_dec"].to(nodes.activations.dtype) for b in model.blocks
+        ]
 
     def compute(self, logit_vectors: Tensor | None, features: Tensor | None) -> Tensor:
         """Dense rows (B, sources) for logit targets (K, d directions at ln_f's output) or
@@ -169,13 +170,19 @@ class _Rows:
             mid[mine, pos] += u
 
         def read(layer: int, grad: Tensor) -> None:
-            columns, pos, vectors = self.by_layer[layer]
+            columns, pos, latent, acts = self.by_layer[layer]
+            w_dec = self.w_dec[layer]
             if columns.numel():
-                step = max(1, _CHUNK_ENTRIES // max(1, b * d))
-                for at in range(0, columns.numel(), step):
-                    part = slice(at, at + step)
-                    gathered = grad[:, pos[part]]  # (B, c, d)
-                    rows[:, columns[part]] = torch.einsum("bcd,cd->bc", gathered, vectors[part])
+                # every latent's decoder row against the gradient, a block of positions at
+                # a time (B x positions x S), then each active feature's entry x activation
+                step = max(1, _CHUNK_ENTRIES // max(1, b * w_dec.shape[0]))
+                for start in range(0, t_len, step):
+                    lo, hi = torch.searchsorted(pos, torch.tensor([start, start + step])).tolist()
+                    if lo == hi:
+                        continue
+                    products = grad[:, start : start + step] @ w_dec.T  # (B, t, S)
+                    picked = products[:, pos[lo:hi] - start, latent[lo:hi]]
+                    rows[:, columns[lo:hi]] = picked * acts[lo:hi]
             start = n_sel + layer * t_len
             rows[:, start : start + t_len] = (grad * nodes.errors[layer]).sum(-1)
 
