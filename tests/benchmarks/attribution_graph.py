@@ -75,7 +75,9 @@ def _hookrun_side(spec_path: str) -> None:
 
 def _watched(cmd: list[str], limit_gib: float) -> dict:
     """The command's JSON line, or {"killed": peak} when its RSS passed the limit."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     peak = 0
     while proc.poll() is None:
         try:
@@ -99,7 +101,14 @@ def _build(folder: Path, args) -> None:
     from graph_models import save_gpt2, write_transcoders
     from safetensors.torch import load_file, save_file
 
-    model = save_gpt2(folder / "model", n_layer=args.layers, n_embd=128, n_head=4, n_positions=4096, ln_f_scale=30.0)
+    model = save_gpt2(
+        folder / "model",
+        n_layer=args.layers,
+        n_embd=128,
+        n_head=4,
+        n_positions=4096,
+        ln_f_scale=30.0,
+    )
     write_transcoders(folder / "tc", model, d_tc=args.width)
     for i in range(args.layers):  # about 5 % of the latents active, not the builder's 30 %
         path = folder / "tc" / f"layer_{i}.safetensors"
@@ -145,7 +154,11 @@ def main() -> None:
             if side == "hookrun":
                 cmd = [sys.executable, __file__, "--side", "hookrun", str(path)]
             else:
-                cmd = [str(circuit_tracer_python()), str(ROOT / "tests/graph/circuit_tracer_bench.py"), str(path)]
+                cmd = [
+                    str(circuit_tracer_python()),
+                    str(ROOT / "tests/graph/circuit_tracer_bench.py"),
+                    str(path),
+                ]
             got = _watched(cmd, args.limit)
             print(f"T={length} {side}: {got} (load {os.getloadavg()[0]:.1f})", flush=True)
             rows.append((length, side, got))
