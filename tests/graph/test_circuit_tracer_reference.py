@@ -8,7 +8,8 @@ HF weights (attention patterns and LN scales detached, MLP outputs constant, W_s
 kept); the scores and prune masks follow from the adjacency by the rules graph_models.py
 documents; the graph JSON's links are adjacency entries; the intervention equals a forward
 with frozen patterns and the decoder delta added; max_feature_nodes keeps the full graph's rows
-and takes the most logit-influential features first. Nothing of hookrun is used.
+and takes the most logit-influential features first. Nothing of hookrun is used, except in
+the last test: hookrun's own rows against the same frozen forward.
 """
 
 from __future__ import annotations
@@ -415,3 +416,38 @@ def test_prune_masks_are_the_documented_rule(case):
             break
     assert (out["node_mask"].numpy() == node).all()
     assert (out["edge_mask"].numpy() == edge).all()
+
+
+def test_hookrun_rows_are_the_frozen_model_gradients(case):
+    """The issue's hand check on hookrun's side: its logit rows and a last-layer feature's
+    row (experiment=attribution_graph's computation) equal the gradients through the frozen
+    forward written here, independently of circuit-tracer."""
+    import transformers
+
+    from hookrun.dictionaries.load import load_dictionaries
+    from hookrun.stages.graph.attribution import attribute
+    from hookrun.stages.graph.replacement import Replacement
+
+    spec = case["spec"]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(spec["model"], attn_implementation="eager")
+    tcs = load_dictionaries(spec["transcoders"], "graph.transcoders")
+    tokens = torch.tensor(PROMPT)
+    frozen, logits = Replacement.capture(hf.eval(), tokens, tcs, ["pre_affine"] * len(tcs))
+    graph = attribute(
+        frozen, tokens, logits, max_logits=10, probability=0.95, batch=4, max_features=None
+    )
+    adjacency = graph.dense().numpy()
+    w_u = case["hf"].lm_head.weight.detach()
+    k = len(graph.logit_tokens)
+    for i, tok in enumerate(graph.logit_tokens.tolist()):
+        g = w_u[tok] - w_u.mean(0)
+        expected = _frozen_rows(case, lambda rec, g=g: rec["final"][-1] @ g)
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(adjacency[-k + i], expected, atol=2e-5 * scale, rtol=1e-3)
+    last = case["hf"].config.n_layer - 1
+    f = int(case["acts"][last, -1].argmax())
+    index = graph.features.tolist().index([last, len(PROMPT) - 1, f])
+    w_enc = case["tcs"][last]["W_enc"][f]
+    expected = _frozen_rows(case, lambda rec: rec["x_hat"][last][-1] @ w_enc)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(adjacency[index], expected, atol=2e-5 * scale, rtol=1e-3)

@@ -129,7 +129,8 @@ class _Rows:
         for layer in range(nodes.layers):
             mine = torch.nonzero((nodes.features[:, 0] == layer) & (column >= 0)).flatten()
             f = nodes.features[mine]
-            self.by_layer.append((column[mine], f[:, 1], f[:, 2], nodes.activations[mine]))
+            pos, latent = f[:, 1].contiguous(), f[:, 2].contiguous()  # searched, indexed
+            self.by_layer.append((column[mine], pos, latent, nodes.activations[mine]))
         self.w_dec = [
             b.transcoder.tensors["W_dec"].to(nodes.activations.dtype) for b in model.blocks
         ]
