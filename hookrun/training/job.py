@@ -500,7 +500,11 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
         run.hook_names = {d.name: hook_name_of(*d.site.source, run.model) for d in job.dictionaries}
         if saved is not None:
             run.restore(saved)
+            if run.main:
+                log.info("resume=true: continuing from the checkpoint at step %d", run.state.step)
         else:
+            if spec.resume and run.main:
+                log.info("resume=true: no checkpoint in %s yet; training from step 0", run.run_dir)
             run._first_scales()
         trainers = run._trainers(saved)
         if spec.logger == "tensorboard" and run.main:
