@@ -116,7 +116,7 @@ def logit_targets(logits: Tensor, max_logits: int, probability: float) -> tuple[
 class _Rows:
     """Computes adjacency rows for batches of targets through the replacement model."""
 
-    def __init__(self, model: Replacement, nodes: Nodes, selected: Tensor, unembed: Tensor):
+    def __init__(self, model: Replacement, nodes: Nodes, selected: Tensor):
         self.model, self.nodes = model, nodes
         self.selected = selected
         n_sel = selected.numel()
@@ -164,11 +164,7 @@ class _Rows:
             w_enc = block.transcoder.tensors["W_enc"].to(dtype)[:, feats[:, 2]].T  # (m, d)
             pos = feats[:, 1]
             # the encoder row at the transcoder's input, to the residual before ln_2
-            u = w_enc
-            if block.reads != "pre_affine":
-                u = u * block.ln2_w
-            u = (u - u.mean(-1, keepdim=True)) / block.s2[pos, None]
-            mid[mine, pos] += u
+            mid[mine, pos] += block.input_grad(w_enc, pos)
 
         def read(layer: int, grad: Tensor) -> None:
             columns, pos, latent, acts = self.by_layer[layer]
@@ -235,7 +231,7 @@ def attribute(
     unembed = model.unembed
     vectors = unembed[ids] - unembed.mean(0, keepdim=True)
     take = n if max_features is None else min(max_features, n)
-    rows = _Rows(model, nodes, torch.arange(n), unembed)  # columns: every active feature
+    rows = _Rows(model, nodes, torch.arange(n))  # columns: every active feature
     k = ids.numel()
     n_total = rows.n_sources + k
     entries: list[tuple[int, Tensor, Tensor]] = []  # (node, columns, values)

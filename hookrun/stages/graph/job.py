@@ -21,7 +21,6 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from torch import Tensor
 
 import hookrun.stages.graph.keys as keys
 from hookrun.dictionaries.dictionary import Dictionary
@@ -37,7 +36,7 @@ from hookrun.stage import JobContext
 from hookrun.stages.graph.attribution import Graph, attribute
 from hookrun.stages.graph.config import GraphConfig
 from hookrun.stages.graph.export import graph_json, write_graph_files
-from hookrun.stages.graph.prune import Pruned, influence, prune, scores
+from hookrun.stages.graph.prune import Pruned, prune, scores
 from hookrun.stages.graph.replacement import POST_AFFINE, PRE_AFFINE, Replacement
 
 __all__ = ["Done", "run_graphs", "fit_transcoders"]
@@ -164,7 +163,9 @@ def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
     return prompts
 
 
-def _write(path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple, Tensor]]) -> None:
+def _write(
+    path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple[float, float]]]
+) -> None:
     """The run's file, written whole (a kill leaves the old file or the new one)."""
     with replaced_whole(path) as temp, h5py.File(temp, "w", track_order=True) as f:
         write_header(f, header)
@@ -178,7 +179,7 @@ def _write(path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple, Ten
                 "rows": len(graphs),
             },
         )
-        for row, (g, p, (replacement, completeness), influence) in enumerate(graphs):
+        for row, (g, p, (replacement, completeness)) in enumerate(graphs):
             group = f.create_group(keys.row_group(row))
             arrays = {
                 keys.TOKENS: g.tokens.numpy(),
@@ -190,7 +191,7 @@ def _write(path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple, Ten
                 keys.CROW: g.crow.numpy(),
                 keys.COL: g.col.numpy(),
                 keys.VAL: g.val.numpy(),
-                keys.INFLUENCE: influence.numpy(),
+                keys.INFLUENCE: p.influence.numpy(),
                 keys.CUMULATIVE: p.cumulative.numpy(),
                 keys.NODE_MASK: p.node_mask.numpy(),
                 keys.EDGE_MASK: p.edge_mask.numpy(),
@@ -241,7 +242,7 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
                 max_features=config.max_feature_nodes,
             )
             p = prune(g, config.node_threshold, config.edge_threshold)
-            graphs.append((g, p, scores(g), influence(g)))
+            graphs.append((g, p, scores(g, p.influence)))
             files.append(
                 graph_json(
                     g, p, decode, slug=f"row-{row}", scan=scan, node_threshold=config.node_threshold
@@ -250,7 +251,7 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
         _write(path, header, graphs)
         write_graph_files(ctx.run_dir / "graph", files)
         lines = [f"attribution graphs: {path} ({len(graphs)} prompts)"]
-        for row, (g, p, (rep, comp), _) in enumerate(graphs):
+        for row, (g, p, (rep, comp)) in enumerate(graphs):
             lines.append(
                 f"  row {row}: {g.n_tokens} tokens, {g.selected.numel()} features, "
                 f"{int(p.node_mask.sum())} nodes kept of {g.n_nodes}, replacement {rep:.3f}, "

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from hookrun.stages.graph.attribution import Graph
 
-__all__ = ["Pruned", "prune", "scores", "influence"]
+__all__ = ["Pruned", "prune", "scores"]
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Pruned:
     node_mask: Tensor  # (N,) bool
     edge_mask: Tensor  # (nnz,) bool, aligned with the graph's col / val
     cumulative: Tensor  # (N,) the share of influence of the nodes ranked at or above each
+    influence: Tensor  # (N,) each node's influence on the logits, in the unpruned graph
 
 
 def _normalised(rows: Tensor, val: Tensor, n: int) -> Tensor:
@@ -54,14 +55,6 @@ def _logit_weights(graph: Graph) -> Tensor:
     w = torch.zeros(graph.n_nodes)
     w[-graph.logit_probabilities.numel() :] = graph.logit_probabilities
     return w
-
-
-def influence(graph: Graph) -> Tensor:
-    """Every node's influence on the logits (N,)."""
-    rows = graph.rows()
-    return _propagate(
-        rows, graph.col, _normalised(rows, graph.val, graph.n_nodes), _logit_weights(graph)
-    )
 
 
 def _threshold(scores: Tensor, share: float, zeros: int = 0) -> float:
@@ -112,18 +105,20 @@ def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.9
     ordered, order = torch.sort(node_influence, descending=True)
     cumulative = torch.zeros_like(node_influence)
     cumulative[order] = torch.cumsum(ordered, 0) / ordered.sum()
-    return Pruned(node_mask, edge_mask, cumulative)
+    return Pruned(node_mask, edge_mask, cumulative, node_influence)
 
 
-def scores(graph: Graph) -> tuple[float, float]:
-    """circuit-tracer's (replacement score, completeness score) of the whole graph."""
+def scores(graph: Graph, node_influence: Tensor | None = None) -> tuple[float, float]:
+    """circuit-tracer's (replacement score, completeness score) of the whole graph;
+    `node_influence`: the graph's, where pruning has computed it already."""
     n, t = graph.n_nodes, graph.n_tokens
     error_start = graph.selected.numel()
     error_end = error_start + t * graph.layers
     rows, col = graph.rows(), graph.col
     weight = _normalised(rows, graph.val, n)
     w = _logit_weights(graph)
-    node_influence = _propagate(rows, col, weight, w)
+    if node_influence is None:
+        node_influence = _propagate(rows, col, weight, w)
     token = node_influence[error_end : error_end + t].sum()
     error = node_influence[error_start:error_end].sum()
     replacement = token / (token + error)

@@ -54,12 +54,13 @@ class Block:
             return self.x_hat
         return self.x_hat * self.ln2_w + self.ln2_b
 
-    def input_grad(self, u: Tensor) -> Tensor:
+    def input_grad(self, u: Tensor, positions: Tensor | None = None) -> Tensor:
         """A gradient at the transcoder's input carried to the residual before ln_2 (its
-        scale frozen): u (..., T, d) -> (..., T, d)."""
+        scale frozen): u (..., T, d) at every position, or (m, d) at `positions` (m,)."""
         if self.reads == POST_AFFINE:
             u = u * self.ln2_w
-        return (u - u.mean(-1, keepdim=True)) / self.s2[:, None]
+        scale = self.s2[:, None] if positions is None else self.s2[positions, None]
+        return (u - u.mean(-1, keepdim=True)) / scale
 
 
 def _centre_scale(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
