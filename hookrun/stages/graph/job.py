@@ -6,8 +6,9 @@
 2. Per row: the prompt (its tokens up to the row's read position) run once by hooks to
    freeze the replacement model (replacement.py), its graph (attribution.py), pruned and
    scored (prune.py), circuit-tracer's JSON of it (export.py).
-3. The file written whole at the end (to a temporary name, then renamed: a kill leaves no
-   half file), `<run dir>/graph/<slug>.json` and graph-metadata.json beside them.
+3. `<run dir>/graph/<slug>.json` and graph-metadata.json, then the file written whole (to a
+   temporary name, then renamed: a kill leaves no half file, and a complete one has its
+   JSON beside it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.dictionaries.load import load_dictionaries
 from hookrun.errors import HookrunError
 from hookrun.io.dimensions import AxisFacts, name_dimensions
-from hookrun.io.layout import JOB_ATTR, set_attrs, write_header
+from hookrun.io.layout import JOB_ATTR, open_readonly, read_state, set_attrs, write_header
 from hookrun.io.lock import WriterLock
 from hookrun.io.sink import check_sink_path
 from hookrun.io.whole_file import replaced_whole
@@ -55,9 +56,8 @@ _LAYER = re.compile(r"blocks\.(\d+)\.")
 @dataclass(frozen=True)
 class Done:
     path: Path
-    rows: int
+    rows: int  # the prompts this run computed (0: a resume found the file complete)
     seconds: float
-    summary: list[str]
 
 
 def _layer_of(d: Dictionary) -> int:
@@ -210,12 +210,28 @@ def _write(
         name_dimensions(f, AxisFacts())
 
 
+def _complete(path: Path) -> bool:
+    try:
+        with open_readonly(path) as f:
+            return read_state(f).status == "complete"
+    except OSError:
+        return False
+
+
 def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
-    """The job (see the module docstring)."""
+    """The job (see the module docstring). `resume=true` on a complete file: nothing to do
+    (a kill before the file was renamed into place left no file: the job runs again)."""
     started = time.perf_counter()
     path = Path(spec.sink.path).expanduser() if spec.sink.path else ctx.run_dir / "captures.h5"
+    if ctx.device.type != "cpu":
+        raise HookrunError(
+            f"device: {ctx.device.type!r} with graph; valid: cpu (the graphs' transposed pass "
+            "runs on the CPU for now)"
+        )
     lock = WriterLock(path)
     try:
+        if spec.resume and path.exists() and _complete(path):
+            return Done(path, 0, 0.0)
         check_sink_path(path, spec.sink.overwrite)
         model, rows, weights_file = ctx.load(spec)
         hf = _gpt2(model)
@@ -231,7 +247,7 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
         graphs, files = [], []
         hf.eval()
         for row, tokens in enumerate(prompts):
-            frozen, logits = Replacement.capture(hf, tokens.to(ctx.device), transcoders, reads)
+            frozen, logits = Replacement.capture(hf, tokens, transcoders, reads)
             g = attribute(
                 frozen,
                 tokens,
@@ -248,15 +264,9 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
                     g, p, decode, slug=f"row-{row}", scan=scan, node_threshold=config.node_threshold
                 )
             )
-        _write(path, header, graphs)
+        # The JSON first: a complete file (renamed into place last) has its JSON beside it.
         write_graph_files(ctx.run_dir / "graph", files)
-        lines = [f"attribution graphs: {path} ({len(graphs)} prompts)"]
-        for row, (g, p, (rep, comp)) in enumerate(graphs):
-            lines.append(
-                f"  row {row}: {g.n_tokens} tokens, {g.selected.numel()} features, "
-                f"{int(p.node_mask.sum())} nodes kept of {g.n_nodes}, replacement {rep:.3f}, "
-                f"completeness {comp:.3f}"
-            )
-        return Done(path, len(graphs), time.perf_counter() - started, lines)
+        _write(path, header, graphs)
+        return Done(path, len(graphs), time.perf_counter() - started)
     finally:
         lock.release()

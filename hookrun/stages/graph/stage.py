@@ -55,7 +55,8 @@ class GraphStage(Stage):
             )
         done = run_graphs(spec, config, ctx)
         images = None
-        lines = list(done.summary)
+        with h5py.File(done.path, "r") as f:
+            lines, rows = cls.summary(f, 0), int(attr(f, "rows", 0))
         if spec.render:
             from hookrun.stages.graph.draw import draw_graphs
 
@@ -65,13 +66,24 @@ class GraphStage(Stage):
         lines.append(f"graph JSON: {ctx.run_dir / 'graph'} (circuit-tracer's viewer opens it)")
         if done.seconds:
             lines.append(f"time: {done.seconds:.1f} s")
-        return JobResult(done.path, "\n".join(lines), images, done.rows)
+        return JobResult(done.path, "\n".join(lines), images, rows)
 
     @classmethod
     def summary(cls, f: h5py.File, rows: int) -> list[str]:
         if attr(f, JOB_ATTR) != keys.JOB:
             return []
-        return [f"attribution graphs: {f.filename} ({len(f.get(keys.GROUP, {}))} prompts)"]
+        rows = int(attr(f, "rows", 0))
+        lines = [f"attribution graphs: {f.filename} ({rows} prompts)"]
+        for row in range(rows):
+            g = f[keys.row_group(row)]
+            kept = int(g[keys.NODE_MASK][()].sum())
+            lines.append(
+                f"  row {row}: {g[keys.TOKENS].shape[0]} tokens, {g[keys.SELECTED].shape[0]} "
+                f"features, {kept} nodes kept of {attr(g, 'nodes')}, replacement "
+                f"{attr(g, 'replacement_score'):.3f}, completeness "
+                f"{attr(g, 'completeness_score'):.3f}"
+            )
+        return lines
 
     @classmethod
     def damage(cls, f: h5py.File, complete: bool) -> list[str]:
