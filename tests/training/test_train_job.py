@@ -101,6 +101,8 @@ def test_resume_after_kill_9_ends_at_the_same_weights(uninterrupted: Path, tmp_p
     assert not (run_dir / "sae" / NAME / "sae_weights.safetensors").exists() or proc.returncode == 0
     done = hookrun_cli([*SMALL, f"hydra.run.dir={run_dir}", "resume=true"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    if proc.returncode != 0:  # killed with a checkpoint on disk: the resume says so
+        assert "resume=true: continuing from the checkpoint at step" in done.stdout + done.stderr
     _same(_weights(uninterrupted), _weights(run_dir))
     with h5py.File(run_dir / "captures.h5") as f, h5py.File(uninterrupted / "captures.h5") as g:
         assert f[f"train/{NAME}/curves"][()].tobytes() == g[f"train/{NAME}/curves"][()].tobytes()
@@ -341,3 +343,13 @@ def test_normalize_takes_its_factor_from_the_first_chunk_and_makes_it_once(
     factor = np.sqrt(vectors.shape[1]) / np.linalg.norm(vectors, axis=1).mean()
     with h5py.File(tmp_path / "norm" / "captures.h5") as f:
         assert f[f"train/{NAME}"].attrs["scale"] == pytest.approx(factor, rel=1e-5)
+
+
+def test_resume_without_a_checkpoint_says_it_starts_from_step_0(tmp_path: Path):
+    run_dir = tmp_path / "fresh"
+    done = hookrun_cli(
+        [*SMALL, "sae.tokens=512", f"hydra.run.dir={run_dir}", "resume=true"], tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resume=true: no checkpoint in" in done.stdout + done.stderr
+    assert "training from step 0" in done.stdout + done.stderr
