@@ -42,7 +42,17 @@ from hookrun.runtime.actions import ACTIONS, Action, Output, SiteContext
 from hookrun.runtime.sites import Site
 from hookrun.typed import check_choices, parse_typed
 
-__all__ = ["SpliceArgs", "EditArgs", "Splice", "Transcoder", "Reading", "RECORDS", "OPS"]
+__all__ = [
+    "SpliceArgs",
+    "EditArgs",
+    "Splice",
+    "Transcoder",
+    "Reading",
+    "RECORDS",
+    "OPS",
+    "parse_edit",
+    "edited",
+]
 
 RECORDS = ("latents", "reconstruction", "error", "attribution")
 OPS = ("zero", "scale", "clamp", "set")
@@ -106,7 +116,7 @@ class Splice(Action):
     def __init__(self, args: SpliceArgs) -> None:
         super().__init__(args)
         self.names = tuple(args.record)
-        self.edit: EditArgs | None = _edit(args.edit, "args.edit") if args.edit else None
+        self.edit: EditArgs | None = parse_edit(args.edit, "args.edit") if args.edit else None
         self.by_layer: dict[str, Dictionary] = {}  # module → its dictionary
         # module → (weight, bias) of the norm whose affine its dictionary's input lacks
         # (a TransformerLens ln2.hook_normalized reads the norm's output before them).
@@ -136,7 +146,7 @@ class Splice(Action):
         if list(args.record):  # [] records nothing: an edit alone
             check_choices(f"{key}.args.record", list(args.record), RECORDS, "record")
         if args.edit is not None:
-            _edit(args.edit, f"{key}.args.edit")
+            parse_edit(args.edit, f"{key}.args.edit")
 
     def claims(self) -> tuple[str, ...]:
         """Its records, by name: one splice's latents per site."""
@@ -216,6 +226,10 @@ class Splice(Action):
                     "valid: select its module with hooks.<name>.select"
                 )
             layer, where = module_site(name, model, f"{key}.args.path")
+            if self.transcoder and where == "input" and is_mlp(layer, model):
+                # One that names only what it reads (a trained one's, SAELens's without
+                # hook_name_out) still writes in place of that MLP's output.
+                where = "output"
             if layer in placed:
                 raise HookrunError(
                     f"{key}.args.path: two dictionaries for {layer} ({placed[layer][1].name}, "
@@ -344,22 +358,7 @@ class Splice(Action):
 
     def _edited(self, latents: torch.Tensor) -> torch.Tensor:
         """The latents after `edit` (the same tensor when there is none)."""
-        edit = self.edit
-        if edit is None:
-            return latents
-        chosen = list(edit.latents)
-        part = latents[..., chosen]
-        if edit.op == "zero":
-            new = torch.zeros_like(part)
-        elif edit.op == "scale":
-            new = part * edit.value
-        elif edit.op == "clamp":
-            new = part.clamp(max=edit.value)
-        else:  # set
-            new = torch.full_like(part, float(edit.value))
-        out = latents.clone()
-        out[..., chosen] = new
-        return out
+        return latents if self.edit is None else edited(latents, self.edit)
 
     def sources(self) -> dict[str, str]:
         """The dictionaries' weights files and their digests."""
@@ -396,7 +395,7 @@ class Transcoder(Splice):
             )
 
 
-def _edit(raw: Any, key: str) -> EditArgs:
+def parse_edit(raw: Any, key: str) -> EditArgs:
     """`args.edit`, checked: latents a non-empty list of integers >= 0, a known op, a finite
     value where the op needs one."""
     edit = parse_typed(raw, EditArgs, key)
@@ -418,3 +417,20 @@ def _edit(raw: Any, key: str) -> EditArgs:
             raise HookrunError(f"{key}.value: {value!r}; valid: a finite number")
     edit.latents = [int(j) for j in latents]
     return edit
+
+
+def edited(latents: torch.Tensor, edit: EditArgs) -> torch.Tensor:
+    """A copy of `latents` (..., d_sae) with `edit` applied to its chosen latents."""
+    chosen = list(edit.latents)
+    part = latents[..., chosen]
+    if edit.op == "zero":
+        new = torch.zeros_like(part)
+    elif edit.op == "scale":
+        new = part * edit.value
+    elif edit.op == "clamp":
+        new = part.clamp(max=edit.value)
+    else:  # set
+        new = torch.full_like(part, float(edit.value))
+    out = latents.clone()
+    out[..., chosen] = new
+    return out

@@ -6,6 +6,7 @@ each process's peak RSS, each side in a process of its own (circuit-tracer in
 prompt in 16 GiB" means here).
 
     python tests/benchmarks/attribution_graph.py [--lengths 64 128 256] [--limit 16]
+        [--max-feature-nodes 1024]
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--limit", type=float, default=16.0)
+    parser.add_argument(
+        "--max-feature-nodes",
+        type=int,
+        default=None,
+        help="graph.max_feature_nodes on both sides (default: every active feature a node)",
+    )
     parser.add_argument("--sides", nargs="+", default=["hookrun", "circuit-tracer"])
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
@@ -144,7 +151,7 @@ def main() -> None:
             "max_n_logits": 10,
             "desired_logit_prob": 0.95,
             "batch_size": 256,
-            "max_feature_nodes": None,
+            "max_feature_nodes": args.max_feature_nodes,
             "node_threshold": 0.8,
             "edge_threshold": 0.98,
         }

@@ -8,7 +8,8 @@ SPEC.json: {"model": HF GPT2LMHeadModel folder (save_pretrained, with a tokenize
 "transcoders": folder of layer_<i>.safetensors + config.yaml (circuit-tracer's format),
 "tokens": prompt ids (the first must be a special id; see below), "max_n_logits",
 "desired_logit_prob", "batch_size", "max_feature_nodes" (null: all), "node_threshold",
-"edge_threshold", optional "interventions": [[layer, pos, feature, value], ...]}.
+"edge_threshold", optional "interventions": [[layer, pos, feature, value], ...], optional
+"intervention_sets": a list of such lists}.
 
 OUT.pt (torch.save, plain tensors/floats/lists/dicts): the Graph's "input_tokens",
 "active_features" (n, 3) [layer, pos, feature], "activation_values", "selected_features",
@@ -16,7 +17,8 @@ OUT.pt (torch.save, plain tensors/floats/lists/dicts): the Graph's "input_tokens
 "logit_probabilities"; prune_graph's "node_mask", "edge_mask", "cumulative_scores";
 compute_graph_scores' "replacement_score", "completeness_score"; "graph_json" (what
 create_graph_files writes, loaded back); "intervention_logits" (last position, when SPEC has
-interventions, freeze_attention=True as circuit-tracer's default); "tl_vs_hf_max_abs" (the
+interventions, freeze_attention=True as circuit-tracer's default); "intervention_set_logits"
+(K, V) the same for each of "intervention_sets"; "tl_vs_hf_max_abs" (the
 largest |TL − HF| logit on the prompt). The semantics of all of it: graph_models.py's docstring.
 
 No hub access (HF_HUB_OFFLINE=1 before any import):
@@ -165,6 +167,13 @@ def main(spec_path: str, out_path: str) -> None:
         interventions = [tuple(i) for i in spec["interventions"]]
         logits, _ = model.feature_intervention(tokens, interventions)
         out["intervention_logits"] = logits[0, -1].cpu().float()
+    if spec.get("intervention_sets"):
+        out["intervention_set_logits"] = torch.stack(
+            [
+                model.feature_intervention(tokens, [tuple(i) for i in edits])[0][0, -1].float()
+                for edits in spec["intervention_sets"]
+            ]
+        )
     torch.save(out, out_path)
 
 

@@ -128,13 +128,15 @@ def graph_json(
     return {"metadata": metadata, "qParams": q, "nodes": kept, "links": links}
 
 
-def write_graph_files(folder: Path, graphs: list[dict[str, Any]]) -> list[Path]:
-    """Each graph's `<slug>.json` and the folder's graph-metadata.json (the viewer's list)."""
+def write_graph_files(folder: Path, graphs: list[dict[str, Any]], pages: list[str]) -> list[Path]:
+    """Each graph's `<slug>.json` and `<slug>.html` (page.py), and the folder's
+    graph-metadata.json (the viewer's list)."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for g in graphs:
+    for g, page in zip(graphs, pages, strict=True):
         path = folder / f"{g['metadata']['slug']}.json"
         path.write_text(json.dumps(g, indent=2), encoding="utf-8")
+        (folder / f"{g['metadata']['slug']}.html").write_text(page, encoding="utf-8")
         written.append(path)
     listing = {"graphs": [g["metadata"] for g in graphs]}
     (folder / "graph-metadata.json").write_text(json.dumps(listing, indent=2), encoding="utf-8")

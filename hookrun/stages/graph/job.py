@@ -37,6 +37,8 @@ from hookrun.stage import JobContext
 from hookrun.stages.graph.attribution import Graph, attribute
 from hookrun.stages.graph.config import GraphConfig
 from hookrun.stages.graph.export import graph_json, write_graph_files
+from hookrun.stages.graph.intervene import Resolved, intervened_logits, resolve
+from hookrun.stages.graph.page import dashboards_of, graph_page
 from hookrun.stages.graph.prune import Pruned, prune, scores
 from hookrun.stages.graph.replacement import POST_AFFINE, PRE_AFFINE, Replacement
 
@@ -44,9 +46,10 @@ __all__ = ["Done", "run_graphs", "fit_transcoders"]
 
 _KEY = "graph.transcoders"
 # Where a transcoder may read (its hook_name's end) and what that is on a GPT-2 block.
+# TransformerLens's hook_mlp_in is the residual before ln_2 (sites.py): a path the frozen
+# model does not carry yet, so it is not among them.
 _READS = {
     "ln2.hook_normalized": PRE_AFFINE,
-    "hook_mlp_in": POST_AFFINE,
     "mlp.hook_in": POST_AFFINE,
 }
 _WRITES = ("hook_mlp_out", "mlp.hook_out")
@@ -65,7 +68,7 @@ def _layer_of(d: Dictionary) -> int:
     if found is None:
         raise HookrunError(
             f"{_KEY}: {d.source} reads {d.hook_name!r}, no layer's MLP input; valid: "
-            "blocks.<i>.ln2.hook_normalized or blocks.<i>.hook_mlp_in (a transcoder per "
+            "blocks.<i>.ln2.hook_normalized or blocks.<i>.mlp.hook_in (a transcoder per "
             "layer's MLP)"
         )
     return int(found.group(1))
@@ -163,9 +166,18 @@ def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
     return prompts
 
 
-def _write(
-    path: Path, header: Any, graphs: list[tuple[Graph, Pruned, tuple[float, float]]]
-) -> None:
+@dataclass
+class _Row:
+    """One prompt's results: its graph, pruned and scored, and the logits it gave."""
+
+    graph: Graph
+    pruned: Pruned
+    scores: tuple[float, float]  # replacement, completeness
+    logits: torch.Tensor  # (V,) at the last position
+    intervened: torch.Tensor  # (K, V) under each of graph.interventions
+
+
+def _write(path: Path, header: Any, graphs: list[_Row], interventions: int) -> None:
     """The run's file, written whole (a kill leaves the old file or the new one)."""
     with replaced_whole(path) as temp, h5py.File(temp, "w", track_order=True) as f:
         write_header(f, header)
@@ -177,9 +189,11 @@ def _write(
                 "error": "",
                 "completed": len(graphs),
                 "rows": len(graphs),
+                "interventions": interventions,
             },
         )
-        for row, (g, p, (replacement, completeness)) in enumerate(graphs):
+        for row, done in enumerate(graphs):
+            g, p, (replacement, completeness) = done.graph, done.pruned, done.scores
             group = f.create_group(keys.row_group(row))
             arrays = {
                 keys.TOKENS: g.tokens.numpy(),
@@ -195,7 +209,10 @@ def _write(
                 keys.CUMULATIVE: p.cumulative.numpy(),
                 keys.NODE_MASK: p.node_mask.numpy(),
                 keys.EDGE_MASK: p.edge_mask.numpy(),
+                keys.LOGITS: done.logits.numpy(),
             }
+            if interventions:
+                arrays[keys.INTERVENTION_LOGITS] = done.intervened.numpy()
             for name, value in arrays.items():
                 group.create_dataset(name, data=np.asarray(value), fletcher32=value.size > 0)
             set_attrs(
@@ -238,13 +255,25 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
         hf_cfg = hf.config
         transcoders, reads = fit_transcoders(config.transcoders, hf_cfg.n_layer, hf_cfg.n_embd)
         prompts = _prompts(rows, hf_cfg.n_positions)
+        names = {id(m): n for n, m in model.named_modules()}
+        dashboards = dashboards_of(config.dashboards, [names[id(b.mlp)] for b in hf.transformer.h])
+        widths = [t.d_sae for t in transcoders]
+        edits: list[list[Resolved]] = [
+            [
+                resolve(entry, p.numel(), widths, f"graph.interventions[{k}]")
+                for k, entry in enumerate(config.interventions)
+            ]
+            for p in prompts
+        ]
         header = ctx.header(spec, weights_file)
         tokenizer = adapt(model).tokenizer
         decode = (
             tokenizer.decode if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
         )
         scan = str(Path(config.transcoders).name)
-        graphs, files = [], []
+        graphs, files, pages = [], [], []
+        graph_dir = ctx.run_dir / "graph"
+        images = Path("..", "images", spec.experiment or "run")
         hf.eval()
         for row, tokens in enumerate(prompts):
             frozen, logits = Replacement.capture(hf, tokens, transcoders, reads)
@@ -258,15 +287,36 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
                 max_features=config.max_feature_nodes,
             )
             p = prune(g, config.node_threshold, config.edge_threshold)
-            graphs.append((g, p, scores(g, p.influence)))
+            intervened = [intervened_logits(hf, tokens, frozen, e) for e in edits[row]]
+            graphs.append(
+                _Row(
+                    g,
+                    p,
+                    scores(g, p.influence),
+                    logits,
+                    torch.stack(intervened) if intervened else logits[:0],
+                )
+            )
             files.append(
                 graph_json(
                     g, p, decode, slug=f"row-{row}", scan=scan, node_threshold=config.node_threshold
                 )
             )
+            picture = (images / f"attribution_graph_row{row}.png").as_posix()
+            pages.append(
+                graph_page(
+                    g,
+                    p,
+                    decode,
+                    title=f"Attribution graph of row {row}",
+                    page_dir=graph_dir,
+                    picture=picture if spec.render else None,
+                    dashboards=dashboards,
+                )
+            )
         # The JSON first: a complete file (renamed into place last) has its JSON beside it.
-        write_graph_files(ctx.run_dir / "graph", files)
-        _write(path, header, graphs)
+        write_graph_files(graph_dir, files, pages)
+        _write(path, header, graphs, len(config.interventions))
         return Done(path, len(graphs), time.perf_counter() - started)
     finally:
         lock.release()

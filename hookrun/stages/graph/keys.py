@@ -4,8 +4,10 @@
 activations (n,), selected (F,) the features that are nodes, logit_tokens (K,),
 logit_probabilities (K,), the adjacency in CSR (crow (N+1,), col (nnz,), val (nnz,): row =
 target, column = source, node order features, errors, tokens, logits), influence (N,),
-cumulative (N,), node_mask (N,), edge_mask (nnz,); attributes replacement_score,
-completeness_score, layers, nodes.
+cumulative (N,), node_mask (N,), edge_mask (nnz,), logits (V,) the last position's,
+intervention_logits (K, V) the last position's under each of graph.interventions (where the
+file's `interventions` attribute K > 0); attributes replacement_score, completeness_score,
+layers, nodes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ INFLUENCE = "influence"
 CUMULATIVE = "cumulative"
 NODE_MASK = "node_mask"
 EDGE_MASK = "edge_mask"
+LOGITS = "logits"
+INTERVENTION_LOGITS = "intervention_logits"
 
 
 def row_group(row: int) -> str:
@@ -46,4 +50,5 @@ REQUIRED = (
     CUMULATIVE,
     NODE_MASK,
     EDGE_MASK,
+    LOGITS,
 )

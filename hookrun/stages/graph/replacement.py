@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.runtime.handles import ModuleHook, hooked
 
-__all__ = ["Replacement", "Block", "PRE_AFFINE"]
+__all__ = ["Replacement", "Block", "PRE_AFFINE", "POST_AFFINE", "centre_scale"]
 
 # Where a transcoder reads: the normalised residual before ln_2's weight and bias
 # (TransformerLens's ln2.hook_normalized), or ln_2's output (the MLP's input).
@@ -63,7 +63,7 @@ class Block:
         return (u - u.mean(-1, keepdim=True)) / scale
 
 
-def _centre_scale(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def centre_scale(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x normalised (before a LayerNorm's weight and bias) and the scale per position."""
     centred = x - x.mean(-1, keepdim=True)
     scale = (centred.pow(2).mean(-1) + eps).sqrt()
@@ -108,13 +108,20 @@ class Replacement:
             ]
         hooks.append(ModuleHook(body.ln_f, keep("ln_f")))
         with torch.no_grad(), hooked(hooks):
-            out = hf(input_ids=tokens[None], output_attentions=True, use_cache=False)
+            out = hf(
+                input_ids=tokens[None],
+                attention_mask=torch.ones_like(
+                    tokens[None]
+                ),  # no padding (said, so transformers does not warn)
+                output_attentions=True,
+                use_cache=False,
+            )
         patterns = out.attentions
         d = body.config.n_embd
         blocks = []
         for i, block in enumerate(body.h):
-            _, s1 = _centre_scale(seen[f"{i}.ln_1.in"], block.ln_1.eps)
-            x_hat, s2 = _centre_scale(seen[f"{i}.ln_2.in"], block.ln_2.eps)
+            _, s1 = centre_scale(seen[f"{i}.ln_1.in"], block.ln_1.eps)
+            x_hat, s2 = centre_scale(seen[f"{i}.ln_2.in"], block.ln_2.eps)
             blocks.append(
                 Block(
                     ln1_w=block.ln_1.weight.detach(),
@@ -131,7 +138,7 @@ class Replacement:
                     reads=reads[i],
                 )
             )
-        _, s_f = _centre_scale(seen["ln_f.in"], body.ln_f.eps)
+        _, s_f = centre_scale(seen["ln_f.in"], body.ln_f.eps)
         model = cls(blocks, body.ln_f.weight.detach(), s_f, seen["wte.out"], body.config.n_head)
         model.unembed = hf.lm_head.weight.detach()  # (V, d)
         return model, out.logits[0, -1].detach()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import h5py
+import torch
 
 import hookrun.stages.graph.keys as keys
 from hookrun.errors import HookrunError
@@ -83,6 +84,8 @@ class GraphStage(Stage):
                 f"{attr(g, 'replacement_score'):.3f}, completeness "
                 f"{attr(g, 'completeness_score'):.3f}"
             )
+            if keys.INTERVENTION_LOGITS in g:
+                lines += _interventions(g)
         return lines
 
     @classmethod
@@ -97,4 +100,27 @@ class GraphStage(Stage):
                 found.append(f"/{name}: missing (a complete file holds every prompt's graph)")
                 continue
             found += [f"/{name}/{part}: missing" for part in keys.REQUIRED if part not in f[name]]
+            wanted = int(attr(f, "interventions", 0))
+            held = f[name].get(keys.INTERVENTION_LOGITS)
+            if wanted and (held is None or held.shape[0] != wanted):
+                found.append(
+                    f"/{name}/{keys.INTERVENTION_LOGITS}: "
+                    f"{'missing' if held is None else f'{held.shape[0]} rows'} (the run made "
+                    f"{wanted} interventions)"
+                )
         return found
+
+
+def _interventions(g: h5py.Group) -> list[str]:
+    """A line per intervention: the graph's top logit token's probability before and after,
+    and the token the model then ranks first."""
+    clean = torch.from_numpy(g[keys.LOGITS][()]).softmax(-1)
+    top = int(g[keys.LOGIT_TOKENS][0])
+    lines = []
+    for k, logits in enumerate(torch.from_numpy(g[keys.INTERVENTION_LOGITS][()])):
+        p = logits.softmax(-1)
+        lines.append(
+            f"    intervention {k}: token {top} p {clean[top]:.3f} -> {p[top]:.3f}; "
+            f"first token {int(clean.argmax())} -> {int(p.argmax())}"
+        )
+    return lines
