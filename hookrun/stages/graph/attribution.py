@@ -51,7 +51,7 @@ class Graph:
     logit_tokens: Tensor  # (K,)
     logit_probabilities: Tensor  # (K,)
     crow: Tensor  # (N + 1,) CSR row pointers of the adjacency, N = F + L*T + T + K
-    col: Tensor  # (nnz,) int64
+    col: Tensor  # (nnz,) int32 (4 bytes an entry: the entries are what a graph's memory is)
     val: Tensor  # (nnz,) float32
     layers: int
 
@@ -70,9 +70,9 @@ class Graph:
         return dense
 
     def rows(self) -> Tensor:
-        """Each stored entry's row (target), aligned with col and val."""
+        """Each stored entry's row (target), aligned with col and val (int32, as col)."""
         counts = self.crow[1:] - self.crow[:-1]
-        return torch.repeat_interleave(torch.arange(self.n_nodes), counts)
+        return torch.repeat_interleave(torch.arange(self.n_nodes, dtype=torch.int32), counts)
 
 
 def _encode(block: Block) -> Tensor:
@@ -189,15 +189,39 @@ class _Rows:
         return rows
 
 
-def _partial_influence(
-    entries: list[tuple[int, Tensor, Tensor]], n_total: int, logit_p: Tensor
-) -> Tensor:
+@dataclass
+class _Batch:
+    """The non-zero entries of one pass's rows: row i of the pass is node `nodes[i]`, its
+    `counts[i]` entries in `col` / `val` (row-major)."""
+
+    nodes: Tensor  # (b,) int64: a feature's index into nodes.features, or n + its source row
+    counts: Tensor  # (b,) int64
+    col: Tensor  # (m,) int32: columns among _Rows' sources
+    val: Tensor  # (m,) float32
+
+    @classmethod
+    def of(cls, nodes: Tensor, dense: Tensor) -> _Batch:
+        r, c = torch.nonzero(dense, as_tuple=True)
+        counts = torch.bincount(r, minlength=dense.shape[0])
+        return cls(nodes.clone(), counts, c.to(torch.int32), dense[r, c].float())
+
+    def local_rows(self) -> Tensor:
+        """Each entry's row within the pass (int64)."""
+        return torch.repeat_interleave(torch.arange(self.counts.numel()), self.counts)
+
+
+def _partial_influence(batches: list[_Batch], n_total: int, logit_p: Tensor) -> Tensor:
     """circuit-tracer's compute_partial_influences over the rows computed so far: each
     row's |weights| normalised to sum 1, propagated from the logits' probabilities until
     nothing is left (at most 128 steps)."""
-    node = torch.cat([torch.full_like(c, r) for r, c, _ in entries])
-    col = torch.cat([c for _, c, _ in entries])
-    weight = torch.cat([(v.abs() / v.abs().sum().clamp(min=1e-8)) for _, _, v in entries])
+    node = torch.cat([torch.repeat_interleave(b.nodes, b.counts) for b in batches])
+    col = torch.cat([b.col for b in batches])
+    weights = []
+    for b in batches:
+        local = b.local_rows()
+        total = torch.zeros(b.counts.numel()).index_add_(0, local, b.val.abs())
+        weights.append(b.val.abs() / total.clamp(min=1e-8)[local])
+    weight = torch.cat(weights)
     prod = torch.zeros(n_total)
     prod[-logit_p.numel() :] = logit_p
     influences = torch.zeros(n_total)
@@ -234,60 +258,74 @@ def attribute(
     rows = _Rows(model, nodes, torch.arange(n))  # columns: every active feature
     k = ids.numel()
     n_total = rows.n_sources + k
-    entries: list[tuple[int, Tensor, Tensor]] = []  # (node, columns, values)
-
-    def keep(first: Tensor, dense: Tensor) -> None:
-        for i in range(dense.shape[0]):
-            nz = torch.nonzero(dense[i]).flatten()
-            entries.append((int(first[i]), nz, dense[i, nz].float()))
-
+    batches: list[_Batch] = []
     for at in range(0, k, batch):
-        keep(
-            torch.arange(at, min(at + batch, k)) + rows.n_sources,
-            rows.compute(vectors[at : at + batch], None),
-        )
+        first = torch.arange(at, min(at + batch, k)) + rows.n_sources
+        batches.append(_Batch.of(first, rows.compute(vectors[at : at + batch], None)))
     visited = torch.zeros(n, dtype=torch.bool)
     done = 0
     while done < take:
         if take == n:
             pending = torch.arange(n)
         else:
-            influence = _partial_influence(entries, n_total, probs.float())
+            influence = _partial_influence(batches, n_total, probs.float())
             rank = torch.argsort(influence[:n], descending=True)
             pending = rank[~visited[rank]][: min(4 * batch, take - done)]
         for at in range(0, pending.numel(), batch):
             part = pending[at : at + batch]
-            keep(part, rows.compute(None, part))
+            batches.append(_Batch.of(part, rows.compute(None, part)))
             visited[part] = True
             done += part.numel()
     selected = torch.nonzero(visited).flatten()
-    return _assemble(entries, selected, nodes, tokens, ids, probs, rows.n_sources, n)
+    return _assemble(batches, selected, nodes, tokens, ids, probs, rows.n_sources, n)
 
 
-def _assemble(entries, selected, nodes, tokens, ids, probs, n_sources, n) -> Graph:
-    """The rows in node order, their columns narrowed to the selected features."""
+def _assemble(batches, selected, nodes, tokens, ids, probs, n_sources, n) -> Graph:
+    """The rows in node order, their columns narrowed to the selected features: each pass's
+    entries moved into place and dropped, so memory is the graph's entries and one pass's."""
     n_sel = selected.numel()
     k = ids.numel()
-    column = torch.full((n_sources,), -1, dtype=torch.long)
-    column[selected] = torch.arange(n_sel)
-    column[n:] = torch.arange(n_sel, n_sel + n_sources - n)
+    column = torch.full((n_sources,), -1, dtype=torch.int32)
+    column[selected] = torch.arange(n_sel, dtype=torch.int32)
+    column[n:] = torch.arange(n_sel, n_sel + n_sources - n, dtype=torch.int32)
     row_of = torch.full((n,), -1, dtype=torch.long)
     row_of[selected] = torch.arange(n_sel)
     n_nodes = n_sel + (n_sources - n) + k
-    placed = []
-    for node, cols, vals in entries:
-        row = int(row_of[node]) if node < n else n_sel + (node - n)
-        mapped = column[cols]
-        kept = mapped >= 0
-        placed.append((row, mapped[kept], vals[kept]))
-    placed.sort(key=lambda p: p[0])
+    if n_nodes >= 2**31:
+        raise ValueError(f"{n_nodes} nodes: past the int32 columns of a graph")
+
+    def placed(b: _Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """The pass's rows in node order, each entry's column there, and which are kept."""
+        target = torch.where(b.nodes < n, row_of[b.nodes.clamp(max=n - 1)], b.nodes - n + n_sel)
+        mapped = column[b.col.long()]
+        return target, mapped, mapped >= 0
+
     counts = torch.zeros(n_nodes, dtype=torch.long)
-    for row, cols, _ in placed:
-        counts[row] = cols.numel()
+    for b in batches:
+        target, _, kept = placed(b)
+        counts.index_add_(
+            0,
+            target,
+            torch.zeros(b.counts.numel(), dtype=torch.long).index_add_(
+                0, b.local_rows(), kept.long()
+            ),
+        )
     crow = torch.zeros(n_nodes + 1, dtype=torch.long)
     crow[1:] = torch.cumsum(counts, 0)
-    col = torch.cat([p[1] for p in placed]) if placed else torch.zeros(0, dtype=torch.long)
-    val = torch.cat([p[2] for p in placed]) if placed else torch.zeros(0)
+    col = torch.empty(int(crow[-1]), dtype=torch.int32)
+    val = torch.empty(int(crow[-1]))
+    while batches:
+        b = batches.pop(0)
+        target, mapped, kept = placed(b)
+        local = b.local_rows()[kept]
+        # an entry's place: its row's start in the graph plus its rank among its row's kept
+        kept_counts = torch.zeros(b.counts.numel(), dtype=torch.long).index_add_(
+            0, local, torch.ones_like(local)
+        )
+        first = torch.cumsum(kept_counts, 0) - kept_counts
+        where = crow[target][local] + torch.arange(local.numel()) - first[local]
+        col[where] = mapped[kept]
+        val[where] = b.val[kept]
     return Graph(
         tokens=tokens,
         features=nodes.features,
