@@ -184,6 +184,13 @@ def save_gpt2(
             elif ln_affine and is_ln:
                 p.normal_(0.0, 0.1)
         model.transformer.ln_f.weight.mul_(ln_f_scale)
+    _save(model, folder, n_positions)
+    return model
+
+
+def _save(model, folder: Path, positions: int) -> None:
+    """The model saved by save_pretrained with the tiny_lm tokenizer beside it (a
+    tokenizer_config.json transformers 4 and 5 both read)."""
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     shutil.copyfile(TOKENIZER, folder / "tokenizer.json")
@@ -192,9 +199,45 @@ def save_gpt2(
         "bos_token": EOT,
         "eos_token": EOT,
         "pad_token": EOT,
-        "model_max_length": n_positions,
+        "model_max_length": positions,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg), encoding="utf-8")
+
+
+def save_llama(folder: Path, *, n_layer: int = 2, seed: int = 0):
+    """A LlamaForCausalLM with seeded random weights (hidden 64, 4 query heads sharing 2
+    value heads, RMSNorm weights around 1, untied unembedding) and the tiny_lm tokenizer,
+    saved to `folder` as save_gpt2 saves a GPT-2.
+
+    Returns:
+        The model (eval mode, float32, eager attention).
+    """
+    import transformers
+
+    vocab = len(json.loads(TOKENIZER.read_text(encoding="utf-8"))["model"]["vocab"])
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    _save(model, folder, 64)
     return model
 
 
@@ -223,11 +266,11 @@ def write_transcoders(
     """
     from safetensors.torch import save_file
 
-    d_model = model.config.n_embd
+    d_model = model.config.hidden_size
     gen = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
     layers = {}
-    for layer in range(model.config.n_layer):
+    for layer in range(model.config.num_hidden_layers):
         w_enc = torch.randn(d_tc, d_model, generator=gen)
         w_enc /= w_enc.norm(dim=1, keepdim=True)
         shift = 0.0 if threshold is None else threshold
@@ -245,7 +288,7 @@ def write_transcoders(
             {k: v.contiguous() for k, v in tensors.items()}, folder / f"layer_{layer}.safetensors"
         )
         layers[layer] = tensors
-    files = "".join(f"  - layer_{i}.safetensors\n" for i in range(model.config.n_layer))
+    files = "".join(f"  - layer_{i}.safetensors\n" for i in range(model.config.num_hidden_layers))
     (folder / "config.yaml").write_text(
         "model_kind: transcoder_set\n"
         "scan: hookrun-tests\n"

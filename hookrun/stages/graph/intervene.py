@@ -1,7 +1,7 @@
 """Interventions on a graph's feature nodes: the logits the model gives with some latents edited.
 
 circuit-tracer's `feature_intervention` (freeze_attention=True, its default), on the Hugging
-Face GPT-2 itself: every attention pattern is held at the prompt's (the values still flow),
+Face model itself: every attention pattern is held at the prompt's (the values still flow),
 the norms and the real MLPs run, and at each edited layer the MLP's output gains
 (edited − current latents) · W_dec, the current latents being the transcoder's encoding of
 what that MLP reads in this very pass — so an edit at one layer changes the latents every
@@ -21,7 +21,7 @@ from hookrun.errors import HookrunError
 from hookrun.runtime.handles import ModuleHook, hooked
 from hookrun.runtime.splice import EditArgs, edited
 from hookrun.stages.graph.config import FeatureEdit
-from hookrun.stages.graph.replacement import PRE_AFFINE, Replacement, centre_scale
+from hookrun.stages.graph.replacement import GPT2, PRE_AFFINE, Replacement, family_of, normalise
 
 __all__ = ["resolve", "intervened_logits"]
 
@@ -77,24 +77,31 @@ def resolve(
 def intervened_logits(
     hf: nn.Module, tokens: Tensor, frozen: Replacement, edits: Resolved
 ) -> Tensor:
-    """The last position's logits (V,) of the GPT-2 `hf` on `tokens` (T,) with `edits` made,
-    the attention patterns those `frozen` holds (see the module docstring)."""
-    body = hf.transformer
-    d, heads = body.config.n_embd, body.config.n_head
+    """The last position's logits (V,) of `hf` (a causal LM of replacement.FAMILIES) on
+    `tokens` (T,) with `edits` made, the attention patterns those `frozen` holds (see the
+    module docstring)."""
+    family = family_of(hf)
+    body = getattr(hf, family.body)
+    d, heads = hf.config.hidden_size, hf.config.num_attention_heads
     values: dict[int, Tensor] = {}
     mlp_reads: dict[int, Tensor] = {}
 
     def keep_values(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            values[i] = output[..., 2 * d :]
+            values[i] = output[..., 2 * d :] if family is GPT2 else output
 
         return hook
 
     def frozen_mix(i: int) -> Callable[..., tuple[Tensor]]:
-        # c_proj's input is the heads' mix of the values; here under the prompt's patterns.
+        # The output projection's input is the heads' mix of the values; here under the
+        # prompt's patterns (grouped-query value heads shared, as HF's repeat_kv shares them).
         def hook(module: nn.Module, args: tuple) -> tuple[Tensor]:
-            v = values.pop(i)[0].view(-1, heads, d // heads).transpose(0, 1)  # (H, T, e)
-            z = (frozen.blocks[i].pattern @ v).transpose(0, 1).reshape(1, -1, d)
+            v = values.pop(i)[0]
+            t = v.shape[0]
+            pattern = frozen.blocks[i].pattern  # (H, T, T)
+            v = v.view(t, -1, args[0].shape[-1] // heads).transpose(0, 1)  # (KV, T, e)
+            v = v.repeat_interleave(heads // v.shape[0], dim=0)
+            z = (pattern @ v).transpose(0, 1).reshape(1, t, -1)
             return (z.to(args[0].dtype),)
 
         return hook
@@ -102,7 +109,8 @@ def intervened_logits(
     def keep_mlp_read(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
             pre_affine = frozen.blocks[i].reads == PRE_AFFINE
-            mlp_reads[i] = centre_scale(args[0][0], module.eps)[0] if pre_affine else output[0]
+            x = args[0][0]
+            mlp_reads[i] = normalise(x, module, family.rms)[0] if pre_affine else output[0]
 
         return hook
 
@@ -121,16 +129,20 @@ def intervened_logits(
         return hook
 
     hooks = []
-    for i, block in enumerate(body.h):
+    for i, block in enumerate(getattr(body, family.blocks)):
+        attn = getattr(block, family.attn)
+        values_of, mix = (
+            (attn.c_attn, attn.c_proj) if family is GPT2 else (attn.v_proj, attn.o_proj)
+        )
         hooks += [
-            ModuleHook(block.attn.c_attn, keep_values(i)),
-            ModuleHook(block.attn.c_proj, frozen_mix(i), before=True),
+            ModuleHook(values_of, keep_values(i)),
+            ModuleHook(mix, frozen_mix(i), before=True),
         ]
         mine = [e for e in edits if e[0] == i]
         if mine:
             hooks += [
-                ModuleHook(block.ln_2, keep_mlp_read(i)),
-                ModuleHook(block.mlp, edit_mlp(i, mine)),
+                ModuleHook(getattr(block, family.norm2), keep_mlp_read(i)),
+                ModuleHook(getattr(block, family.mlp), edit_mlp(i, mine)),
             ]
     with torch.no_grad(), hooked(hooks):
         out = hf(

@@ -40,12 +40,19 @@ from hookrun.stages.graph.export import graph_json, write_graph_files
 from hookrun.stages.graph.intervene import Resolved, intervened_logits, resolve
 from hookrun.stages.graph.page import dashboards_of, graph_page
 from hookrun.stages.graph.prune import Pruned, prune, scores
-from hookrun.stages.graph.replacement import POST_AFFINE, PRE_AFFINE, Replacement
+from hookrun.stages.graph.replacement import (
+    FAMILIES,
+    POST_AFFINE,
+    PRE_AFFINE,
+    Family,
+    Replacement,
+    family_of,
+)
 
 __all__ = ["Done", "run_graphs", "fit_transcoders"]
 
 _KEY = "graph.transcoders"
-# Where a transcoder may read (its hook_name's end) and what that is on a GPT-2 block.
+# Where a transcoder may read (its hook_name's end) and what that is on a block.
 # TransformerLens's hook_mlp_in is the residual before ln_2 (sites.py): a path the frozen
 # model does not carry yet, so it is not among them.
 _READS = {
@@ -133,13 +140,14 @@ def fit_transcoders(path: str, n_layers: int, d_model: int) -> tuple[list[Dictio
     ]
 
 
-def _gpt2(model: Any) -> Any:
+def _causal_lm(model: Any) -> tuple[Any, Family]:
     hf = adapt(model).transformers_model()
-    if hf is None or type(hf).__name__ != "GPT2LMHeadModel":
+    family = None if hf is None else family_of(hf)
+    if family is None:
         name = type(hf if hf is not None else model).__name__
         raise HookrunError(
-            f"model: {name} for graph; valid: a Hugging Face GPT-2 (GPT2LMHeadModel, e.g. "
-            "model=tiny_lm)"
+            f"model: {name} for graph; valid: a Hugging Face "
+            f"{' or '.join(FAMILIES)} (e.g. model=tiny_lm, a GPT-2)"
         )
     running = getattr(hf.config, "_attn_implementation", None)
     if running != "eager":
@@ -147,7 +155,7 @@ def _gpt2(model: Any) -> Any:
             f"model.attention: {running!r} with graph (its attention patterns are read); "
             "valid: eager"
         )
-    return hf
+    return hf, family
 
 
 def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
@@ -251,12 +259,16 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
             return Done(path, 0, 0.0)
         check_sink_path(path, spec.sink.overwrite)
         model, rows, weights_file = ctx.load(spec)
-        hf = _gpt2(model)
+        hf, family = _causal_lm(model)
         hf_cfg = hf.config
-        transcoders, reads = fit_transcoders(config.transcoders, hf_cfg.n_layer, hf_cfg.n_embd)
-        prompts = _prompts(rows, hf_cfg.n_positions)
+        transcoders, reads = fit_transcoders(
+            config.transcoders, hf_cfg.num_hidden_layers, hf_cfg.hidden_size
+        )
+        prompts = _prompts(rows, hf_cfg.max_position_embeddings)
         names = {id(m): n for n, m in model.named_modules()}
-        dashboards = dashboards_of(config.dashboards, [names[id(b.mlp)] for b in hf.transformer.h])
+        blocks = getattr(getattr(hf, family.body), family.blocks)
+        mlps = [names[id(getattr(b, family.mlp))] for b in blocks]
+        dashboards = dashboards_of(config.dashboards, mlps)
         widths = [t.d_sae for t in transcoders]
         edits: list[list[Resolved]] = [
             [

@@ -1,4 +1,5 @@
-"""The local replacement model of one prompt on a Hugging Face GPT-2, and its transposed pass.
+"""The local replacement model of one prompt on a Hugging Face GPT-2 or Llama, and its
+transposed pass.
 
 circuit-tracer's method (its attribution/context_transformerlens.py): attention patterns and
 every LayerNorm's scale frozen at the prompt's values, each MLP replaced by its transcoder
@@ -23,12 +24,59 @@ from torch import Tensor, nn
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.runtime.handles import ModuleHook, hooked
 
-__all__ = ["Replacement", "Block", "PRE_AFFINE", "POST_AFFINE", "centre_scale"]
+__all__ = [
+    "Replacement",
+    "Block",
+    "Family",
+    "family_of",
+    "PRE_AFFINE",
+    "POST_AFFINE",
+    "normalise",
+]
 
 # Where a transcoder reads: the normalised residual before ln_2's weight and bias
 # (TransformerLens's ln2.hook_normalized), or ln_2's output (the MLP's input).
 PRE_AFFINE = "pre_affine"
 POST_AFFINE = "post_affine"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family of causal language models keeps the parts the frozen model reads."""
+
+    name: str
+    body: str  # the decoder under the LM head
+    blocks: str
+    norm1: str  # the norm before the attention
+    attn: str
+    norm2: str  # the norm before the MLP
+    mlp: str
+    final: str  # the norm before the unembedding
+    embed: str  # the token embedding
+    rms: bool  # RMSNorm (x / sqrt(mean x^2 + eps), no centring, no bias), else LayerNorm
+
+
+GPT2 = Family("GPT-2", "transformer", "h", "ln_1", "attn", "ln_2", "mlp", "ln_f", "wte", False)
+LLAMA = Family(
+    "Llama",
+    "model",
+    "layers",
+    "input_layernorm",
+    "self_attn",
+    "post_attention_layernorm",
+    "mlp",
+    "norm",
+    "embed_tokens",
+    True,
+)
+# By the Hugging Face class: the families the frozen model is written for (a Llama's gated
+# MLP is replaced by its transcoder; grouped-query attention's value heads are shared).
+FAMILIES = {"GPT2LMHeadModel": GPT2, "LlamaForCausalLM": LLAMA}
+
+
+def family_of(hf: nn.Module) -> Family | None:
+    """The family of the Hugging Face model `hf`, or None where the frozen model has none."""
+    return FAMILIES.get(type(hf).__name__)
 
 
 @dataclass
@@ -47,6 +95,7 @@ class Block:
     mlp_out: Tensor  # (T, d)
     transcoder: Dictionary
     reads: str  # PRE_AFFINE or POST_AFFINE
+    rms: bool  # the norms are RMSNorms: no centring
 
     def tc_input(self) -> Tensor:
         """What the transcoder reads at every position."""
@@ -60,103 +109,138 @@ class Block:
         if self.reads == POST_AFFINE:
             u = u * self.ln2_w
         scale = self.s2[:, None] if positions is None else self.s2[positions, None]
-        return (u - u.mean(-1, keepdim=True)) / scale
+        return _centred(u, self.rms) / scale
 
 
-def centre_scale(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """x normalised (before a LayerNorm's weight and bias) and the scale per position."""
+def _centred(u: Tensor, rms: bool) -> Tensor:
+    # A frozen LayerNorm's backward subtracts the mean; a frozen RMSNorm's does not.
+    return u if rms else u - u.mean(-1, keepdim=True)
+
+
+def normalise(x: Tensor, norm: nn.Module, rms: bool) -> tuple[Tensor, Tensor]:
+    """x normalised by the norm module `norm` before its weight (and bias), and the scale
+    per position: LayerNorm's sqrt(var + eps), RMSNorm's sqrt(mean x^2 + eps)."""
+    if rms:
+        scale = (x.float().pow(2).mean(-1) + norm.variance_epsilon).sqrt().to(x.dtype)
+        return x / scale[:, None], scale
     centred = x - x.mean(-1, keepdim=True)
-    scale = (centred.pow(2).mean(-1) + eps).sqrt()
+    scale = (centred.pow(2).mean(-1) + norm.eps).sqrt()
     return centred / scale[:, None], scale
+
+
+def _value_out(family: Family, attn: nn.Module, d: int, heads: int) -> tuple[Tensor, Tensor]:
+    """The attention's value projection (d, H * head) per query head (grouped-query value
+    heads repeated, as HF's repeat_kv shares them) and output projection (H * head, d), both
+    as x @ W."""
+    if family is GPT2:  # Conv1D: x @ W, the values the third d columns of c_attn
+        return attn.c_attn.weight.detach()[:, 2 * d :], attn.c_proj.weight.detach()
+    w_v = attn.v_proj.weight.detach().T  # (d, KV * head)
+    kv = w_v.shape[1] // attn.head_dim
+    w_v = w_v.view(d, kv, attn.head_dim).repeat_interleave(heads // kv, dim=1)
+    return w_v.reshape(d, -1), attn.o_proj.weight.detach().T
 
 
 class Replacement:
     """The prompt's frozen model: blocks, final norm, embeddings (see the module docstring)."""
 
     def __init__(
-        self, blocks: list[Block], ln_f_w: Tensor, s_f: Tensor, embeds: Tensor, n_heads: int
+        self,
+        blocks: list[Block],
+        ln_f_w: Tensor,
+        s_f: Tensor,
+        embeds: Tensor,
+        n_heads: int,
+        rms: bool = False,
     ):
         self.blocks, self.ln_f_w, self.s_f, self.embeds = blocks, ln_f_w, s_f, embeds
-        self.n_heads = n_heads
+        self.n_heads, self.rms = n_heads, rms
 
     @classmethod
     def capture(
         cls, hf: nn.Module, tokens: Tensor, transcoders: list[Dictionary], reads: list[str]
     ) -> tuple[Replacement, Tensor]:
-        """Run the GPT-2 `hf` (a GPT2LMHeadModel) on one prompt and freeze it.
+        """Run `hf` (a causal LM of FAMILIES) on one prompt and freeze it.
 
         Returns:
             The replacement model and the logits at the last position (V,).
         """
-        body = hf.transformer
+        family = family_of(hf)
+        if family is None:
+            raise ValueError(f"{type(hf).__name__}: no family of the frozen model")
+        body = getattr(hf, family.body)
+        layers = getattr(body, family.blocks)
         seen: dict[str, Tensor] = {}
 
         def keep(name: str) -> Callable[..., None]:
             def hook(module: nn.Module, args: tuple, output: object) -> None:
-                seen[name + ".in"] = args[0][0].detach()
+                if args:
+                    seen[name + ".in"] = args[0][0].detach()
                 if isinstance(output, Tensor):
                     seen[name + ".out"] = output[0].detach()
 
             return hook
 
-        hooks = [ModuleHook(body.wte, keep("wte"))]
-        for i, block in enumerate(body.h):
+        hooks = [ModuleHook(getattr(body, family.embed), keep("embed"))]
+        for i, block in enumerate(layers):
             hooks += [
-                ModuleHook(block.ln_1, keep(f"{i}.ln_1")),
-                ModuleHook(block.ln_2, keep(f"{i}.ln_2")),
-                ModuleHook(block.mlp, keep(f"{i}.mlp")),
+                ModuleHook(getattr(block, family.norm1), keep(f"{i}.norm1")),
+                ModuleHook(getattr(block, family.norm2), keep(f"{i}.norm2")),
+                ModuleHook(getattr(block, family.mlp), keep(f"{i}.mlp")),
             ]
-        hooks.append(ModuleHook(body.ln_f, keep("ln_f")))
+        hooks.append(ModuleHook(getattr(body, family.final), keep("final")))
         with torch.no_grad(), hooked(hooks):
             out = hf(
                 input_ids=tokens[None],
-                attention_mask=torch.ones_like(
-                    tokens[None]
-                ),  # no padding (said, so transformers does not warn)
+                attention_mask=torch.ones_like(tokens[None]),  # no padding (said, so no warning)
                 output_attentions=True,
                 use_cache=False,
             )
         patterns = out.attentions
-        d = body.config.n_embd
+        d, heads = hf.config.hidden_size, hf.config.num_attention_heads
+        rms = family.rms
         blocks = []
-        for i, block in enumerate(body.h):
-            _, s1 = centre_scale(seen[f"{i}.ln_1.in"], block.ln_1.eps)
-            x_hat, s2 = centre_scale(seen[f"{i}.ln_2.in"], block.ln_2.eps)
+        for i, block in enumerate(layers):
+            norm1, norm2 = getattr(block, family.norm1), getattr(block, family.norm2)
+            _, s1 = normalise(seen[f"{i}.norm1.in"], norm1, rms)
+            x_hat, s2 = normalise(seen[f"{i}.norm2.in"], norm2, rms)
+            w_v, w_o = _value_out(family, getattr(block, family.attn), d, heads)
+            bias = getattr(norm2, "bias", None)
             blocks.append(
                 Block(
-                    ln1_w=block.ln_1.weight.detach(),
+                    ln1_w=norm1.weight.detach(),
                     s1=s1,
                     pattern=patterns[i][0].detach(),
-                    w_v=block.attn.c_attn.weight.detach()[:, 2 * d :],
-                    w_o=block.attn.c_proj.weight.detach(),
-                    ln2_w=block.ln_2.weight.detach(),
-                    ln2_b=block.ln_2.bias.detach(),
+                    w_v=w_v,
+                    w_o=w_o,
+                    ln2_w=norm2.weight.detach(),
+                    ln2_b=torch.zeros(d) if bias is None else bias.detach(),
                     s2=s2,
                     x_hat=x_hat,
                     mlp_out=seen[f"{i}.mlp.out"],
                     transcoder=transcoders[i],
                     reads=reads[i],
+                    rms=rms,
                 )
             )
-        _, s_f = centre_scale(seen["ln_f.in"], body.ln_f.eps)
-        model = cls(blocks, body.ln_f.weight.detach(), s_f, seen["wte.out"], body.config.n_head)
+        final = getattr(body, family.final)
+        _, s_f = normalise(seen["final.in"], final, rms)
+        model = cls(blocks, final.weight.detach(), s_f, seen["embed.out"], heads, rms)
         model.unembed = hf.lm_head.weight.detach()  # (V, d)
         return model, out.logits[0, -1].detach()
 
     def logit_grad(self, vectors: Tensor) -> Tensor:
         """(K, d) directions at ln_f's output -> their gradients at the last residual."""
-        u = vectors * self.ln_f_w
-        return (u - u.mean(-1, keepdim=True)) / self.s_f[-1]
+        return _centred(vectors * self.ln_f_w, self.rms) / self.s_f[-1]
 
     def attention_back(self, block: Block, g: Tensor) -> Tensor:
         """g (B, T, d) at the attention's output -> at the block's residual input, through
         the value path with the pattern frozen, and ln_1 with its scale frozen."""
-        b, t, d = g.shape
+        b, t, _ = g.shape
         h = self.n_heads
-        gz = (g @ block.w_o.T).view(b, t, h, d // h)
-        gv = torch.einsum("hqk,bqhe->bkhe", block.pattern, gz).reshape(b, t, d)
+        gz = (g @ block.w_o.T).view(b, t, h, -1)
+        gv = torch.einsum("hqk,bqhe->bkhe", block.pattern, gz).reshape(b, t, -1)
         u = (gv @ block.w_v.T) * block.ln1_w
-        return (u - u.mean(-1, keepdim=True)) / block.s1[:, None]
+        return _centred(u, self.rms) / block.s1[:, None]
 
     def sweep(
         self,
