@@ -216,3 +216,56 @@ def test_kill_9_then_resume_leaves_a_complete_file_with_every_graph(tmp_path):
         [sys.executable, "-m", "hookrun.verify", str(path)], capture_output=True, text=True
     )
     assert damaged.returncode == 1 and "/graph/2/adjacency_val: missing" in damaged.stdout
+
+
+def test_a_resume_after_kill_9_takes_the_graphs_already_computed(tmp_path):
+    """Each graph is kept in a row file as soon as it is computed: a process killed (-9)
+    once some are there, then resumed, computes only the rest (the log says how many it
+    took), and its file equals an uninterrupted run's, dataset for dataset. The row files
+    are gone once the file is whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = [sys.executable, "-m", "hookrun", "experiment=attribution_graph", "progress=false"]
+    base.append("render=false")
+    run_dir = tmp_path / "run"
+    args = [*base, f"hydra.run.dir={run_dir}"]
+    rows_dir = run_dir / "captures.h5.rows"
+    proc = subprocess.Popen(args, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(rows_dir.glob("row-*.h5"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    taken = len(list(rows_dir.glob("row-*.h5")))
+    assert 3 <= taken < 8, taken  # killed with some graphs done and some not
+    assert not (run_dir / "captures.h5").exists()
+    done = subprocess.run([*args, "resume=true"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = (run_dir / "hookrun.log").read_text(encoding="utf-8")
+    assert f"{taken} of 8 graphs taken from the row files of an earlier run" in log
+    assert not rows_dir.exists()
+    fresh = subprocess.run(
+        [*base, f"hydra.run.dir={tmp_path / 'fresh'}"], cwd=tmp_path, capture_output=True
+    )
+    assert fresh.returncode == 0
+    with (
+        h5py.File(run_dir / "captures.h5", "r") as ours,
+        h5py.File(tmp_path / "fresh" / "captures.h5", "r") as theirs,
+    ):
+        assert ours.attrs["rows"] == theirs.attrs["rows"] == 8
+        for r in range(8):
+            a, b = ours[f"graph/{r}"], theirs[f"graph/{r}"]
+            assert sorted(a) == sorted(b)
+            for name in a:
+                assert np.array_equal(a[name][()], b[name][()]), (r, name)
+            assert dict(a.attrs) == dict(b.attrs)
+    verified = subprocess.run(
+        [sys.executable, "-m", "hookrun.verify", str(run_dir / "captures.h5")],
+        capture_output=True,
+        text=True,
+    )
+    assert verified.returncode == 0, verified.stdout

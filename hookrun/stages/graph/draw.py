@@ -32,8 +32,9 @@ def _places(f: h5py.Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate(xs).astype(float), np.concatenate(ys), np.concatenate(kinds)
 
 
-def draw_graphs(path: Path, out_dir: Path) -> list[Path]:
-    """One PNG per prompt's pruned graph in `out_dir`."""
+def draw_graphs(path: Path, out_dir: Path, texts: dict[int, list[str]] | None = None) -> list[Path]:
+    """One PNG per prompt's pruned graph in `out_dir`; `texts`: each row's token texts, the
+    positions' labels (else their numbers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,6 +77,12 @@ def draw_graphs(path: Path, out_dir: Path) -> list[Path]:
                 ax.scatter(x[sel], y[sel], marker=marker, c=color, s=40, label=label, zorder=3)
             layers = int(attr(g, "layers"))
             ax.set_yticks(range(layers + 2), ["emb", *[f"L{i}" for i in range(layers)], "logit"])
+            labels = (texts or {}).get(int(name))
+            if labels is not None:
+                ax.set_xticks(
+                    range(len(labels)), [f"{i}\n{t!r}"[:24] for i, t in enumerate(labels)]
+                )
+                ax.tick_params(axis="x", labelsize=7)
             ax.set_xlabel("position")
             ax.set_title(
                 f"row {name}: {int(nodes.sum())} nodes, {int(keep.sum())} edges kept; "

@@ -16,7 +16,7 @@ from typing import Any
 from hookrun.stages.graph.attribution import Graph
 from hookrun.stages.graph.prune import Pruned
 
-__all__ = ["graph_json", "write_graph_files"]
+__all__ = ["graph_json", "write_graph_row", "write_listing"]
 
 
 def _node(node_id: str, feature: int, layer: str, pos: int, kind: str, js: str, **extra: Any):
@@ -128,16 +128,16 @@ def graph_json(
     return {"metadata": metadata, "qParams": q, "nodes": kept, "links": links}
 
 
-def write_graph_files(folder: Path, graphs: list[dict[str, Any]], pages: list[str]) -> list[Path]:
-    """Each graph's `<slug>.json` and `<slug>.html` (page.py), and the folder's
-    graph-metadata.json (the viewer's list)."""
+def write_graph_row(folder: Path, graph: dict[str, Any], page: str) -> None:
+    """A graph's `<slug>.json` and its page `<slug>.html` (page.py)."""
     folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for g, page in zip(graphs, pages, strict=True):
-        path = folder / f"{g['metadata']['slug']}.json"
-        path.write_text(json.dumps(g, indent=2), encoding="utf-8")
-        (folder / f"{g['metadata']['slug']}.html").write_text(page, encoding="utf-8")
-        written.append(path)
-    listing = {"graphs": [g["metadata"] for g in graphs]}
-    (folder / "graph-metadata.json").write_text(json.dumps(listing, indent=2), encoding="utf-8")
-    return written
+    slug = graph["metadata"]["slug"]
+    (folder / f"{slug}.json").write_text(json.dumps(graph, indent=2), encoding="utf-8")
+    (folder / f"{slug}.html").write_text(page, encoding="utf-8")
+
+
+def write_listing(folder: Path, metadata: list[dict[str, Any]]) -> None:
+    """The folder's graph-metadata.json: the viewer's list of its graphs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    listing = json.dumps({"graphs": metadata}, indent=2)
+    (folder / "graph-metadata.json").write_text(listing, encoding="utf-8")

@@ -5,41 +5,40 @@
    model's positions, the run's file claimed (locked; one that exists is refused).
 2. Per row: the prompt (its tokens up to the row's read position) run once by hooks to
    freeze the replacement model (replacement.py), its graph (attribution.py), pruned and
-   scored (prune.py), circuit-tracer's JSON of it (export.py).
-3. `<run dir>/graph/<slug>.json` and graph-metadata.json, then the file written whole (to a
+   scored (prune.py), the logits under graph.interventions (intervene.py); its JSON and page
+   (export.py, page.py) in `<run dir>/graph/`, then its row file (rows.py: one graph in
+   memory at a time; `resume=true` after a kill takes the rows already there).
+3. graph-metadata.json, then the file assembled from the row files and written whole (to a
    temporary name, then renamed: a kill leaves no half file, and a complete one has its
-   JSON beside it).
+   JSON beside it); the row files removed.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h5py
-import numpy as np
 import torch
 
-import hookrun.stages.graph.keys as keys
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.dictionaries.load import load_dictionaries
 from hookrun.errors import HookrunError
-from hookrun.io.dimensions import AxisFacts, name_dimensions
-from hookrun.io.layout import JOB_ATTR, open_readonly, read_state, set_attrs, write_header
+from hookrun.io.layout import open_readonly, read_state
 from hookrun.io.lock import WriterLock
 from hookrun.io.sink import check_sink_path
-from hookrun.io.whole_file import replaced_whole
 from hookrun.models.adapter import adapt
 from hookrun.stage import JobContext
-from hookrun.stages.graph.attribution import Graph, attribute
+from hookrun.stages.graph.attribution import attribute
 from hookrun.stages.graph.config import GraphConfig
-from hookrun.stages.graph.export import graph_json, write_graph_files
+from hookrun.stages.graph.export import graph_json, write_graph_row, write_listing
 from hookrun.stages.graph.intervene import Resolved, intervened_logits, resolve
 from hookrun.stages.graph.page import dashboards_of, graph_page
-from hookrun.stages.graph.prune import Pruned, prune, scores
+from hookrun.stages.graph.prune import prune, scores
 from hookrun.stages.graph.replacement import (
     FAMILIES,
     POST_AFFINE,
@@ -48,10 +47,12 @@ from hookrun.stages.graph.replacement import (
     Replacement,
     family_of,
 )
+from hookrun.stages.graph.rows import Row, RowFiles, assemble
 
 __all__ = ["Done", "run_graphs", "fit_transcoders"]
 
 _KEY = "graph.transcoders"
+log = logging.getLogger("hookrun")
 # Where a transcoder may read (its hook_name's end) and what that is on a block.
 # TransformerLens's hook_mlp_in is the residual before ln_2 (sites.py): a path the frozen
 # model does not carry yet, so it is not among them.
@@ -174,67 +175,6 @@ def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
     return prompts
 
 
-@dataclass
-class _Row:
-    """One prompt's results: its graph, pruned and scored, and the logits it gave."""
-
-    graph: Graph
-    pruned: Pruned
-    scores: tuple[float, float]  # replacement, completeness
-    logits: torch.Tensor  # (V,) at the last position
-    intervened: torch.Tensor  # (K, V) under each of graph.interventions
-
-
-def _write(path: Path, header: Any, graphs: list[_Row], interventions: int) -> None:
-    """The run's file, written whole (a kill leaves the old file or the new one)."""
-    with replaced_whole(path) as temp, h5py.File(temp, "w", track_order=True) as f:
-        write_header(f, header)
-        set_attrs(
-            f,
-            {
-                JOB_ATTR: keys.JOB,
-                "status": "complete",
-                "error": "",
-                "completed": len(graphs),
-                "rows": len(graphs),
-                "interventions": interventions,
-            },
-        )
-        for row, done in enumerate(graphs):
-            g, p, (replacement, completeness) = done.graph, done.pruned, done.scores
-            group = f.create_group(keys.row_group(row))
-            arrays = {
-                keys.TOKENS: g.tokens.numpy(),
-                keys.FEATURES: g.features.numpy(),
-                keys.ACTIVATIONS: g.activations.numpy(),
-                keys.SELECTED: g.selected.numpy(),
-                keys.LOGIT_TOKENS: g.logit_tokens.numpy(),
-                keys.LOGIT_PROBABILITIES: g.logit_probabilities.numpy(),
-                keys.CROW: g.crow.numpy(),
-                keys.COL: g.col.numpy(),
-                keys.VAL: g.val.numpy(),
-                keys.INFLUENCE: p.influence.numpy(),
-                keys.CUMULATIVE: p.cumulative.numpy(),
-                keys.NODE_MASK: p.node_mask.numpy(),
-                keys.EDGE_MASK: p.edge_mask.numpy(),
-                keys.LOGITS: done.logits.numpy(),
-            }
-            if interventions:
-                arrays[keys.INTERVENTION_LOGITS] = done.intervened.numpy()
-            for name, value in arrays.items():
-                group.create_dataset(name, data=np.asarray(value), fletcher32=value.size > 0)
-            set_attrs(
-                group,
-                {
-                    "replacement_score": replacement,
-                    "completeness_score": completeness,
-                    "layers": g.layers,
-                    "nodes": g.n_nodes,
-                },
-            )
-        name_dimensions(f, AxisFacts())
-
-
 def _complete(path: Path) -> bool:
     try:
         with open_readonly(path) as f:
@@ -283,11 +223,20 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
             tokenizer.decode if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
         )
         scan = str(Path(config.transcoders).name)
-        graphs, files, pages = [], [], []
         graph_dir = ctx.run_dir / "graph"
         images = Path("..", "images", spec.experiment or "run")
+        files = RowFiles(path, config, weights_file, transcoders)
+        if not spec.resume:
+            files.clear()  # a new run: nothing of an earlier one is taken
+        done, listing, computed = [], [], 0
         hf.eval()
         for row, tokens in enumerate(prompts):
+            file, slug = files.path(row, tokens), f"row-{row}"
+            kept = graph_dir / f"{slug}.json"
+            if file.exists() and kept.exists():  # computed before a kill, same digest
+                done.append(file)
+                listing.append(json.loads(kept.read_text(encoding="utf-8"))["metadata"])
+                continue
             frozen, logits = Replacement.capture(hf, tokens, transcoders, reads)
             g = attribute(
                 frozen,
@@ -300,35 +249,41 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
             )
             p = prune(g, config.node_threshold, config.edge_threshold)
             intervened = [intervened_logits(hf, tokens, frozen, e) for e in edits[row]]
-            graphs.append(
-                _Row(
-                    g,
-                    p,
-                    scores(g, p.influence),
-                    logits,
-                    torch.stack(intervened) if intervened else logits[:0],
-                )
+            result = Row(
+                g,
+                p,
+                scores(g, p.influence),
+                logits,
+                torch.stack(intervened) if intervened else logits[:0],
             )
-            files.append(
-                graph_json(
-                    g, p, decode, slug=f"row-{row}", scan=scan, node_threshold=config.node_threshold
-                )
+            data = graph_json(
+                g, p, decode, slug=slug, scan=scan, node_threshold=config.node_threshold
             )
             picture = (images / f"attribution_graph_row{row}.png").as_posix()
-            pages.append(
-                graph_page(
-                    g,
-                    p,
-                    decode,
-                    title=f"Attribution graph of row {row}",
-                    page_dir=graph_dir,
-                    picture=picture if spec.render else None,
-                    dashboards=dashboards,
-                )
+            page = graph_page(
+                g,
+                p,
+                decode,
+                title=f"Attribution graph of row {row}",
+                page_dir=graph_dir,
+                picture=picture if spec.render else None,
+                dashboards=dashboards,
             )
-        # The JSON first: a complete file (renamed into place last) has its JSON beside it.
-        write_graph_files(graph_dir, files, pages)
-        _write(path, header, graphs, len(config.interventions))
-        return Done(path, len(graphs), time.perf_counter() - started)
+            # The JSON and page first: a row file (and so a complete file) has them beside it.
+            write_graph_row(graph_dir, data, page)
+            files.write(file, result)
+            done.append(file)
+            listing.append(data["metadata"])
+            computed += 1
+        if computed < len(prompts):
+            log.info(
+                "attribution_graph: %d of %d graphs taken from the row files of an earlier run",
+                len(prompts) - computed,
+                len(prompts),
+            )
+        write_listing(graph_dir, listing)
+        assemble(path, header, done, len(config.interventions))
+        files.clear()
+        return Done(path, computed, time.perf_counter() - started)
     finally:
         lock.release()

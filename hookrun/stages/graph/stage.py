@@ -3,6 +3,7 @@ job run instead of the rows' pipeline (Stage.job); the summary of its file."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import h5py
@@ -62,7 +63,7 @@ class GraphStage(Stage):
             from hookrun.stages.graph.draw import draw_graphs
 
             images = ctx.run_dir / "images" / (spec.experiment or "run")
-            drawn = draw_graphs(done.path, images)
+            drawn = draw_graphs(done.path, images, _token_texts(ctx.run_dir / "graph", rows))
             lines.append(f"pictures: {images} ({len(drawn)} files)")
         lines.append(f"graph JSON: {ctx.run_dir / 'graph'} (circuit-tracer's viewer opens it)")
         if done.seconds:
@@ -109,6 +110,16 @@ class GraphStage(Stage):
                     f"{wanted} interventions)"
                 )
         return found
+
+
+def _token_texts(folder: Any, rows: int) -> dict[int, list[str]]:
+    """Each row's token texts, from its graph JSON (the tokenizer's, as the job decoded them)."""
+    texts = {}
+    for row in range(rows):
+        file = folder / f"row-{row}.json"
+        if file.is_file():
+            texts[row] = json.loads(file.read_text(encoding="utf-8"))["metadata"]["prompt_tokens"]
+    return texts
 
 
 def _interventions(g: h5py.Group) -> list[str]:
