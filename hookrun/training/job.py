@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Subset
+from tqdm import tqdm
 
 from hookrun.dictionaries.sites import hook_name_of
 from hookrun.errors import HookrunError, Interrupted
@@ -339,7 +340,16 @@ class _Job:
         for name in names:
             self.state.curves.setdefault(name, [])
         started, done = time.perf_counter(), 0
-        with closing(self._batches()) as batches:  # closed on every exit: no prefetch left
+        # One bar on the main rank (`progress`), the first dictionary's last logged loss
+        # beside it: a long streamed job says where it is.
+        bar = tqdm(
+            total=config.steps,
+            initial=self.state.step,
+            desc="train_sae",
+            unit="step",
+            disable=not (self.spec.progress and self.main),
+        )
+        with closing(self._batches()) as batches, bar:  # closed on every exit
             for step, vectors in batches:
                 with deferred():  # a step's update is whole: a signal waits for its end
                     for d, trainer in zip(self.job.dictionaries, trainers, strict=True):
@@ -355,6 +365,10 @@ class _Job:
                             self._tensorboard(d.name, step + 1, metrics)
                     self.state.step = step + 1
                     done += 1
+                bar.update(1)
+                if logged and self.state.curves[names[0]]:
+                    last = self.state.curves[names[0]][-1]
+                    bar.set_postfix_str(_postfix(last), refresh=False)
                 if (
                     self.state.step % config.checkpoint_steps == 0
                     and self.state.step < config.steps
@@ -544,3 +558,14 @@ def train(spec: Any, job: TrainJob, ctx: JobContext, score: Scorer | None = None
     finally:
         if lock is not None:
             lock.release()
+
+
+def _postfix(row: list[float]) -> str:
+    """A logged curve row's loss, explained variance, L0 and dead latents, for the bar."""
+    shown = {"loss": "loss", "explained_variance": "ev", "l0": "L0", "dead": "dead"}
+    figures = dict(zip(CURVE_FIELDS, row, strict=True))
+    return ", ".join(
+        f"{short} {figures[name]:.4g}"
+        for name, short in shown.items()
+        if not math.isnan(figures[name])
+    )

@@ -353,3 +353,19 @@ def test_resume_without_a_checkpoint_says_it_starts_from_step_0(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resume=true: no checkpoint in" in done.stdout + done.stderr
     assert "training from step 0" in done.stdout + done.stderr
+
+
+def test_progress_shows_the_steps_and_the_last_logged_figures(tmp_path: Path):
+    """progress=true: one bar over the job's steps, the last logged loss, explained
+    variance and L0 beside it, read back here against the file's last curve row."""
+    args = [a for a in SMALL if a != "progress=false"]
+    done = hookrun_cli([*args, "progress=true", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    bars = [line for line in done.stderr.replace("\r", "\n").splitlines() if "train_sae:" in line]
+    assert bars and "48/48" in bars[-1]
+    with h5py.File(tmp_path / "captures.h5") as f:
+        curves = f[f"train/{NAME}/curves"]
+        fields = list(curves.attrs["fields"])
+        last = curves[-1]
+    assert f"loss {last[fields.index('loss')]:.4g}" in bars[-1]
+    assert f"L0 {last[fields.index('l0')]:.4g}" in bars[-1]
