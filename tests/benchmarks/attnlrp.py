@@ -3,6 +3,7 @@ side in its own process, repetitions interleaved, medians; then the LRP pass alo
 side in one process.
 
     python tests/benchmarks/attnlrp.py [--count 32] [--tokens 128] [--batch 8] [--reps 3]
+        [--lxt-last]
 
 The model: a GPT-2 with seeded random weights (6 layers, d_model 384, 6 heads, a vocabulary
 of 8192, eager attention, float32, parameters frozen), saved with save_pretrained beside
@@ -18,7 +19,9 @@ token (the argmax of the last position's logits).
   for the equality test): per batch, a forward on the input embeddings requiring grad, the
   predicted logit at the last token backward, the relevance embeddings × grad written to
   h5py, (B, T, D) as hookrun stores it and summed over D per token. That is LXT's own
-  quickstart: its logits at every position, from which the last is read.
+  quickstart: its logits at every position, from which the last is read. `--lxt-last`
+  adds a third side, LXT with `logits_to_keep=1` (the last position's logits only, as
+  hookrun's model=hf computes them), rotating first with the other two.
 
 Both sides' relevance per token is compared (max abs difference) and their targets must be
 the same. The pass alone: hookrun's `attnlrp_of` (the hooks on, one forward and one
@@ -105,10 +108,14 @@ def _hookrun(args: argparse.Namespace, folder: Path, out: Path) -> dict:
     return {"seconds": wall, "cpu": cpu, "relevance": relevance, "targets": targets}
 
 
-def _lxt_relevance(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """LXT's quickstart on one batch: (embeddings × grad (B, T, D), the predicted tokens)."""
+def _lxt_relevance(
+    model, ids: torch.Tensor, last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LXT's quickstart on one batch: (embeddings × grad (B, T, D), the predicted tokens);
+    `last`: the logits of the last position only (`logits_to_keep=1`, as hookrun's)."""
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    logits = model(inputs_embeds=embeds, use_cache=False).logits[:, -1]
+    keep = {"logits_to_keep": 1} if last else {}
+    logits = model(inputs_embeds=embeds, use_cache=False, **keep).logits[:, -1]
     target = logits.argmax(-1)
     logits.gather(1, target[:, None]).sum().backward()
     return (embeds * embeds.grad).detach(), target
@@ -129,7 +136,8 @@ def _lxt(args: argparse.Namespace, folder: Path, out: Path) -> dict:
         per_token = f.create_dataset("relevance", shape=tuple(ids.shape), dtype="float32")
         targets = f.create_dataset("target", shape=(len(ids),), dtype="int64")
         for first in range(0, len(ids), args.batch):
-            relevance, target = _lxt_relevance(model, ids[first : first + args.batch])
+            batch = ids[first : first + args.batch]
+            relevance, target = _lxt_relevance(model, batch, args.side == "lxt_last")
             rows = slice(first, first + len(relevance))
             stored[rows] = relevance.numpy()
             per_token[rows] = relevance.sum(-1).numpy()
@@ -239,7 +247,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--side", choices=["hookrun", "lxt", "passes"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--lxt-last",
+        action="store_true",
+        help="also LXT with the last position's logits only (logits_to_keep=1), as hookrun",
+    )
+    parser.add_argument(
+        "--side", choices=["hookrun", "lxt", "lxt_last", "passes"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -250,14 +265,16 @@ def main() -> None:
     from reference_venvs import lxt_python
 
     pythons = {"hookrun": sys.executable, "lxt": str(lxt_python())}
+    sides = ["hookrun", "lxt", "lxt_last"] if args.lxt_last else ["hookrun", "lxt"]
+    pythons["lxt_last"] = pythons["lxt"]
     before = _load_average()
     with tempfile.TemporaryDirectory() as work:
         folder = Path(work) / "model"
         _build(folder, args)
-        timed: dict[str, list[dict]] = {"hookrun": [], "lxt": []}
+        timed: dict[str, list[dict]] = {side: [] for side in sides}
         for rep in range(args.reps):
-            # Interleaved, the side that goes first alternating: a load that drifts hits both.
-            for side in ["hookrun", "lxt"] if rep % 2 == 0 else ["lxt", "hookrun"]:
+            # Interleaved, the side that goes first turning: a load that drifts hits each.
+            for side in sides[rep % len(sides) :] + sides[: rep % len(sides)]:
                 save = work if rep == 0 else ""
                 timed[side].append(_call(pythons[side], args, side, folder, save))
                 t = timed[side][-1]
@@ -282,6 +299,10 @@ def main() -> None:
         print(f"{side}: {rate[side]:.0f} tokens/s, {wall[side]:.2f} s wall ({reps}), "
               f"{cpu[side]:.2f} s CPU")  # fmt: skip
     print(f"ratio {rate['hookrun'] / rate['lxt']:.2f}x (goal >= 1.0x)")
+    if args.lxt_last:
+        print(f"ratio to LXT with logits_to_keep=1: {rate['hookrun'] / rate['lxt_last']:.2f}x")
+        last = float(np.abs(relevance["lxt_last"] - relevance["lxt"]).max())
+        print(f"LXT logits_to_keep=1 vs LXT: max abs diff {last:.3g}")
     print(f"relevance per token: max abs diff {diff:.3g} (largest |relevance| {scale:.3g}); "
           f"targets equal: {bool(np.array_equal(targets['hookrun'], targets['lxt']))}")  # fmt: skip
     p = passes["seconds"]
