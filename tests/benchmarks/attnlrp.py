@@ -3,7 +3,7 @@ side in its own process, repetitions interleaved, medians; then the LRP pass alo
 side in one process.
 
     python tests/benchmarks/attnlrp.py [--count 32] [--tokens 128] [--batch 8] [--reps 3]
-        [--lxt-last]
+        [--lxt-last] [--threads N]
 
 The model: a GPT-2 with seeded random weights (6 layers, d_model 384, 6 heads, a vocabulary
 of 8192, eager attention, float32, parameters frozen), saved with save_pretrained beside
@@ -211,6 +211,8 @@ def _passes(args: argparse.Namespace, folder: Path) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = Path(args.folder)
     if args.side == "passes":
         print(json.dumps(_passes(args, folder)))
@@ -227,6 +229,7 @@ def _child(args: argparse.Namespace) -> None:
 def _call(python: str, args: argparse.Namespace, side: str, folder: Path, save: str) -> dict:
     command = [python, __file__, "--side", side, "--folder", str(folder), "--save", save]
     command += ["--batch", str(args.batch), "--reps", str(args.reps)]
+    command += ["--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed:\n{done.stderr[-4000:]}")
@@ -247,6 +250,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of each side (0: torch's default); 1 is steadier on a shared machine",
+    )
     parser.add_argument(
         "--lxt-last",
         action="store_true",
@@ -292,7 +301,8 @@ def main() -> None:
     print(
         f"GPT-2 (random; {args.layers} layers, d_model {args.width}, {args.heads} heads, vocab "
         f"{args.vocab}), {args.count} rows x {args.tokens} tokens, batch {args.batch}, median "
-        f"of {args.reps}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"of {args.reps}, torch {torch.__version__}, {args.threads or torch.get_num_threads()} "
+        "threads"
     )
     for side in timed:
         reps = ", ".join(f"{t['seconds']:.2f}" for t in timed[side])
