@@ -324,6 +324,19 @@ class Plan:
         """
         return nullcontext()
 
+    def gives_output(self) -> bool:
+        """Whether its `batch` forwards the batch as the model does and takes the targets.
+
+        Its first pass's output is the model's own, value for value, and it takes the targets
+        from it (BatchContext.choose). As the run's first stage, where the run's hooks act on
+        no forward, it then spares the step its own forward (runtime/step.py): that pass's
+        output is the batch's.
+
+        Returns:
+            False by default.
+        """
+        return False
+
     def batch(self, work: Work) -> Mapping[str, Any]:
         """Its records of one batch.
 

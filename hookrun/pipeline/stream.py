@@ -110,7 +110,11 @@ def stream(run: Prepared) -> int:
     recorder.dtypes = {key: STORE_DTYPES[dtype] for key, dtype in run.dtypes.items()}
     recorder.sparse = frozenset(run.sparse)
     recorder.keep = frozenset().union(*(plan.reads() for plan in run.stages.values()))
-    step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, run.facts)
+    # A first stage whose pass forwards the batch as the model does (AttnLRP's) gives the
+    # batch's output and targets: the step makes no forward of its own where no hook acts.
+    first = next(iter(run.stages.values()), None)
+    given = first is not None and first.gives_output()
+    step = BatchStep(run.model, run.plan, recorder, spec.target, run.device, run.facts, given)
     loader = make_loader(todo, spec.batch_size, spec.num_workers, spec.seed, run.device)
     batches = until_signal(tqdm(loader, desc="hookrun", unit="batch", disable=not spec.progress))
     shape = tuple(run.data[0][0].shape)  # the probe's sample: every sample has its shape

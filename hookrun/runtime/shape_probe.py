@@ -169,8 +169,11 @@ def probe_shapes(
     model's output shape, and the plan with its call sites bound."""
     pair = (sample, second_sample(sample))
     batches = [torch.stack([pair[i] for i in order]) for order in _ORDERS]
-    seen = [_observe_modules(model, plan.layers, batch) for batch in batches]
-    shapes = _classify_all(seen[0][0], seen[1][0])
+    # No module to classify (a stage's passes alone, as AttnLRP's): the first batch's output
+    # is all the probe needs, and a second forward would only cost.
+    probed = batches if plan.layers else batches[:1]
+    seen = [_observe_modules(model, plan.layers, batch) for batch in probed]
+    shapes = _classify_all(seen[0][0], seen[-1][0])
     idle = [layer for layer in plan.layers if layer not in shapes]
     weights = weights_of(model, idle)
     weighted: tuple[str, ...] = ()

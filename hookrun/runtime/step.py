@@ -20,6 +20,8 @@ from hookrun.models.adapter import adapt
 from hookrun.runtime.hooks import Recorder, prepare_input
 from hookrun.runtime.leaves import model_logits
 from hookrun.runtime.plan import HookPlan
+from hookrun.runtime.selectors import INPUT_LAYER
+from hookrun.runtime.sites import Site
 from hookrun.runtime.targets import TargetConfig, backward_seed, choose_targets, target_scores
 
 __all__ = ["RowFacts", "BatchStep", "BatchContext"]
@@ -31,7 +33,9 @@ class BatchContext:
 
     model: nn.Module  # eval mode, parameters frozen
     batch: Batch  # on the run's device, as the data loader gave it
-    targets: torch.Tensor  # (N,) int64 on the device: the class each sample is explained for
+    # (N,) int64 on the device: the class each sample is explained for; None where the step
+    # made no forward (Plan.gives_output): the method's own forward gives them, by `choose`.
+    targets: torch.Tensor | None
     # (output, targets) → (N,): each sample's score whose gradient is explained (the target
     # logit, or the sum of the outputs for target.kind=sum).
     score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,6 +48,9 @@ class BatchContext:
     # perturbation of batch row sample[i] (a language model reads that row's mask and read
     # marker); None: model(points).
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Where `targets` is None: the batch's output (N, ...) from the method's unperturbed
+    # forward → the targets on the device, stored with that output as the step's would be.
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -87,12 +94,30 @@ class BatchStep:
         target: TargetConfig,
         device: torch.device,
         facts: RowFacts,
+        stage_forward: bool = False,
     ) -> None:
         self.model, self.plan, self.recorder = model, plan, recorder
         self.target, self.device, self.facts = target, device, facts
+        # The run's first stage forwards each batch as the model does (Plan.gives_output):
+        # where the run's hooks act on no forward, the batch's output is that pass's.
+        self.stage_forward = stage_forward
+        self.targets: torch.Tensor | None = None
+
+    def _hooks_act(self, inputs: torch.Tensor) -> bool:
+        """Whether the run's hooks act in a forward of `inputs`: a module or function site,
+        a gradient, or the input pseudo-layer on a floating-point input (token ids have no
+        value a hook acts on)."""
+        plan = self.plan
+        return bool(
+            plan.layers
+            or plan.needs_calls
+            or plan.needs_backward
+            or (inputs.is_floating_point() and plan.at(INPUT_LAYER, Site.output))
+        )
 
     def __call__(self, loaded: Batch) -> dict[str, torch.Tensor | np.ndarray]:
-        """The batch's records; the target class comes from this same forward pass."""
+        """The batch's records; the target class comes from this same forward pass (or from
+        the first stage's, `stage_forward`)."""
         labels, index = loaded.labels, loaded.index
         recorder, plan = self.recorder, self.plan
         recorder.begin(int(index[0]))
@@ -103,7 +128,11 @@ class BatchStep:
         self.batch = batch
         inputs = batch.inputs
         recorder.mask = batch.mask
-        if plan.needs_backward:
+        self._labels, self._index = labels, index
+        later = self.stage_forward and not self._hooks_act(inputs)
+        if later:  # the output and the targets come with the stage's pass (`_chosen`)
+            output = targets = None
+        elif plan.needs_backward:
             with torch.enable_grad():
                 with timer.stage("forward"):
                     inputs = prepare_input(plan, recorder, inputs)
@@ -117,13 +146,13 @@ class BatchStep:
                 inputs = prepare_input(plan, recorder, inputs)
                 output = model_logits(self.model(inputs))
                 targets = choose_targets(output, self.target, labels, self._against(index))
-        recorder.record(layout.MODEL_OUTPUT, output)
+        if output is not None:
+            recorder.record(layout.MODEL_OUTPUT, output)
         self.targets = targets
-        records = dict(recorder.records)
+        self.records = records = dict(recorder.records)
         records[layout.SAMPLES_INDEX] = index.to(torch.int64)
-        records[layout.SAMPLES_TARGET] = targets if targets.dim() == 1 else targets[:, 0]
-        if targets.dim() == 2:  # logit_diff: the token whose logit is subtracted
-            records[layout.SAMPLES_COUNTER_TARGET] = targets[:, 1]
+        if targets is not None:
+            records.update(_target_records(targets))
         if self.facts.labelled:
             records[layout.SAMPLES_LABEL] = labels.to(torch.int64)
         files = self.facts.files
@@ -147,20 +176,34 @@ class BatchStep:
         against = self.facts.against
         return None if against is None else against[index.cpu()]
 
+    def _chosen(self, output: torch.Tensor) -> torch.Tensor:
+        """The targets of the last batch from its output, made by the first stage's forward
+        (`stage_forward`); that output and the targets into the batch's records, as a
+        forward of the step's own would have put them."""
+        output = output.detach()
+        targets = choose_targets(output, self.target, self._labels, self._against(self._index))
+        self.recorder.record(layout.MODEL_OUTPUT, output)
+        self.records[layout.MODEL_OUTPUT] = self.recorder.records[layout.MODEL_OUTPUT]
+        self.records.update(_target_records(targets))
+        self.targets = targets
+        return targets.clone().to(self.device)
+
     def context(self) -> BatchContext:
         """The last batch, as a stage with passes of its own sees it (a language model's:
         its input embeddings, which the gradient methods explain)."""
         kind, recorder, device = self.target.kind, self.recorder, self.device
         points, forward = adapt(self.model).explained(self.batch)
+        targets = self.targets
         return BatchContext(
             model=self.model,
             batch=self.batch,
             # A clone: targets chosen under inference_mode cannot take part in autograd.
-            targets=self.targets.clone().to(device),
+            targets=None if targets is None else targets.clone().to(device),
             score=lambda output, targets: target_scores(output, targets, kind),
             generator=lambda name: recorder.generator(name, "input", device),
             points=points,
             forward=forward,
+            choose=self._chosen if targets is None else None,
         )
 
     def _backward(self, seed: torch.Tensor) -> None:
@@ -174,3 +217,11 @@ class BatchStep:
                     seed, recorder.edges[name], allow_unused=True, retain_graph=i < len(passes) - 1
                 )
         recorder.current_pass = None
+
+
+def _target_records(targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch's targets as stored: (N,), and for logit_diff the token subtracted."""
+    records = {layout.SAMPLES_TARGET: targets if targets.dim() == 1 else targets[:, 0]}
+    if targets.dim() == 2:  # logit_diff: the token whose logit is subtracted
+        records[layout.SAMPLES_COUNTER_TARGET] = targets[:, 1]
+    return records

@@ -30,13 +30,14 @@ class _Functions(dict):
         return self.get(name, default)
 
 
-def main() -> None:
-    family, folder, rows_path, out_path = sys.argv[1:5]
+def patch(family: str) -> types.ModuleType:
+    """LXT 2.1's efficient AttnLRP patched into the family's transformers modeling module
+    (with the two shims above); that module. tests/benchmarks/attnlrp.py patches through
+    this too, so the benchmark runs LXT as the equality test does."""
     bert = types.ModuleType("lxt.efficient.models.bert")
     bert.modeling_bert, bert.attnLRP = types.ModuleType("modeling_bert_unused"), {}
     sys.modules["lxt.efficient.models.bert"] = bert
     from lxt.efficient import monkey_patch
-    from transformers import AutoModelForCausalLM
 
     if family == "gpt2":
         from transformers.models.gpt2 import modeling_gpt2 as modeling
@@ -48,6 +49,14 @@ def main() -> None:
         from transformers.models.llama import modeling_llama as modeling
     monkey_patch(modeling)
     modeling.ALL_ATTENTION_FUNCTIONS = _Functions(modeling.ALL_ATTENTION_FUNCTIONS)
+    return modeling
+
+
+def main() -> None:
+    family, folder, rows_path, out_path = sys.argv[1:5]
+    from transformers import AutoModelForCausalLM
+
+    patch(family)
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     out = []
     with open(rows_path) as f:

@@ -3,7 +3,8 @@ of hookrun's hooks equals LXT 2.1's efficient AttnLRP (its monkey patches, run i
 .venv-lxt by lxt_script.py) on a GPT-2, a Llama and a Qwen2 with random weights, to float32
 rounding; the model leaves the run bit for bit as it came; a family the rules do not cover, a vision
 composite on a language model and rules beside attnlrp are refused before any work; on the
-shipped tiny_lm the relevance is stored like integrated gradients' and drawn."""
+shipped tiny_lm the relevance is stored like integrated gradients' and drawn; each batch is
+forwarded once, the stored output the model's own."""
 
 from __future__ import annotations
 
@@ -217,3 +218,47 @@ def test_lrp_on_the_shipped_token_model_is_stored_like_integrated_gradients_and_
         assert ds.shape[:2] == f["samples/mask"].shape
         assert np.isfinite(f["derived/lrp/input.completeness_gap"][:]).all()
     assert list(result.images.rglob("token_attributions.png"))
+
+
+@pytest.mark.slow
+def test_each_batch_is_forwarded_once_and_the_stored_output_is_the_models_own(tmp_path):
+    """AttnLRP's pass forwards the batch as the model does: where no hook of the run acts,
+    the run takes the batch's output and predicted target from it, one forward a batch (and
+    the probe's one); a capture hook brings the run's own forward back, with the same
+    results."""
+    from transformers import AutoTokenizer
+
+    from hookrun.models.language import LanguageModel
+
+    model, kind = _save(tmp_path / "lm", "gpt2")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "lm")
+    data = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+    calls = []
+    handle = model.transformer.register_forward_pre_hook(lambda m, a: calls.append(1))
+    base = [a for a in _args(tmp_path / "lm", data) if a != "target.kind=answer"]
+    files = {}
+    capture = "+hooks.h0={select: {name: transformer.h.0}, at: output, action: capture}"
+    try:
+        for name, extra in [("alone", []), ("captured", [capture])]:
+            calls.clear()
+            run = hookrun.run(
+                [*base, "progress=false", *extra],
+                model=LanguageModel(model, tok, kind),
+                run_dir=tmp_path / name,
+            )
+            files[name] = (run.path, len(calls))
+    finally:
+        handle.remove()
+    batches = 2  # 3 rows in batches of 2
+    assert files["alone"][1] == 1 + batches  # the probe, then one pass a batch
+    assert files["captured"][1] == 2 + 2 * batches  # the probe's two; the run's forward too
+    with h5py.File(files["alone"][0]) as f, h5py.File(files["captured"][0]) as g:
+        assert "captures/transformer.h.0/output" in g and "captures" not in f
+        output, target = f["model/output"][:], f["samples/target"][:]
+        for key in ("model/output", "samples/target", "derived/lrp/input"):
+            np.testing.assert_array_equal(f[key][:], g[key][:])
+    for r, row in enumerate(ROWS):  # the model's own logits at the prompt's last token
+        with torch.no_grad():
+            want = model(torch.tensor([tok(row["prompt"])["input_ids"]])).logits[0, -1]
+        np.testing.assert_allclose(output[r], want.numpy(), rtol=0, atol=1e-5)
+        assert target[r] == int(want.argmax())

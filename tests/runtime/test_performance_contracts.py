@@ -35,10 +35,11 @@ def test_no_parameter_gradients_and_one_forward_per_batch(run_hookrun, experimen
     result, data = run_hookrun([f"experiment={experiment}", *WATCHED])
     net = m.BUILT[-1]
     assert isinstance(net, m.WatchedConvNet)
-    # The probes (two batches of 2 and 3 for the shapes and row layouts; for grad_cam one
-    # more for the CAM layer's layout, for guided_bp two more for the function-call sites)
-    # plus one forward per batch of 2: the target came from it too.
-    probes = {"saliency": 2, "grad_cam": 3, "guided_bp": 4}[experiment]
+    # The probes (two batches of 2 and 3 for the shapes and row layouts of hooked modules,
+    # one for saliency's input alone; for grad_cam one more for the CAM layer's layout, for
+    # guided_bp two more for the function-call sites) plus one forward per batch of 2: the
+    # target came from it too.
+    probes = {"saliency": 1, "grad_cam": 3, "guided_bp": 4}[experiment]
     assert len(net.forwards) == probes + 3
     assert not any(net.forwards), "parameters required grad during the run"
     assert all(p.grad is None for p in net.parameters())

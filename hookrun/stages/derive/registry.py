@@ -205,6 +205,22 @@ class Method:
         """
         raise NotImplementedError
 
+    def gives_output(self, args: Any, state: Any) -> bool:
+        """Whether `passes` forwards the batch as the model does and takes the targets.
+
+        Its forward of the batch is unperturbed, its output the model's own value for value,
+        and it asks `batch.choose` for the targets when `batch.targets` is None: the run then
+        makes no forward of its own for the batch (Plan.gives_output).
+
+        Args:
+            args: The parsed `Args`.
+            state: What `prepare` returned.
+
+        Returns:
+            False by default.
+        """
+        return False
+
     def passes(self, args: Any, state: Any, batch: BatchContext) -> dict[str, torch.Tensor]:
         """A `runs_passes` method's results for one batch, from passes of its own.
 

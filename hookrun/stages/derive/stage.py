@@ -159,6 +159,13 @@ class DerivePlan(Plan):
             for key in (*d.method.requires(d.args), *d.method.requires_prepared(d.args, d.state))
         )
 
+    def gives_output(self) -> bool:
+        """One method alone, whose pass forwards the batch as the model does (AttnLRP)."""
+        if len(self.derivations) != 1:
+            return False
+        d = self.derivations[0]
+        return d.method.gives_output(d.args, d.state)
+
     def batch(self, work: Work) -> dict[str, Any]:
         # The context inside: a language model's embeddings are computed with the run's
         # hooks standing aside, like the derived passes themselves.

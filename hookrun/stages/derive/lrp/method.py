@@ -216,6 +216,11 @@ class LRP(Method):
     ) -> dict[str, tuple[int, ...]]:
         return {key: sample, layout.gap_key(self.name, "input"): ()}
 
+    def gives_output(self, args: LRPArgs, state: LRPState) -> bool:
+        """AttnLRP's forward is the model's own, value for value (its hooks change gradients
+        only); the vision rules run on the canonized model, whose output is rounded apart."""
+        return state.sites is not None
+
     def passes(self, args: LRPArgs, state: LRPState, batch: BatchContext) -> dict[str, Any]:
         if state.sites is not None:
             relevance, output = attnlrp_of(batch, state.sites)
@@ -252,7 +257,9 @@ def attnlrp_of(batch: BatchContext, sites: AttnSites) -> tuple[torch.Tensor, tor
     every = torch.arange(len(x), device=x.device)
     with hooked(attnlrp_hooks(batch.model, sites)), torch.enable_grad():
         out = batch.run(x, every)
-        score = batch.score(out, batch.targets)
+        # No forward of the run's own (gives_output): the targets come from this one.
+        targets = batch.targets if batch.choose is None else batch.choose(out)
+        score = batch.score(out, targets)
         (slope,) = torch.autograd.grad(score.sum(), out, retain_graph=True)
         (grad,) = torch.autograd.grad(out, x, slope)
     return (x * grad).detach(), (out.detach() * slope)
