@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -230,7 +231,10 @@ def _call(python: str, args: argparse.Namespace, side: str, folder: Path, save: 
     command = [python, __file__, "--side", side, "--folder", str(folder), "--save", save]
     command += ["--batch", str(args.batch), "--reps", str(args.reps)]
     command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    # The script imports hookrun at its top (tests/test_benchmark_imports.py), and LXT's venv
+    # has no hookrun installed: the repository's copy on the path.
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
