@@ -147,8 +147,8 @@ def _causal_lm(model: Any) -> tuple[Any, Family]:
     if family is None:
         name = type(hf if hf is not None else model).__name__
         raise HookrunError(
-            f"model: {name} for graph; valid: a Hugging Face "
-            f"{' or '.join(FAMILIES)} (e.g. model=tiny_lm, a GPT-2)"
+            f"model: {name} for graph; valid: a Hugging Face GPT-2 or Llama "
+            f"({', '.join(FAMILIES)}; e.g. model=tiny_lm, a GPT-2)"
         )
     running = getattr(hf.config, "_attn_implementation", None)
     if running != "eager":
