@@ -269,3 +269,23 @@ def test_a_resume_after_kill_9_takes_the_graphs_already_computed(tmp_path):
         text=True,
     )
     assert verified.returncode == 0, verified.stdout
+
+
+def test_a_new_run_leaves_no_graph_files_of_an_earlier_one(tmp_path):
+    """A run over a folder an earlier run of more prompts used (sink.overwrite=true): the
+    JSON, pages and pictures are this run's only, as its listing says."""
+    small = tmp_path
+    _, prompts = _setup(small, {"n_layer": 2}, {})
+    run_dir = small / "run"
+    hookrun.run(_args(small, prompts, "render=true"), run_dir=run_dir)
+    images = run_dir / "images" / "attribution_graph"
+    for stale in (run_dir / "graph" / "row-5.json", run_dir / "graph" / "row-5.html"):
+        stale.write_text("{}", encoding="utf-8")
+    (images / "attribution_graph_row5.png").write_bytes(b"")
+    hookrun.run(_args(small, prompts, "render=true", "sink.overwrite=true"), run_dir=run_dir)
+    assert sorted(p.name for p in (run_dir / "graph").iterdir()) == [
+        "graph-metadata.json",
+        "row-0.html",
+        "row-0.json",
+    ]
+    assert [p.name for p in images.iterdir()] == ["attribution_graph_row0.png"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hookrun.errors import HookrunError
@@ -37,7 +37,7 @@ class GraphConfig(Frozen):
     """A features run's folder (or its view/ folder) over the same transcoders
     (experiment=features, then python -m hookrun.view): each feature node of a graph's page
     links to its latent's page there. null: the pages name the latents, unlinked."""
-    interventions: Any = field(default_factory=list)
+    interventions: Any = None
     """Interventions on feature nodes, each run on every prompt: an edit, or a list of edits
     made together, `{layer: L, position: P, latents: [j, ...], op: zero | scale | clamp |
     set, value: x}` (position: the prompt's, negative from its end); the last position's
@@ -87,9 +87,11 @@ def parse_graph(raw: Any) -> GraphConfig | None:
         _count("graph.max_feature_nodes", config.max_feature_nodes)
     for key in ("logit_probability", "node_threshold", "edge_threshold"):
         _share(f"graph.{key}", getattr(config, key))
+    given = config.interventions or []
+    if hasattr(given, "keys"):  # one edit given alone: one intervention
+        given = [given]
     config.interventions = [
-        _intervention(entry, f"graph.interventions[{i}]")
-        for i, entry in enumerate(config.interventions or [])
+        _intervention(entry, f"graph.interventions[{i}]") for i, entry in enumerate(given)
     ]
     return config
 

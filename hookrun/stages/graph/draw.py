@@ -42,6 +42,8 @@ def draw_graphs(path: Path, out_dir: Path, texts: dict[int, list[str]] | None = 
     from matplotlib.collections import LineCollection
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("attribution_graph_row*.png"):  # an earlier run's, maybe more
+        stale.unlink()
     drawn = []
     with h5py.File(path, "r") as f:
         for name in sorted(f.get(keys.GROUP, {}), key=int):

@@ -175,6 +175,14 @@ def _prompts(rows: Any, positions: int) -> list[torch.Tensor]:
     return prompts
 
 
+def _clear_graph_files(folder: Path) -> None:
+    """An earlier run's JSON, pages and listing in `folder` gone (a run of fewer prompts
+    would leave rows no listing names)."""
+    for pattern in ("row-*.json", "row-*.html", "graph-metadata.json"):
+        for stale in folder.glob(pattern):
+            stale.unlink()
+
+
 def _complete(path: Path) -> bool:
     try:
         with open_readonly(path) as f:
@@ -228,6 +236,7 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
         files = RowFiles(path, config, weights_file, transcoders)
         if not spec.resume:
             files.clear()  # a new run: nothing of an earlier one is taken
+            _clear_graph_files(graph_dir)
         done, listing, computed = [], [], 0
         hf.eval()
         for row, tokens in enumerate(prompts):

@@ -81,7 +81,8 @@ class GraphStage(Stage):
             kept = int(g[keys.NODE_MASK][()].sum())
             lines.append(
                 f"  row {row}: {g[keys.TOKENS].shape[0]} tokens, {g[keys.SELECTED].shape[0]} "
-                f"features, {kept} nodes kept of {attr(g, 'nodes')}, replacement "
+                f"feature nodes of {g[keys.FEATURES].shape[0]} active, {kept} nodes kept of "
+                f"{attr(g, 'nodes')}, replacement "
                 f"{attr(g, 'replacement_score'):.3f}, completeness "
                 f"{attr(g, 'completeness_score'):.3f}"
             )
