@@ -153,3 +153,14 @@ def test_no_interventions_store_none(setup):
     with torch.no_grad():
         want = _model(setup)(tokens[None]).logits[0, -1]
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_edit_given_alone_is_one_intervention():
+    from hookrun.stages.graph.config import parse_graph
+
+    edit = {"layer": 1, "position": -1, "latents": [40], "op": "zero"}
+    alone = parse_graph({"transcoders": "tc", "interventions": edit})
+    listed = parse_graph({"transcoders": "tc", "interventions": [edit]})
+    assert alone.interventions == listed.interventions
+    assert len(alone.interventions) == 1 and alone.interventions[0][0].layer == 1
+    assert parse_graph({"transcoders": "tc"}).interventions == []
