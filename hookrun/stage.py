@@ -382,7 +382,8 @@ class JobContext:
     (model, rows, weights file); `execute(spec, run_dir, model=None, weights_file=None)`
     runs another spec through the rows' pipeline and returns its Result (`model`: the model
     `load` gave, lent to that run instead of building it again, with the file it was loaded
-    from); `header(spec, weights_file)` is the provenance a run's file starts with.
+    from); `header(spec, weights_file)` is the provenance a run's file starts with;
+    `images` the run's pictures folder (`images/<experiment>/` in the run folder).
     """
 
     run_dir: Path
@@ -391,6 +392,7 @@ class JobContext:
     load: Any
     execute: Any
     header: Any
+    images: Path
 
 
 @dataclass(frozen=True)

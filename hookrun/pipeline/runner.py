@@ -17,7 +17,7 @@ from hookrun.config.build import RunSpec
 from hookrun.errors import Interrupted
 from hookrun.io.layout import Provenance, read_state
 from hookrun.models.adapter import adapt
-from hookrun.pipeline.claim import Claim, claim_file
+from hookrun.pipeline.claim import Claim, claim_file, images_dir
 from hookrun.pipeline.device import devices_kept, resolve_device
 from hookrun.pipeline.finish import Result, already_complete, dry_result, finish
 from hookrun.pipeline.prepare import CallerObjects, model_and_data, prepare
@@ -88,7 +88,9 @@ def _job(
     def header(other: RunSpec, weights_file: Path | None) -> Provenance:
         return provenance(other, weights_file, device, world.size)
 
-    ctx = JobContext(run_dir, device, caller.model, load, run_other, header)
+    ctx = JobContext(
+        run_dir, device, caller.model, load, run_other, header, images_dir(spec, run_dir)
+    )
     for stage in stages():
         config = spec.stage(stage.node) if stage.node else None
         if config is None:

@@ -12,7 +12,7 @@ import numpy as np
 import hookrun.stages.graph.keys as keys
 from hookrun.io.layout import attr
 
-__all__ = ["draw_graphs"]
+__all__ = ["draw_graphs", "picture_name"]
 
 
 def _places(f: h5py.Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -32,6 +32,14 @@ def _places(f: h5py.Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate(xs).astype(float), np.concatenate(ys), np.concatenate(kinds)
 
 
+_PREFIX = "attribution_graph_row"
+
+
+def picture_name(row: int) -> str:
+    """The file name of row `row`'s picture (the job's page links to it before it is drawn)."""
+    return f"{_PREFIX}{row}.png"
+
+
 def draw_graphs(path: Path, out_dir: Path, texts: dict[int, list[str]] | None = None) -> list[Path]:
     """One PNG per prompt's pruned graph in `out_dir`; `texts`: each row's token texts, the
     positions' labels (else their numbers)."""
@@ -42,7 +50,7 @@ def draw_graphs(path: Path, out_dir: Path, texts: dict[int, list[str]] | None = 
     from matplotlib.collections import LineCollection
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("attribution_graph_row*.png"):  # an earlier run's, maybe more
+    for stale in out_dir.glob(f"{_PREFIX}*.png"):  # an earlier run's, maybe more
         stale.unlink()
     drawn = []
     with h5py.File(path, "r") as f:
@@ -92,7 +100,7 @@ def draw_graphs(path: Path, out_dir: Path, texts: dict[int, list[str]] | None = 
                 f"{attr(g, 'completeness_score'):.3f}"
             )
             ax.legend(loc="upper left", fontsize=8)
-            file = out_dir / f"attribution_graph_row{name}.png"
+            file = out_dir / picture_name(int(name))
             fig.savefig(file, dpi=100, bbox_inches="tight")
             plt.close(fig)
             drawn.append(file)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+import hookrun.stages.graph.keys as keys
 from hookrun.dictionaries.dictionary import Dictionary
 from hookrun.dictionaries.load import load_dictionaries
 from hookrun.errors import HookrunError
@@ -35,6 +37,7 @@ from hookrun.models.adapter import adapt
 from hookrun.stage import JobContext
 from hookrun.stages.graph.attribution import attribute
 from hookrun.stages.graph.config import GraphConfig
+from hookrun.stages.graph.draw import picture_name
 from hookrun.stages.graph.export import graph_json, write_graph_row, write_listing
 from hookrun.stages.graph.intervene import Resolved, intervened_logits, resolve
 from hookrun.stages.graph.page import dashboards_of, graph_page
@@ -231,8 +234,8 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
             tokenizer.decode if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
         )
         scan = str(Path(config.transcoders).name)
-        graph_dir = ctx.run_dir / "graph"
-        images = Path("..", "images", spec.experiment or "run")
+        graph_dir = ctx.run_dir / keys.FILES
+        images = Path(os.path.relpath(ctx.images, graph_dir))  # the pages link the pictures
         files = RowFiles(path, config, weights_file, transcoders)
         if not spec.resume:
             files.clear()  # a new run: nothing of an earlier one is taken
@@ -268,7 +271,7 @@ def run_graphs(spec: Any, config: GraphConfig, ctx: JobContext) -> Done:
             data = graph_json(
                 g, p, decode, slug=slug, scan=scan, node_threshold=config.node_threshold
             )
-            picture = (images / f"attribution_graph_row{row}.png").as_posix()
+            picture = (images / picture_name(row)).as_posix()
             page = graph_page(
                 g,
                 p,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 JOB = "attribution_graph"
 GROUP = "graph"
+# <run dir>/graph/: each graph's JSON and page, and the listing circuit-tracer's viewer reads.
+FILES = "graph"
 TOKENS = "tokens"
 FEATURES = "features"
 ACTIVATIONS = "activations"

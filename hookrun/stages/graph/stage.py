@@ -62,10 +62,10 @@ class GraphStage(Stage):
         if spec.render:
             from hookrun.stages.graph.draw import draw_graphs
 
-            images = ctx.run_dir / "images" / (spec.experiment or "run")
-            drawn = draw_graphs(done.path, images, _token_texts(ctx.run_dir / "graph", rows))
+            images = ctx.images
+            drawn = draw_graphs(done.path, images, _token_texts(ctx.run_dir / keys.FILES, rows))
             lines.append(f"pictures: {images} ({len(drawn)} files)")
-        lines.append(f"graph JSON: {ctx.run_dir / 'graph'} (circuit-tracer's viewer opens it)")
+        lines.append(f"graph JSON: {ctx.run_dir / keys.FILES} (circuit-tracer's viewer opens it)")
         if done.seconds:
             lines.append(f"time: {done.seconds:.1f} s")
         return JobResult(done.path, "\n".join(lines), images, rows)

@@ -60,7 +60,7 @@ class TrainStage(Stage):
             if spec.render and trained.main:  # under torchrun: rank 0's pictures
                 from hookrun.stages.train.draw import render_curves
 
-                images = ctx.run_dir / "images" / (spec.experiment or "run")
+                images = ctx.images
                 drawn = render_curves(runfile.read(f), images)
                 lines.append(f"pictures: {images} ({len(drawn)} files)")
         if trained.tokens_per_second:
