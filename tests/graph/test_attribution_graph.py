@@ -289,3 +289,16 @@ def test_a_new_run_leaves_no_graph_files_of_an_earlier_one(tmp_path):
         "row-0.json",
     ]
     assert [p.name for p in images.iterdir()] == ["attribution_graph_row0.png"]
+
+
+def test_transcoders_reading_hook_mlp_in_are_refused(small):
+    """TransformerLens's hook_mlp_in is the residual before ln_2, a path the frozen model does
+    not carry: refused in one line, naming the reads it does carry."""
+    config = small / "tc" / "config.yaml"
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace("ln2.hook_normalized", "hook_mlp_in"), encoding="utf-8")
+    valid = r"valid: an MLP's input \(blocks.<i>.ln2.hook_normalized, blocks.<i>.mlp.hook_in\)"
+    with pytest.raises(HookrunError, match=r"reads 'blocks.0.hook_mlp_in'; " + valid) as err:
+        hookrun.run(_args(small, small / "prompts.jsonl"), run_dir=small / "run")
+    assert "\n" not in str(err.value)
+    assert not (small / "run" / "captures.h5").exists()
